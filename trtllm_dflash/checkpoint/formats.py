@@ -1,0 +1,233 @@
+"""Checkpoint formats: HF decoder directories (targets) and z-lab DFlash drafters, plus pair validation.
+
+Tensor names and shapes are stated declaratively (`target_tensor_shapes`, `drafter_tensor_shapes`);
+loading checks a checkpoint against them before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors, read_json
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.spec import (
+    DecoderSpec, DFlashParams, build_target_layer_ids, hf_config_from_dict,
+)
+
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+
+
+def _layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+    }
+    if spec.qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    if spec.attention_bias:
+        shapes |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                   "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)}
+    if spec.mlp_bias:
+        shapes |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
+    return {f"{prefix}{name}": shape for name, shape in shapes.items()}
+
+
+def target_tensor_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
+    """HF names of a Llama / Qwen3 causal LM's tensors -> shapes."""
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
+    for i in range(spec.num_layers):
+        shapes |= _layer_shapes(spec, f"model.layers.{i}.")
+    shapes["model.norm.weight"] = (spec.hidden_size,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def drafter_tensor_shapes(spec: DecoderSpec, params: DFlashParams) -> dict[str, tuple[int, ...]]:
+    """z-lab DFlash drafter tensors -> shapes (58 tensors for 5 layers; no embedding, no lm_head)."""
+    h = spec.hidden_size
+    shapes = {"fc.weight": (h, len(params.target_layer_ids) * h), "hidden_norm.weight": (h,)}
+    for i in range(spec.num_layers):
+        shapes |= _layer_shapes(spec, f"layers.{i}.")
+    shapes["norm.weight"] = (h,)
+    return shapes
+
+
+@dataclass(frozen=True)
+class TargetCheckpoint:
+    directory: Path
+    hf_config: dict  # config.json as read
+    spec: DecoderSpec
+    tensors: SafetensorsDir
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DrafterCheckpoint:
+    directory: Path
+    hf_config: dict
+    spec: DecoderSpec
+    params: DFlashParams
+    num_target_layers: int | None  # `num_target_layers` if the config states it
+    tensors: SafetensorsDir
+
+
+def _spec_from(raw: dict, config_path: Path) -> DecoderSpec:
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    for key in required:
+        if key not in raw:
+            raise UserError(f"{config_path}: field {key!r} is missing.")
+    try:
+        spec = DecoderSpec.from_hf(hf_config_from_dict(raw, str(config_path)))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{config_path}: invalid config ({exc}).") from None
+    if spec.num_heads % spec.num_kv_heads:
+        raise UserError(
+            f"{config_path}: num_attention_heads {spec.num_heads} is not a multiple of "
+            f"num_key_value_heads {spec.num_kv_heads}."
+        )
+    if spec.head_dim % 2:
+        raise UserError(f"{config_path}: head_dim {spec.head_dim} must be even for rotary embeddings.")
+    return spec
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in values:
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+def load_target(directory: Path) -> TargetCheckpoint:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: target checkpoint directory does not exist.")
+    config_path = directory / "config.json"
+    raw = read_json(config_path, "target config.json")
+    spec = _spec_from(raw, config_path)
+    tensors = SafetensorsDir(directory)
+    check_tensors(tensors, target_tensor_shapes(spec), "target")
+    gen_path = directory / "generation_config.json"
+    gen = read_json(gen_path, "generation_config.json") if gen_path.exists() else {}
+    eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id"))
+    return TargetCheckpoint(directory, raw, spec, tensors, eos)
+
+
+def parse_drafter_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFlashParams, int | None]:
+    archs = raw.get("architectures") or []
+    if DRAFTER_ARCHITECTURE not in archs:
+        raise UserError(
+            f"{config_path}: field 'architectures' is {archs!r}, expected [{DRAFTER_ARCHITECTURE!r}] "
+            "(a z-lab DFlash drafter)."
+        )
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise UserError(f"{config_path}: field 'dflash_config' is missing or not an object.")
+    # Qwen3.5+ drafters move block_size inside dflash_config.
+    block_size = raw.get("block_size", dflash.get("block_size"))
+    if not isinstance(block_size, int):
+        raise UserError(f"{config_path}: field 'block_size' is missing or not an integer (got {block_size!r}).")
+    mask_token_id = dflash.get("mask_token_id")
+    if not isinstance(mask_token_id, int):
+        raise UserError(
+            f"{config_path}: field 'dflash_config.mask_token_id' is missing or not an integer (got {mask_token_id!r})."
+        )
+    num_target_layers = raw.get("num_target_layers")
+    layer_ids = dflash.get("target_layer_ids")
+    if layer_ids is None:
+        if not isinstance(num_target_layers, int):
+            raise UserError(
+                f"{config_path}: neither 'dflash_config.target_layer_ids' nor 'num_target_layers' is set."
+            )
+        layer_ids = build_target_layer_ids(num_target_layers, raw.get("num_hidden_layers", 1))
+    if not (isinstance(layer_ids, list) and layer_ids and all(isinstance(i, int) for i in layer_ids)):
+        raise UserError(
+            f"{config_path}: field 'dflash_config.target_layer_ids' must be a non-empty list of integers, got {layer_ids!r}."
+        )
+    if block_size < 2:
+        raise UserError(f"{config_path}: field 'block_size' is {block_size}, but a DFlash block needs at least 2 tokens.")
+    # The reference drafter is built from Qwen3 layers whatever its target (q_norm/k_norm always present).
+    spec = dataclasses.replace(_spec_from({**raw, "model_type": "qwen3"}, config_path), qk_norm=True)
+    params = DFlashParams(block_size, mask_token_id, tuple(layer_ids))
+    return spec, params, num_target_layers if isinstance(num_target_layers, int) else None
+
+
+def load_drafter(directory: Path) -> DrafterCheckpoint:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: drafter checkpoint directory does not exist.")
+    config_path = directory / "config.json"
+    raw = read_json(config_path, "drafter config.json")
+    spec, params, num_target_layers = parse_drafter_config(raw, config_path)
+    tensors = SafetensorsDir(directory)
+    check_tensors(tensors, drafter_tensor_shapes(spec, params), "drafter")
+    return DrafterCheckpoint(directory, raw, spec, params, num_target_layers, tensors)
+
+
+def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
+    """Everything that must hold for this drafter to run on this target; one sentence per failure."""
+    t, d, p = target.spec, drafter.spec, drafter.params
+    dcfg = drafter.directory / "config.json"
+    if d.hidden_size != t.hidden_size:
+        raise UserError(
+            f"{dcfg}: hidden_size is {d.hidden_size} but the target's hidden_size is {t.hidden_size}; "
+            "a DFlash drafter must match its target."
+        )
+    if d.vocab_size != t.vocab_size:
+        raise UserError(
+            f"{dcfg}: vocab_size is {d.vocab_size} but the target's vocab_size is {t.vocab_size}; "
+            "the drafter shares the target's embedding and lm_head."
+        )
+    if not 0 <= p.mask_token_id < t.vocab_size:
+        raise UserError(
+            f"{dcfg}: dflash_config.mask_token_id {p.mask_token_id} is not a row of the target embedding "
+            f"(vocab_size {t.vocab_size})."
+        )
+    bad = [i for i in p.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise UserError(
+            f"{dcfg}: dflash_config.target_layer_ids {list(p.target_layer_ids)} has {bad} outside the "
+            f"target's decoder layers 0..{t.num_layers - 1} (num_hidden_layers {t.num_layers})."
+        )
+    if drafter.num_target_layers is not None and drafter.num_target_layers != t.num_layers:
+        raise UserError(
+            f"{dcfg}: num_target_layers is {drafter.num_target_layers} but the target has "
+            f"num_hidden_layers {t.num_layers}; this drafter was trained for another target."
+        )
+
+
+def save_drafter(directory: Path, spec: DecoderSpec, params: DFlashParams, num_target_layers: int,
+                 state_dict: dict, dtype: str) -> None:
+    """Write a drafter in the z-lab format (config.json + model.safetensors) that `load_drafter` reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": [DRAFTER_ARCHITECTURE],
+        **spec.to_hf_dict(),
+        "model_type": "qwen3",
+        "block_size": params.block_size,
+        "dflash_config": {"mask_token_id": params.mask_token_id,
+                          "target_layer_ids": list(params.target_layer_ids)},
+        "num_target_layers": num_target_layers,
+        "layer_types": ["full_attention"] * spec.num_layers,
+        "dtype": dtype,
+    }
+    expected = drafter_tensor_shapes(spec, params)
+    tensors = {name: state_dict[name].detach().contiguous() for name in expected}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

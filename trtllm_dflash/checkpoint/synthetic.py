@@ -1,0 +1,94 @@
+"""Tiny random target + drafter pairs in the real on-disk formats.
+
+For tests and for smoke-testing a deployment pipeline where no model hub is reachable. The target is
+written by transformers' own `save_pretrained` (so it is a genuine HF checkpoint), with a byte-level
+BPE tokenizer trained on the Python standard library's source and a ChatML chat template; the
+drafter is written in the z-lab format by `save_drafter`. Random weights: outputs are meaningless
+and acceptance is near zero, but every code path and format is the real one.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from trtllm_dflash.checkpoint.formats import save_drafter
+from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def stdlib_files(limit: int | None = None) -> list[Path]:
+    """Python source files of this interpreter's standard library (a real corpus on every machine)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py"))
+    return files[:limit] if limit else files
+
+
+def train_bpe_tokenizer(vocab_size: int, files: list[Path]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `files`; the special tokens get the first ids."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|MASK|>"])
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int = 512, hidden_size: int = 64,
+                      num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                      intermediate_size: int = 128, draft_layers: int = 2, block_size: int = 8,
+                      target_layer_ids: list[int] | None = None, tie_word_embeddings: bool = False,
+                      seed: int = 0, shard: bool = False) -> tuple[Path, Path]:
+    """Write `out_dir/target` (HF) and `out_dir/drafter` (z-lab); returns both paths."""
+    out_dir = Path(out_dir)
+    target_dir, drafter_dir = out_dir / "target", out_dir / "drafter"
+    tokenizer = train_bpe_tokenizer(vocab_size, stdlib_files(limit=40))
+    mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings,
+                  eos_token_id=eos_ids, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        hf = Qwen3ForCausalLM(Qwen3Config(**common, rope_theta=1_000_000.0))
+    elif family == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+        hf = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope))
+    else:
+        raise ValueError(f"family must be qwen3 or llama, got {family!r}")
+    hf.config.architectures = [type(hf).__name__]
+    hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
+    tokenizer.save_pretrained(str(target_dir))
+
+    ids = target_layer_ids or sorted({0, num_layers // 2, num_layers - 1})
+    draft_spec = DecoderSpec(
+        model_type="qwen3", vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_layers=draft_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-6, qk_norm=True, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=4096,
+    )
+    params = DFlashParams(block_size, mask_id, tuple(ids))
+    drafter = DFlashDrafter(draft_spec, params)
+    with torch.no_grad():  # RMSNorm weights away from 1 so the tests see them
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    save_drafter(drafter_dir, draft_spec, params, num_layers, drafter.state_dict(), "float32")
+    return target_dir, drafter_dir

@@ -1,0 +1,101 @@
+"""Typed configurations: the build config (YAML, user-written) and the engine config (engine config.json).
+
+Unknown keys and wrong types are errors that name the file, the key and the value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trtllm_dflash.errors import UserError
+
+DTYPES = ("bfloat16", "float16", "float32")
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+def describe_validation_error(source: str, exc: ValidationError) -> str:
+    """The first problem of a pydantic error as one sentence naming the field and the value."""
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key {field!r}."
+    if err["type"] == "missing":
+        return f"{source}: required key {field!r} is missing."
+    return f"{source}: field {field!r} {err['msg'].lower()}, got {err.get('input')!r}."
+
+
+class BuildConfig(BaseModel):
+    """`trtllm-dflash build CONFIG.yaml`: what to build. Paths are relative to the YAML file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: Path  # HF-format target checkpoint directory
+    drafter: Path  # z-lab-format DFlash drafter directory
+    output: Path | None = None  # engine directory to write (or `--output`)
+    dtype: Dtype = "bfloat16"  # compute / storage dtype of the engine's weights
+    quantization: Literal["none", "fp8", "nvfp4"] = "none"
+    tp_size: Literal[1, 2, 4, 8] = 1  # tensor-parallel ranks (MPI processes at run time)
+    max_batch_size: int = Field(8, ge=1)  # requests decoded together (KV cache slots)
+    max_seq_len: int = Field(4096, ge=2)  # prompt + generated tokens per request
+
+
+def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: build config file does not exist.")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}).") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a build config must be a YAML mapping of keys to values.")
+    try:
+        cfg = BuildConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(str(path), exc)) from None
+    if output is not None:
+        cfg = cfg.model_copy(update={"output": output})
+    if cfg.output is None:
+        raise UserError(f"{path}: key 'output' is not set and no --output was given.")
+    base = path.parent
+    resolved = {k: (base / getattr(cfg, k)) if not getattr(cfg, k).is_absolute() else getattr(cfg, k)
+                for k in ("target", "drafter")}
+    if output is None and not cfg.output.is_absolute():
+        resolved["output"] = base / cfg.output
+    return cfg.model_copy(update=resolved)
+
+
+class DFlashSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+
+
+class Mapping(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    world_size: int = 1
+    tp_size: int = 1
+
+
+class EngineConfig(BaseModel):
+    """ENGINE_DIR/config.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: Literal[1] = 1
+    trtllm_dflash_version: str
+    dtype: Dtype
+    target: dict  # target architecture, HF config.json fields
+    drafter: dict  # drafter architecture, HF config.json fields (Qwen3 layers)
+    dflash: DFlashSection
+    quantization: dict = Field(default_factory=lambda: {"quant_algo": None})
+    mapping: Mapping = Field(default_factory=Mapping)
+    max_batch_size: int
+    max_seq_len: int
+    eos_token_ids: list[int]
+    build: dict  # the build config that produced this engine (for provenance)

@@ -1,0 +1,72 @@
+"""`trtllm-dflash build`: a validated target + drafter pair -> one engine directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+from safetensors.torch import save_file
+
+from trtllm_dflash import __version__
+from trtllm_dflash.checkpoint.formats import (
+    drafter_tensor_shapes, load_drafter, load_target, target_tensor_shapes, validate_pair,
+)
+from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
+from trtllm_dflash.config import BuildConfig, DFlashSection, EngineConfig, Mapping
+from trtllm_dflash.engine.engine_dir import (
+    CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, atomic_directory, rank_file, write_manifest,
+)
+from trtllm_dflash.errors import UserError
+
+
+def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True) -> Path:
+    """Validate, convert and write the engine; returns its directory."""
+    if cfg.quantization != "none":
+        raise UserError(f"quantization {cfg.quantization!r} is not yet supported (only 'none' in this release).")
+    if cfg.tp_size != 1:
+        raise UserError(f"tp_size {cfg.tp_size} is not yet supported (only 1 in this release).")
+    target = load_target(cfg.target)
+    drafter = load_drafter(cfg.drafter)
+    validate_pair(target, drafter)
+    if cfg.max_seq_len > target.spec.max_position_embeddings:
+        raise UserError(
+            f"max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
+            f"{target.spec.max_position_embeddings}."
+        )
+    tokenizer = load_tokenizer(cfg.target)
+    eos = list(target.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    dtype = getattr(torch, cfg.dtype)
+
+    sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec)),
+               (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params))]
+    assert cfg.output is not None
+    with atomic_directory(cfg.output, force) as tmp:
+        tensors: dict[str, torch.Tensor] = {}
+        total = sum(len(names) for _, _, names in sources)
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("converting weights", total=total)
+            for prefix, store, names in sources:
+                for name in names:
+                    tensors[prefix + name] = store.get(name).to(dtype).contiguous()
+                    bar.advance(task)
+        save_file(tensors, str(tmp / rank_file(0)), metadata={"format": "pt"})
+        del tensors
+        tokenizer.save_pretrained(str(tmp / TOKENIZER))
+        engine_cfg = EngineConfig(
+            trtllm_dflash_version=__version__,
+            dtype=cfg.dtype,
+            target=target.spec.to_hf_dict(),
+            drafter=drafter.spec.to_hf_dict(),
+            dflash=DFlashSection(block_size=drafter.params.block_size,
+                                 mask_token_id=drafter.params.mask_token_id,
+                                 target_layer_ids=list(drafter.params.target_layer_ids)),
+            mapping=Mapping(world_size=cfg.tp_size, tp_size=cfg.tp_size),
+            max_batch_size=cfg.max_batch_size,
+            max_seq_len=cfg.max_seq_len,
+            eos_token_ids=eos,
+            build=cfg.model_dump(mode="json"),
+        )
+        (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")
+        write_manifest(tmp)
+    return cfg.output

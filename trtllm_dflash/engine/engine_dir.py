@@ -1,0 +1,115 @@
+"""The engine directory (ARCHITECTURE.md §3): written atomically, verified on load.
+
+    ENGINE_DIR/
+      config.json          EngineConfig
+      rank{r}.safetensors  target tensors under `target.`, drafter tensors under `drafter.`
+      tokenizer/           tokenizer files + chat template
+      manifest.json        sha256 and size of every file above
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from trtllm_dflash.config import EngineConfig, describe_validation_error
+from trtllm_dflash.errors import UserError
+
+CONFIG = "config.json"
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer"
+TARGET_PREFIX, DRAFTER_PREFIX = "target.", "drafter."
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(root: Path) -> None:
+    entries = {str(p.relative_to(root)): {"sha256": _sha256(p), "size": p.stat().st_size} for p in _files(root)}
+    (root / MANIFEST).write_text(json.dumps({"files": entries}, indent=2) + "\n")
+
+
+def verify_manifest(root: Path) -> None:
+    """Every listed file exists with its size and sha256, and nothing unlisted was added."""
+    manifest = root / MANIFEST
+    if not manifest.is_file():
+        raise UserError(f"{root}: not an engine directory ({MANIFEST} is missing; was the build interrupted?).")
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{manifest}: unreadable manifest.") from None
+    for rel, meta in entries.items():
+        path = root / rel
+        if not path.is_file():
+            raise UserError(f"{path}: engine file listed in {MANIFEST} is missing.")
+        if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+            raise UserError(f"{path}: engine file does not match {MANIFEST} (modified or corrupted).")
+    extra = [str(p.relative_to(root)) for p in _files(root) if str(p.relative_to(root)) not in entries]
+    if extra:
+        raise UserError(f"{root / extra[0]}: file is not listed in {MANIFEST}.")
+
+
+def read_engine_config(root: Path) -> EngineConfig:
+    path = root / CONFIG
+    try:
+        return EngineConfig.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(str(path), exc)) from None
+
+
+def open_engine(root: Path) -> EngineConfig:
+    """Verify an engine directory and return its config."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root}: engine directory does not exist.")
+    verify_manifest(root)
+    return read_engine_config(root)
+
+
+@contextmanager
+def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of `final`; on success, rename it into place (replacing only if `force`).
+
+    A crash or an exception leaves `final` untouched and removes the temporary directory, so a
+    directory at `final` is always complete.
+    """
+    final = Path(final)
+    if final.exists() and not final.is_dir():
+        raise UserError(f"{final}: output path exists and is not a directory.")
+    if final.exists() and not force:
+        raise UserError(f"{final}: output directory already exists (use --force to replace it).")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if final.exists():
+            old = final.parent / f".{final.name}.replaced-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

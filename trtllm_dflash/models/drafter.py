@@ -1,0 +1,106 @@
+"""The DFlash drafter (z-lab `DFlashDraftModel`), with its context K/V kept per slot.
+
+Equations (DFLASH.md §1), per draft layer with block hidden states x and fused target features
+ctx = hidden_norm(fc(concat(target hidden of target_layer_ids))):
+
+    Q = rope(q_norm(q_proj(input_layernorm(x))))                          block tokens only
+    K = [rope(k_norm(k_proj(ctx))) ; rope(k_norm(k_proj(input_layernorm(x))))]
+    V = [v_proj(ctx) ; v_proj(input_layernorm(x))]
+    x = x + o_proj(softmax(Q K^T / sqrt(hd)) V)       non-causal: every block query sees all of K
+    x = x + mlp(post_attention_layernorm(x))
+
+`ctx` is the same for every layer and never passes through input_layernorm or an MLP. Its K/V do not
+depend on the block, so they are computed once per committed position (`append_context`) and cached,
+exactly what the reference's DynamicCache + crop achieves. The drafter has no embedding and no
+lm_head: the target's are used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trtllm_dflash.models.layers import (
+    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, apply_rotary, attend,
+)
+from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.self_attn = AttentionProjections(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, spec: DecoderSpec, params: DFlashParams):
+        super().__init__()
+        assert spec.qk_norm, "DFlash draft layers are Qwen3 layers (q_norm/k_norm)"
+        self.spec, self.params = spec, params
+        n_feat = len(params.target_layer_ids)
+        self.fc = nn.Linear(n_feat * spec.hidden_size, spec.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = Rotary(spec)
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        s, p = self.spec, self.fc.weight
+        return KVCache(s.num_layers, num_slots, capacity, s.num_kv_heads, s.head_dim, p.dtype, p.device)
+
+    @classmethod
+    def from_state_dict(cls, spec: DecoderSpec, params: DFlashParams,
+                        state_dict: dict[str, torch.Tensor]) -> "DFlashDrafter":
+        """Build without random init and adopt the given tensors (z-lab names)."""
+        with torch.device("meta"):
+            model = cls(spec, params)
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        model.rotary = Rotary(spec).to(model.fc.weight.device)
+        return model.eval()
+
+    @torch.inference_mode()
+    def append_context(
+        self,
+        target_hidden: torch.Tensor,  # [B, C, n_feat * hidden] captured target features
+        positions: torch.Tensor,  # [B, C] their absolute positions
+        slots: torch.Tensor,  # [B]
+        cache: KVCache,
+    ) -> None:
+        """Write the context K/V of these positions into every layer's cache."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(ctx)
+            cache.write(i, slots, positions, apply_rotary(k, cos, sin), v)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, block, hidden]: target embedding of [anchor, MASK...]
+        block_positions: torch.Tensor,  # [B, block] = start .. start + block - 1
+        context_len: torch.Tensor,  # [B] context positions < context_len are valid (= start)
+        slots: torch.Tensor,  # [B]
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One non-causal pass over the block; returns the final-normed hidden states [B, block, hidden]."""
+        x = block_embeds
+        block = x.shape[1]
+        kv_len = int(context_len.max())
+        cos, sin = self.rotary(block_positions, x.dtype)
+        ctx_visible = torch.arange(kv_len, device=x.device)[None, :] < context_len[:, None]  # [B, kv_len]
+        mask = torch.cat([ctx_visible, ctx_visible.new_ones(x.shape[0], block)], dim=1)
+        mask = mask[:, None, :].expand(-1, block, -1)  # [B, block, kv_len + block]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rotary(attn.query(h), cos, sin)
+            k_blk, v_blk = attn.key_value(h)
+            k_ctx, v_ctx = cache.read(i, slots, kv_len)
+            k = torch.cat([k_ctx, apply_rotary(k_blk, cos, sin)], dim=1)
+            v = torch.cat([v_ctx, v_blk], dim=1)
+            x = x + attn.o_proj(attend(q, k, v, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)

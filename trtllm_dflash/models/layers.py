@@ -1,0 +1,134 @@
+"""Building blocks shared by the target decoder and the DFlash drafter.
+
+Numerics follow transformers' Llama / Qwen3 modules exactly (RMSNorm in fp32, RoPE tables in fp32,
+neox-style rotate_half), so the equality tests against HF can use tight tolerances.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_dflash.models.spec import DecoderSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for absolute positions; `positions` may differ per request."""
+
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        inv_freq, scaling = spec.rope_inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, T] -> cos, sin: [B, T, 1, head_dim] (broadcast over heads)
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scaling).to(dtype)
+        sin = (emb.sin() * self.scaling).to(dtype)
+        return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, heads, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        h, i, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        if spec.hidden_act != "silu":
+            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints."""
+
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        h, hd, bias = spec.hidden_size, spec.head_dim, spec.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.q_proj = nn.Linear(h, spec.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(spec.num_heads * hd, h, bias=bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, hidden] -> [B, T, heads, head_dim]
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        return self.q_norm(q) if self.q_norm is not None else q
+
+    def key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [B, T, hidden] -> k, v: [B, T, kv_heads, head_dim] (k normed, not yet roped)
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return (self.k_norm(k) if self.k_norm is not None else k), v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked multi-head attention with grouped KV heads.
+
+    q: [B, Tq, heads, hd]; k, v: [B, Tk, kv_heads, hd]; mask: [B, Tq, Tk] bool (True = may attend).
+    Returns [B, Tq, heads * hd].
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2],
+    )  # [B, heads, Tq, hd]
+    return out.transpose(1, 2).flatten(2)
+
+
+class KVCache:
+    """Static per-slot KV cache: one [num_slots, capacity, kv_heads, head_dim] tensor pair per layer.
+
+    A request owns one slot. Entries are addressed by absolute position; "cropping" is free because
+    readers mask by position, and stale entries past a request's valid length are overwritten before
+    they can become visible.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, capacity, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [B]; positions: [B, T]; k, v: [B, T, kv_heads, hd]
+        rows = slots[:, None].expand_as(positions)
+        self.k[layer][rows, positions] = k
+        self.v[layer][rows, positions] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> k, v: [B, length, kv_heads, hd]
+        return self.k[layer, slots, :length], self.v[layer, slots, :length]

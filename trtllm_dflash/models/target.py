@@ -1,0 +1,114 @@
+"""The target model: a Llama-3.x / Qwen3 decoder with a static per-slot KV cache and hidden-state capture.
+
+Module and parameter names mirror transformers' `LlamaForCausalLM` / `Qwen3ForCausalLM`, so an HF
+state dict loads as is. Each request in a batch has its own absolute positions and its own cache
+slot; the causal mask is built from absolute positions, so requests of different lengths batch
+together without any per-request bookkeeping here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trtllm_dflash.models.layers import (
+    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, apply_rotary, attend,
+)
+from trtllm_dflash.models.spec import DecoderSpec
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T_out, vocab] fp32 (T_out = T, or 1 with `last_index`)
+    hidden: torch.Tensor | None  # [B, T, len(capture_layers) * hidden]: outputs of those layers
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.self_attn = AttentionProjections(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, kv_len):
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = apply_rotary(attn.query(h), cos, sin)
+        k, v = attn.key_value(h)
+        cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
+        k_all, v_all = cache.read(layer_idx, slots, kv_len)
+        key_pos = torch.arange(kv_len, device=x.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len] causal by position
+        x = x + attn.o_proj(attend(q, k_all, v_all, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """HF's `model.` submodule: embed_tokens, layers, norm."""
+
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(spec)
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        s, p = self.spec, self.lm_head.weight
+        return KVCache(s.num_layers, num_slots, capacity, s.num_kv_heads, s.head_dim, p.dtype, p.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm-free lm_head projection (callers pass already-normed hidden states)."""
+        return self.lm_head(hidden).float()
+
+    @classmethod
+    def from_state_dict(cls, spec: DecoderSpec, state_dict: dict[str, torch.Tensor]) -> "TargetModel":
+        """Build without random init and adopt the given tensors (HF names, `lm_head` absent if tied)."""
+        with torch.device("meta"):
+            model = cls(spec)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+        tied = {"lm_head.weight"} if spec.tie_word_embeddings else set()
+        assert set(missing) == tied and not unexpected, (missing, unexpected)
+        if spec.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = Rotary(spec).to(model.lm_head.weight.device)
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] absolute positions (row-wise increasing)
+        slots: torch.Tensor,  # [B] cache slot of each row
+        cache: KVCache,
+        capture_layers: tuple[int, ...] = (),
+        last_index: torch.Tensor | None = None,  # [B]: return logits only at this column per row
+    ) -> TargetOutput:
+        kv_len = int(positions.max()) + 1
+        x = self.embed(token_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, slots, positions, kv_len)
+            if i in capture_layers:
+                captured[i] = x
+        if last_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]
+        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return TargetOutput(logits=self.logits(self.model.norm(x)), hidden=hidden)

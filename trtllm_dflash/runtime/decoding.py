@@ -1,0 +1,149 @@
+"""The DFlash decoding loop (and plain autoregressive decoding), batched over requests.
+
+Per request: prefill -> [draft a block in one drafter pass -> verify it in one target pass ->
+accept -> commit accepted drafts + bonus token -> add the committed positions' target features to
+the drafter's context] until EOS / a stop token / max_new_tokens.
+
+Requests join and leave the batch at every step (continuous batching): each holds one KV-cache
+slot in the target's and the drafter's cache, its own positions and its own acceptance history.
+
+Invariant per active request: the target KV cache holds positions [0, start) where
+start = prompt length + committed output tokens - 1; the last committed token (the anchor) is
+not yet in it. The drafter's context cache holds the same positions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from trtllm_dflash.runtime.executor import Executor
+from trtllm_dflash.speculative.core import accepted_lengths, bonus_tokens, sample_tokens
+
+Mode = Literal["dflash", "ar"]
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str | int
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0  # per-request sampling seed (see speculative.core.request_seed)
+
+
+@dataclass(frozen=True)
+class Result:
+    request: Request
+    output_token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    acceptance_lengths: list[int]  # tokens committed per verify step (accepted drafts + 1)
+
+
+@dataclass
+class _Active:
+    request: Request
+    slot: int
+    output: list[int] = field(default_factory=list)  # committed tokens; the last one is the anchor
+    acceptance_lengths: list[int] = field(default_factory=list)
+    finish_reason: Literal["stop", "length"] | None = None
+
+    @property
+    def start(self) -> int:
+        """Position of the anchor = number of positions in the KV caches."""
+        return len(self.request.prompt_token_ids) + len(self.output) - 1
+
+    def commit(self, tokens: list[int], stop_ids: frozenset[int]) -> None:
+        for tok in tokens:
+            self.output.append(tok)
+            if tok in stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output) >= self.request.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                return
+
+
+class Decoder:
+    """Runs requests to completion on one executor, `mode` 'dflash' or 'ar'."""
+
+    def __init__(self, executor: Executor, mode: Mode, stop_token_ids: Iterable[int]):
+        self.executor, self.mode = executor, mode
+        self.stop_ids = frozenset(stop_token_ids)
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Yield each request's result as soon as it finishes (not in input order)."""
+        pending = deque(requests)
+        free = list(range(self.executor.num_slots))
+        active: list[_Active] = []
+        while pending or active:
+            admitted = [_Active(pending.popleft(), free.pop(0)) for _ in range(min(len(free), len(pending)))]
+            if admitted:
+                self._prefill(admitted)
+                active += admitted
+            running = [a for a in active if a.finish_reason is None]
+            if running:
+                self._dflash_step(running) if self.mode == "dflash" else self._ar_step(running)
+            for a in [a for a in active if a.finish_reason is not None]:
+                active.remove(a)
+                free.append(a.slot)
+                yield Result(a.request, a.output, a.finish_reason, a.acceptance_lengths)
+
+    def _batch(self, active: list[_Active]):
+        ex = self.executor
+        dev = getattr(ex, "device", "cpu")
+        slots = torch.tensor([a.slot for a in active], device=dev)
+        starts = torch.tensor([a.start for a in active], device=dev)
+        temps = torch.tensor([a.request.temperature for a in active], dtype=torch.float32, device=dev)
+        seeds = [a.request.seed for a in active]
+        return slots, starts, temps, seeds
+
+    def _prefill(self, admitted: list[_Active]) -> None:
+        lengths = [len(a.request.prompt_token_ids) for a in admitted]
+        slots, _, temps, seeds = self._batch(admitted)
+        tokens = torch.zeros(len(admitted), max(lengths), dtype=torch.long, device=slots.device)
+        for row, a in enumerate(admitted):
+            tokens[row, : lengths[row]] = torch.tensor(a.request.prompt_token_ids)
+        zeros = torch.zeros_like(slots)
+        last = torch.tensor(lengths, device=slots.device) - 1
+        out = self.executor.target_forward(tokens, zeros, slots, capture=self.mode == "dflash", last_index=last)
+        first = sample_tokens(out.logits, temps, seeds, (last + 1)[:, None])[:, 0]
+        if self.mode == "dflash":
+            # Padding columns of shorter prompts land past their `start` and stay masked.
+            self.executor.append_context(out.hidden, zeros, slots)
+        for a, tok in zip(admitted, first.tolist()):
+            a.commit([tok], self.stop_ids)
+
+    def _ar_step(self, active: list[_Active]) -> None:
+        slots, starts, temps, seeds = self._batch(active)
+        anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
+        out = self.executor.target_forward(anchors[:, None], starts, slots, capture=False)
+        nxt = sample_tokens(out.logits, temps, seeds, (starts + 1)[:, None])[:, 0]
+        for a, tok in zip(active, nxt.tolist()):
+            a.commit([tok], self.stop_ids)
+
+    def _dflash_step(self, active: list[_Active]) -> None:
+        slots, starts, temps, seeds = self._batch(active)
+        anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
+
+        draft = self.executor.draft(anchors, starts, slots)  # [B, K] greedy, one drafter pass
+        block = torch.cat([anchors[:, None], draft], dim=1)  # [B, K+1]
+        out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
+        # Row j of the block chooses the token at position start + j + 1.
+        positions = starts[:, None] + 1 + torch.arange(block.shape[1], device=slots.device)
+        target = sample_tokens(out.logits, temps, seeds, positions)  # [B, K+1]
+        accepted = accepted_lengths(draft, target)  # [B]
+        bonus = bonus_tokens(target, accepted)  # [B]
+
+        # The anchor and the accepted drafts are now in the target's KV cache: give the drafter their
+        # features. Rows past a request's own accepted length fall at or after its new start and stay
+        # masked until overwritten.
+        self.executor.append_context(out.hidden[:, : int(accepted.max()) + 1], starts, slots)
+        for row, a in enumerate(active):
+            n = int(accepted[row])
+            a.acceptance_lengths.append(n + 1)
+            a.commit(block[row, 1 : n + 1].tolist() + [int(bonus[row])], self.stop_ids)

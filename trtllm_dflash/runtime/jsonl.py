@@ -1,0 +1,135 @@
+"""`run` input and output: JSONL requests in, JSONL results and a summary out."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.decoding import Request, Result
+from trtllm_dflash.speculative.core import request_seed
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+KNOWN_KEYS = {"id", *PROMPT_KEYS, "max_new_tokens", "temperature"}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    max_seq_len: int  # prompt + max_new_tokens must fit
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class InputError:
+    line: int
+    message: str
+
+
+def _prompt_ids(obj: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+    given = [k for k in PROMPT_KEYS if k in obj]
+    if len(given) != 1:
+        raise ValueError(f"needs exactly one of {', '.join(PROMPT_KEYS)}, got {given or 'none'}")
+    key = given[0]
+    value = obj[key]
+    if key == "prompt":
+        if not isinstance(value, str) or not value:
+            raise ValueError("'prompt' must be a non-empty string")
+        return tokenizer(value)["input_ids"]
+    if key == "messages":
+        if not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)):
+            raise ValueError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
+        if tokenizer.chat_template is None:
+            raise ValueError("'messages' needs a chat template, and this engine's tokenizer has none")
+        # DFlash drafters are trained on non-thinking prompts (DFLASH.md §2, gotcha 4).
+        ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                            enable_thinking=False, return_dict=False)
+        return list(ids)
+    if not (isinstance(value, list) and value and all(type(t) is int for t in value)):
+        raise ValueError("'prompt_token_ids' must be a non-empty list of integers")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"'prompt_token_ids' has {bad[0]}, outside the vocabulary 0..{vocab_size - 1}")
+    return value
+
+
+def _parse(obj, lineno: int, tokenizer, d: Defaults) -> Request:
+    if not isinstance(obj, dict):
+        raise ValueError(f"a request must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}")
+    rid = obj.get("id", lineno)
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise ValueError(f"'id' must be a string or an integer, got {rid!r}")
+    max_new = obj.get("max_new_tokens", d.max_new_tokens)
+    if type(max_new) is not int or max_new < 1:
+        raise ValueError(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
+    temperature = obj.get("temperature", d.temperature)
+    if type(temperature) not in (int, float) or temperature < 0:
+        raise ValueError(f"'temperature' must be a number >= 0, got {temperature!r}")
+    ids = _prompt_ids(obj, tokenizer, d.vocab_size)
+    if len(ids) + max_new > d.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the engine's max_seq_len {d.max_seq_len}"
+        )
+    return Request(id=rid, prompt_token_ids=list(ids), max_new_tokens=max_new,
+                   temperature=float(temperature), seed=request_seed(d.seed, str(rid)))
+
+
+def read_requests(path: Path, tokenizer: PreTrainedTokenizerBase,
+                  defaults: Defaults) -> tuple[list[Request], list[InputError]]:
+    """Parse every line; a bad line becomes an InputError and the others still run."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: input file does not exist.")
+    requests, errors, seen = [], [], set()
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            req = _parse(json.loads(line), lineno, tokenizer, defaults)
+            if req.id in seen:
+                raise ValueError(f"duplicate id {req.id!r}")
+            seen.add(req.id)
+            requests.append(req)
+        except json.JSONDecodeError as exc:
+            errors.append(InputError(lineno, f"not valid JSON ({exc.msg})"))
+        except ValueError as exc:
+            errors.append(InputError(lineno, str(exc)))
+    return requests, errors
+
+
+def result_record(result: Result, tokenizer: PreTrainedTokenizerBase) -> dict:
+    return {
+        "id": result.request.id,
+        "text": tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
+        "output_token_ids": result.output_token_ids,
+        "finish_reason": result.finish_reason,
+        "num_prompt_tokens": len(result.request.prompt_token_ids),
+        "num_output_tokens": len(result.output_token_ids),
+        "acceptance_lengths": result.acceptance_lengths,
+    }
+
+
+def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: int) -> dict:
+    """Run summary. Acceptance rate at block position k: share of verify steps whose k-th draft was accepted."""
+    steps = [n for r in results for n in r.acceptance_lengths]
+    num_out = sum(len(r.output_token_ids) for r in results)
+    per_position = [sum(n - 1 >= k for n in steps) / len(steps) for k in range(1, block_size)] if steps else []
+    return {
+        "mode": mode,
+        "num_requests": len(results),
+        "num_output_tokens": num_out,
+        "wall_time_s": round(wall_time_s, 4),
+        "output_tokens_per_s": round(num_out / wall_time_s, 3) if wall_time_s > 0 else None,
+        "mean_acceptance_length": round(sum(steps) / len(steps), 4) if steps else (1.0 if mode == "ar" else None),
+        "acceptance_rate_per_position": [round(x, 4) for x in per_position],
+    }

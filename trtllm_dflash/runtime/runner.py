@@ -1,0 +1,86 @@
+"""Engine directory -> ready-to-run Decoder (torch executor), and the batch `run` job."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
+from trtllm_dflash.config import EngineConfig
+from trtllm_dflash.engine.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, open_engine, rank_file
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoding import Decoder, Mode, Result
+from trtllm_dflash.runtime.executor import TorchExecutor
+from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
+
+
+def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
+    target = DecoderSpec.from_hf(hf_config_from_dict(cfg.target, "engine target"))
+    drafter = DecoderSpec.from_hf(hf_config_from_dict(cfg.drafter, "engine drafter"))
+    d = cfg.dflash
+    return target, drafter, DFlashParams(d.block_size, d.mask_token_id, tuple(d.target_layer_ids))
+
+
+@dataclass
+class Engine:
+    """A loaded engine: its config, tokenizer and torch executor."""
+
+    config: EngineConfig
+    tokenizer: object
+    executor: TorchExecutor
+
+    @classmethod
+    def load(cls, root: Path, device: str = "cpu") -> "Engine":
+        root = Path(root)
+        cfg = open_engine(root)
+        if cfg.mapping.tp_size != 1:
+            raise UserError(f"{root}: tp_size {cfg.mapping.tp_size} engines are not yet supported by `run`.")
+        target_spec, drafter_spec, params = engine_specs(cfg)
+        weights = load_file(str(root / rank_file(0)), device=device)
+        split = {p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
+                 for p in (TARGET_PREFIX, DRAFTER_PREFIX)}
+        target = TargetModel.from_state_dict(target_spec, split[TARGET_PREFIX])
+        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, split[DRAFTER_PREFIX])
+        executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len)
+        return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
+
+    def decoder(self, mode: Mode) -> Decoder:
+        return Decoder(self.executor, mode, self.config.eos_token_ids)
+
+
+def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, mode: Mode, max_new_tokens: int,
+              temperature: float, seed: int, summary_path: Path | None, threads: int | None = None) -> int:
+    """The `run` command: returns the number of bad input lines (reported on stderr)."""
+    if threads:
+        torch.set_num_threads(threads)
+    engine = Engine.load(engine_dir)
+    cfg = engine.config
+    defaults = Defaults(max_new_tokens, temperature, seed, cfg.max_seq_len, engine.executor.vocab_size)
+    requests, errors = read_requests(input_path, engine.tokenizer, defaults)
+    for err in errors:
+        print(f"{input_path}:{err.line}: {err.message}; line skipped.", file=sys.stderr)
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    start = time.perf_counter()
+    with output_path.open("w") as out:
+        for result in engine.decoder(mode).generate(requests):
+            results.append(result)
+            out.write(json.dumps(result_record(result, engine.tokenizer)) + "\n")
+            out.flush()
+    wall = time.perf_counter() - start
+    summary = summarize(mode, results, wall, cfg.dflash.block_size)
+    summary["num_failed"] = len(errors)
+    if summary_path is not None:
+        Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary), file=sys.stderr)
+    return len(errors)
