@@ -9,6 +9,7 @@ and acceptance is near zero, but every code path and format is the real one.
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -34,8 +35,9 @@ def stdlib_files(limit: int | None = None) -> list[Path]:
     return files[:limit] if limit else files
 
 
-def train_bpe_tokenizer(vocab_size: int, files: list[Path]) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `files`; the special tokens get the first ids."""
+@functools.lru_cache(maxsize=4)
+def train_bpe_tokenizer(vocab_size: int, files: tuple[Path, ...]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `files`; the special tokens get the first ids. Deterministic."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -56,7 +58,7 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
     """Write `out_dir/target` (HF) and `out_dir/drafter` (z-lab); returns both paths."""
     out_dir = Path(out_dir)
     target_dir, drafter_dir = out_dir / "target", out_dir / "drafter"
-    tokenizer = train_bpe_tokenizer(vocab_size, stdlib_files(limit=40))
+    tokenizer = train_bpe_tokenizer(vocab_size, tuple(stdlib_files(limit=40)))
     mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,

@@ -58,8 +58,7 @@ class DFlashDrafter(nn.Module):
         with torch.device("meta"):
             model = cls(spec, params)
         model.load_state_dict(state_dict, strict=True, assign=True)
-        model.rotary = Rotary(spec).to(model.fc.weight.device)
-        return model.eval()
+        return model.requires_grad_(False).eval()
 
     @torch.inference_mode()
     def append_context(

@@ -31,7 +31,8 @@ class Rotary(nn.Module):
 
     def __init__(self, spec: DecoderSpec):
         super().__init__()
-        inv_freq, scaling = spec.rope_inv_freq()
+        with torch.device("cpu"):  # real tables even when the model is built on the meta device
+            inv_freq, scaling = spec.rope_inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = scaling
 

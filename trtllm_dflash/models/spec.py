@@ -107,7 +107,6 @@ class DecoderSpec:
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """(inv_freq [head_dim/2] fp32, attention_scaling), exactly as transformers computes them."""
-        cfg = hf_config_from_dict(self.to_hf_dict(), "rope")
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = self.rope_parameters["rope_theta"]
@@ -115,6 +114,7 @@ class DecoderSpec:
             return 1.0 / (base**exponents), 1.0
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise UserError(f"rope_parameters.rope_type {rope_type!r} is not supported.")
+        cfg = hf_config_from_dict(self.to_hf_dict(), "rope_parameters")
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
 

@@ -22,7 +22,9 @@ from trtllm_dflash.models.spec import DecoderSpec
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [B, T_out, vocab] fp32 (T_out = T, or 1 with `last_index`)
-    hidden: torch.Tensor | None  # [B, T, len(capture_layers) * hidden]: outputs of those layers
+    # [B, T, len(capture_layers) * hidden]: outputs of those decoder layers, as HF's
+    # output_hidden_states[layer_id + 1] (the last layer's output is taken after the final norm)
+    hidden: torch.Tensor | None
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +76,7 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens(token_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-norm-free lm_head projection (callers pass already-normed hidden states)."""
+        """lm_head of already-normed hidden states, in fp32."""
         return self.lm_head(hidden).float()
 
     @classmethod
@@ -87,8 +89,7 @@ class TargetModel(nn.Module):
         assert set(missing) == tied and not unexpected, (missing, unexpected)
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = Rotary(spec).to(model.lm_head.weight.device)
-        return model.eval()
+        return model.requires_grad_(False).eval()
 
     @torch.inference_mode()
     def forward(
@@ -106,9 +107,12 @@ class TargetModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, slots, positions, kv_len)
-            if i in capture_layers:
-                captured[i] = x
+            captured[i] = x
+        x = self.model.norm(x)
+        # HF's hidden_states[num_layers] (what the reference reads for the last layer id) is taken
+        # after the final norm.
+        captured[self.spec.num_layers - 1] = x
+        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]
-        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return TargetOutput(logits=self.logits(self.model.norm(x)), hidden=hidden)
+        return TargetOutput(logits=self.logits(x), hidden=hidden)

@@ -41,6 +41,7 @@ class TorchExecutor:
         self.draft_cache = drafter.new_cache(num_slots, max_seq_len + margin) if drafter is not None else None
         self.device = target.lm_head.weight.device
 
+    @torch.inference_mode()
     def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> TargetOutput:
         """Run the target on token_ids [B, T] at positions starts[:, None] + arange(T).
 
@@ -50,6 +51,7 @@ class TorchExecutor:
         layers = self.drafter.params.target_layer_ids if capture else ()
         return self.target(token_ids, positions, slots, self.target_cache, layers, last_index)
 
+    @torch.inference_mode()
     def draft(self, anchors, starts, slots) -> torch.Tensor:
         """Greedy drafts [B, block_size - 1] for the block after each anchor (at position `starts`)."""
         assert self.drafter is not None
@@ -59,6 +61,7 @@ class TorchExecutor:
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache)
         return self.target.logits(hidden[:, 1:]).argmax(dim=-1)
 
+    @torch.inference_mode()
     def append_context(self, hidden, starts, slots) -> None:
         """Add captured target features hidden [B, C, F] at positions starts[:, None] + arange(C)."""
         assert self.drafter is not None

@@ -1,0 +1,86 @@
+"""Our cached, batched drafter equals a from-scratch implementation of DFLASH.md §1's equations.
+
+The reference below recomputes everything for one request in float64, with no cache and no mask:
+the context features of all committed positions and the block go through every layer together.
+"""
+
+import math
+
+import torch
+
+from trtllm_dflash.checkpoint.formats import load_drafter
+from trtllm_dflash.models.drafter import DFlashDrafter
+
+
+def rms(x, w, eps=1e-6):
+    return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, pos, theta):  # x: [T, heads, hd]
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = pos[:, None].double() * inv  # [T, hd/2]
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    return x * cos + rot * sin
+
+
+def reference_draft(W, spec, target_hidden, block_embeds, start, theta):
+    """target_hidden: [start, n_feat*H] features of positions 0..start-1; block_embeds: [block, H]."""
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    ctx = rms(target_hidden @ W["fc.weight"].T, W["hidden_norm.weight"])
+    x = block_embeds
+    block = x.shape[0]
+    pos_ctx, pos_blk = torch.arange(start), start + torch.arange(block)
+    for i in range(spec.num_layers):
+        L = lambda n: W[f"layers.{i}.{n}"]  # noqa: E731
+        h = rms(x, L("input_layernorm.weight"))
+        q = rope(rms((h @ L("self_attn.q_proj.weight").T).view(block, nh, hd), L("self_attn.q_norm.weight")),
+                 pos_blk, theta)
+        kv_in = torch.cat([ctx, h])
+        k = rms((kv_in @ L("self_attn.k_proj.weight").T).view(-1, nkv, hd), L("self_attn.k_norm.weight"))
+        k = rope(k, torch.cat([pos_ctx, pos_blk]), theta)
+        v = (kv_in @ L("self_attn.v_proj.weight").T).view(-1, nkv, hd)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # no mask: non-causal
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(block, nh * hd)
+        x = x + attn @ L("self_attn.o_proj.weight").T
+        m = rms(x, L("post_attention_layernorm.weight"))
+        gate, up = m @ L("mlp.gate_proj.weight").T, m @ L("mlp.up_proj.weight").T
+        x = x + (torch.nn.functional.silu(gate) * up) @ L("mlp.down_proj.weight").T
+    return rms(x, W["norm.weight"])
+
+
+def test_cached_batched_drafter_equals_reference(qwen3_pair):
+    ckpt = load_drafter(qwen3_pair / "drafter")
+    W = {n: ckpt.tensors.get(n) for n in ckpt.tensors.names()}
+    assert len(W) == 3 + 11 * ckpt.spec.num_layers  # 58 for 5 layers, as in z-lab checkpoints
+    drafter = DFlashDrafter.from_state_dict(ckpt.spec, ckpt.params, W)
+    W64 = {n: t.double() for n, t in W.items()}
+    theta = ckpt.spec.rope_parameters["rope_theta"]
+    H, F, block = ckpt.spec.hidden_size, len(ckpt.params.target_layer_ids) * ckpt.spec.hidden_size, ckpt.params.block_size
+    torch.manual_seed(0)
+    lengths = [5, 11, 8]  # committed positions per request after prefill
+    features = [torch.randn(n + block, F) for n in lengths]  # features of every position they will commit
+    cache = drafter.new_cache(num_slots=4, capacity=64)
+    slots = torch.tensor([3, 1, 0])
+
+    # Prefill: all prompt features, right-padded; padding lands past each start and must stay invisible.
+    padded = torch.zeros(3, max(lengths), F)
+    for r, n in enumerate(lengths):
+        padded[r, :n] = features[r][:n]
+    drafter.append_context(padded, torch.arange(max(lengths)).expand(3, -1), slots, cache)
+    starts = torch.tensor(lengths)
+    for accepted in ([2, 0, 5], None):
+        embeds = torch.randn(3, block, H)
+        got = drafter(embeds, starts[:, None] + torch.arange(block), starts, slots, cache)
+        for r in range(3):
+            s = int(starts[r])
+            want = reference_draft(W64, ckpt.spec, features[r][:s].double(), embeds[r].double(), s, theta)
+            torch.testing.assert_close(got[r].double(), want, atol=1e-4, rtol=1e-4)
+        if accepted is None:
+            break
+        # Commit accepted + 1 positions per request; append a full block of features (the verify pass's).
+        step = torch.stack([features[r][int(starts[r]): int(starts[r]) + block] for r in range(3)])
+        drafter.append_context(step, starts[:, None] + torch.arange(block), slots, cache)
+        starts = starts + torch.tensor(accepted) + 1
