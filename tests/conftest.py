@@ -8,6 +8,7 @@ every branch of acceptance and commit. Unbiased random pairs accept almost nothi
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,24 +18,39 @@ from safetensors.torch import load_file, save_file
 from trtllm_dflash.checkpoint.synthetic import write_random_pair
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.builder import build_engine
+from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 
 BIAS_TOKEN = 100
 
 
-def bias_target(target_dir: Path, token: int = BIAS_TOKEN, alpha: float = 0.16) -> None:
-    """Make `token` likely under the target (in place), keeping the HF checkpoint format."""
-    path = target_dir / "model.safetensors"
-    sd = load_file(str(path))
-    from transformers import AutoModelForCausalLM
+def bias_target(pair_dir: Path, token: int = BIAS_TOKEN, share: float = 0.85) -> None:
+    """Make `token` win at about `share` of the lm_head calls of a DFlash run (in place, HF format).
 
-    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
-    with torch.no_grad():
-        ids = torch.arange(10, 210).reshape(4, 50)
-        final = hf(ids, output_hidden_states=True).hidden_states[-1].reshape(-1, hf.config.hidden_size)
-    direction = final.mean(0) / final.mean(0).norm()
-    name = "model.embed_tokens.weight" if hf.config.tie_word_embeddings else "lm_head.weight"
-    sd[name][token] += alpha * final.norm(dim=1).mean() * direction / 8
+    Adding alpha * d to the token's lm_head row raises its logit by alpha * (h . d). With d the mean
+    direction of the hidden states that reach lm_head (target and drafter alike), the token becomes
+    likely for both models, so drafts of it get accepted.
+    """
+    engine = Engine.load(build(pair_dir, pair_dir / "unbiased-engine"))
+    seen: list[torch.Tensor] = []
+    hook = engine.executor.target.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].flatten(0, -2)))
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(id=i, prompt_token_ids=torch.randint(4, engine.executor.vocab_size, (10,), generator=g).tolist(),
+                    max_new_tokens=40) for i in range(8)]
+    list(engine.decoder("dflash").generate(reqs))
+    hook.remove()
+    hidden = torch.cat(seen).float()
+    lm_head = engine.executor.target.lm_head.weight.float()
+    logits = hidden @ lm_head.T
+    direction = hidden.mean(0) / hidden.mean(0).norm()
+    others = logits.clone()
+    others[:, token] = -torch.inf
+    needed = (others.max(-1).values - logits[:, token]) / (hidden @ direction).clamp_min(1e-6)
+    alpha = needed.quantile(share)
+    path = pair_dir / "target" / "model.safetensors"
+    sd = load_file(str(path))
+    name = "model.embed_tokens.weight" if engine.executor.target.spec.tie_word_embeddings else "lm_head.weight"
+    sd[name][token] += alpha * direction
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
@@ -64,10 +80,13 @@ def llama_pair(tmp_path_factory) -> Path:
 def biased_pairs(tmp_path_factory) -> dict[int, Path]:
     """Biased qwen3 pairs for block sizes 2, 8 and 16 (same target weights, drafters per block size)."""
     pairs = {}
-    for block in (2, 8, 16):
+    for block in (8, 2, 16):
         root = tmp_path_factory.mktemp(f"biased_b{block}")
         write_random_pair(root, "qwen3", block_size=block, seed=2)
-        bias_target(root / "target")
+        if block == 8:
+            bias_target(root)
+        else:  # the one biased target, shared by all three
+            shutil.copy(pairs[8] / "target" / "model.safetensors", root / "target" / "model.safetensors")
         pairs[block] = root
     return pairs
 

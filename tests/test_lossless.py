@@ -1,0 +1,80 @@
+"""Greedy DFlash output == greedy autoregressive output == HF generate(), token for token (fp32)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import BIAS_TOKEN
+from trtllm_dflash.runtime.decoding import Decoder, Request
+
+MAX_NEW = [1, 5, 17, 40, 33, 64]  # per request; 6 requests on 4 slots: requests join mid-run
+
+
+def requests(vocab_size: int) -> list[Request]:
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 30, 9, 17, 1, 24]
+    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab_size, (n,), generator=g).tolist(), max_new_tokens=m)
+            for i, (n, m) in enumerate(zip(lengths, MAX_NEW))]
+
+
+def run(engine, mode, reqs, stop_ids=()):
+    results = Decoder(engine.executor, mode, stop_ids).generate(reqs)
+    return {r.request.id: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(biased_pairs):
+    hf = AutoModelForCausalLM.from_pretrained(str(biased_pairs[8] / "target"), dtype=torch.float32).eval()
+    out = {}
+    for req in requests(hf.config.vocab_size):
+        ids = torch.tensor([req.prompt_token_ids])
+        gen = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones_like(ids))
+        out[req.id] = gen[0, ids.shape[1]:].tolist()
+    return out
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_greedy_dflash_equals_ar_equals_hf_generate(biased_engines, hf_outputs, block_size):
+    engine = biased_engines[block_size]
+    reqs = requests(engine.executor.vocab_size)
+    dflash, ar = run(engine, "dflash", reqs), run(engine, "ar", reqs)
+    for req in reqs:
+        assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == hf_outputs[req.id], req.id
+        assert dflash[req.id].finish_reason == "length"
+        assert len(dflash[req.id].output_token_ids) == req.max_new_tokens
+    steps = [n for r in dflash.values() for n in r.acceptance_lengths]
+    # The pair accepts some drafts and rejects others, so both branches ran.
+    assert all(1 <= n <= block_size for n in steps)
+    assert {1, block_size} <= set(steps)
+    if block_size > 2:
+        assert any(1 < n < block_size for n in steps)
+
+
+def test_stop_token_inside_an_accepted_block_ends_the_request(biased_engines):
+    engine = biased_engines[16]
+    reqs = requests(engine.executor.vocab_size)
+    plain = run(engine, "ar", reqs)
+    # Stop at the first occurrence of the frequent token, often in the middle of an accepted block.
+    stopped_ar, stopped_dflash = run(engine, "ar", reqs, [BIAS_TOKEN]), run(engine, "dflash", reqs, [BIAS_TOKEN])
+    hits = 0
+    for req in reqs:
+        full = plain[req.id].output_token_ids
+        if BIAS_TOKEN in full:
+            hits += 1
+            want, reason = full[: full.index(BIAS_TOKEN) + 1], "stop"
+        else:
+            want, reason = full, "length"
+        for got in (stopped_ar[req.id], stopped_dflash[req.id]):
+            assert (got.output_token_ids, got.finish_reason) == (want, reason)
+    assert hits >= 3
+
+
+def test_batching_does_not_change_a_request(biased_engines):
+    engine = biased_engines[8]
+    reqs = requests(engine.executor.vocab_size)
+    together = run(engine, "dflash", reqs)
+    for req in reqs:
+        alone = run(engine, "dflash", [req])[req.id]
+        assert alone.output_token_ids == together[req.id].output_token_ids
+        assert alone.acceptance_lengths == together[req.id].acceptance_lengths
