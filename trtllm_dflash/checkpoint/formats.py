@@ -115,6 +115,7 @@ def _eos_ids(*values) -> tuple[int, ...]:
 
 
 def load_target(directory: Path) -> TargetCheckpoint:
+    """Read config.json, generation_config.json and the safetensors headers (tensors: `load_pair`)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: target checkpoint directory does not exist.")
@@ -122,7 +123,6 @@ def load_target(directory: Path) -> TargetCheckpoint:
     raw = read_json(config_path, "target config.json")
     spec = _spec_from(raw, config_path)
     tensors = SafetensorsDir(directory)
-    check_tensors(tensors, target_tensor_shapes(spec), "target")
     gen_path = directory / "generation_config.json"
     gen = read_json(gen_path, "generation_config.json") if gen_path.exists() else {}
     eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id"))
@@ -176,7 +176,6 @@ def load_drafter(directory: Path) -> DrafterCheckpoint:
     raw = read_json(config_path, "drafter config.json")
     spec, params, num_target_layers = parse_drafter_config(raw, config_path)
     tensors = SafetensorsDir(directory)
-    check_tensors(tensors, drafter_tensor_shapes(spec, params), "drafter")
     return DrafterCheckpoint(directory, raw, spec, params, num_target_layers, tensors)
 
 
@@ -210,6 +209,15 @@ def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
             f"{dcfg}: num_target_layers is {drafter.num_target_layers} but the target has "
             f"num_hidden_layers {t.num_layers}; this drafter was trained for another target."
         )
+
+
+def load_pair(target_dir: Path, drafter_dir: Path) -> tuple[TargetCheckpoint, DrafterCheckpoint]:
+    """Load both checkpoints, validate the pair from their configs, then check every tensor's shape."""
+    target, drafter = load_target(target_dir), load_drafter(drafter_dir)
+    validate_pair(target, drafter)
+    check_tensors(target.tensors, target_tensor_shapes(target.spec), "target")
+    check_tensors(drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params), "drafter")
+    return target, drafter
 
 
 def save_drafter(directory: Path, spec: DecoderSpec, params: DFlashParams, num_target_layers: int,

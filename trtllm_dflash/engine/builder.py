@@ -10,28 +10,29 @@ from safetensors.torch import save_file
 
 from trtllm_dflash import __version__
 from trtllm_dflash.checkpoint.formats import (
-    drafter_tensor_shapes, load_drafter, load_target, target_tensor_shapes, validate_pair,
+    drafter_tensor_shapes, load_pair, target_tensor_shapes,
 )
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import BuildConfig, DFlashSection, EngineConfig, Mapping
 from trtllm_dflash.engine.engine_dir import (
-    CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, atomic_directory, rank_file, write_manifest,
+    CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, atomic_directory, check_output, rank_file,
+    write_manifest,
 )
 from trtllm_dflash.errors import UserError
 
 
-def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True) -> Path:
-    """Validate, convert and write the engine; returns its directory."""
+def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config") -> Path:
+    """Validate, convert and write the engine; returns its directory. `source` names the config in errors."""
     if cfg.quantization != "none":
-        raise UserError(f"quantization {cfg.quantization!r} is not yet supported (only 'none' in this release).")
+        raise UserError(f"{source}: quantization {cfg.quantization!r} is not yet supported (only 'none' in this release).")
     if cfg.tp_size != 1:
-        raise UserError(f"tp_size {cfg.tp_size} is not yet supported (only 1 in this release).")
-    target = load_target(cfg.target)
-    drafter = load_drafter(cfg.drafter)
-    validate_pair(target, drafter)
+        raise UserError(f"{source}: tp_size {cfg.tp_size} is not yet supported (only 1 in this release).")
+    assert cfg.output is not None
+    check_output(cfg.output, force)
+    target, drafter = load_pair(cfg.target, cfg.drafter)
     if cfg.max_seq_len > target.spec.max_position_embeddings:
         raise UserError(
-            f"max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
+            f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
             f"{target.spec.max_position_embeddings}."
         )
     tokenizer = load_tokenizer(cfg.target)
@@ -40,7 +41,6 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True) -
 
     sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec)),
                (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params))]
-    assert cfg.output is not None
     with atomic_directory(cfg.output, force) as tmp:
         tensors: dict[str, torch.Tensor] = {}
         total = sum(len(names) for _, _, names in sources)

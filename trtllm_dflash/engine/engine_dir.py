@@ -86,6 +86,14 @@ def open_engine(root: Path) -> EngineConfig:
     return read_engine_config(root)
 
 
+def check_output(final: Path, force: bool) -> None:
+    """Fail early (before any long work) if `final` cannot become the output directory."""
+    if final.exists() and not final.is_dir():
+        raise UserError(f"{final}: output path exists and is not a directory.")
+    if final.exists() and not force:
+        raise UserError(f"{final}: output directory already exists (use --force to replace it).")
+
+
 @contextmanager
 def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling of `final`; on success, rename it into place (replacing only if `force`).
@@ -94,10 +102,7 @@ def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
     directory at `final` is always complete.
     """
     final = Path(final)
-    if final.exists() and not final.is_dir():
-        raise UserError(f"{final}: output path exists and is not a directory.")
-    if final.exists() and not force:
-        raise UserError(f"{final}: output directory already exists (use --force to replace it).")
+    check_output(final, force)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
