@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,8 +49,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_make_random_pair(args: argparse.Namespace) -> int:
     from trtllm_dflash.checkpoint.synthetic import write_random_pair
 
+    if args.output.exists() and not args.output.is_dir():
+        raise UserError(f"{args.output}: output path exists and is not a directory.")
     if args.output.exists() and any(args.output.iterdir()):
-        raise UserError(f"{args.output}: output directory exists and is not empty.")
+        if not args.force:
+            raise UserError(f"{args.output}: output directory exists and is not empty (use --force to replace it).")
+        for sub in ("target", "drafter"):
+            shutil.rmtree(args.output / sub, ignore_errors=True)
     target, drafter = write_random_pair(args.output, args.family, block_size=args.block_size, seed=args.seed)
     print(f"random target written to {target}, drafter to {drafter}", file=sys.stderr)
     return 0
@@ -85,6 +91,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--family", choices=("qwen3", "llama"), default="qwen3")
     m.add_argument("--block-size", type=int, default=8)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--force", action="store_true", help="replace target/ and drafter/ in OUTPUT")
     m.set_defaults(func=cmd_make_random_pair)
     return p
 

@@ -61,11 +61,9 @@ def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
         cfg = cfg.model_copy(update={"output": output})
     if cfg.output is None:
         raise UserError(f"{path}: key 'output' is not set and no --output was given.")
-    base = path.parent
-    resolved = {k: (base / getattr(cfg, k)) if not getattr(cfg, k).is_absolute() else getattr(cfg, k)
-                for k in ("target", "drafter")}
-    if output is None and not cfg.output.is_absolute():
-        resolved["output"] = base / cfg.output
+    # Paths in the file are relative to the file; --output is relative to the working directory.
+    resolved = {k: (path.parent / getattr(cfg, k)).resolve() for k in ("target", "drafter")}
+    resolved["output"] = (Path.cwd() if output is not None else path.parent).joinpath(cfg.output).resolve()
     return cfg.model_copy(update=resolved)
 
 

@@ -60,6 +60,8 @@ class Engine:
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, mode: Mode, max_new_tokens: int,
               temperature: float, seed: int, summary_path: Path | None, threads: int | None = None) -> int:
     """The `run` command: returns the number of bad input lines (reported on stderr)."""
+    if not Path(input_path).is_file():
+        raise UserError(f"{input_path}: input file does not exist.")
     if threads:
         torch.set_num_threads(threads)
     engine = Engine.load(engine_dir)
@@ -82,5 +84,8 @@ def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, mode: Mode,
     summary["num_failed"] = len(errors)
     if summary_path is not None:
         Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary), file=sys.stderr)
+    al = summary["mean_acceptance_length"]
+    print(f"{mode}: {summary['num_requests']} requests, {summary['num_output_tokens']} output tokens in "
+          f"{wall:.2f} s ({summary['output_tokens_per_s']} tokens/s), mean acceptance length "
+          f"{al if al is None else f'{al:.2f}'}; results in {output_path}", file=sys.stderr)
     return len(errors)
