@@ -47,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_make_random_pair(args: argparse.Namespace) -> int:
-    from trtllm_dflash.checkpoint.synthetic import write_random_pair
+    from trtllm_dflash.train.random_pair import write_random_pair
 
     if args.output.exists() and not args.output.is_dir():
         raise UserError(f"{args.output}: output path exists and is not a directory.")
@@ -59,6 +59,46 @@ def cmd_make_random_pair(args: argparse.Namespace) -> int:
     target, drafter = write_random_pair(args.output, args.family, block_size=args.block_size, seed=args.seed)
     print(f"random target written to {target}, drafter to {drafter}", file=sys.stderr)
     return 0
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from trtllm_dflash.train.drafter import TrainConfig, train_drafter
+
+    fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__}
+    fields["target_layer_ids"] = tuple(args.target_layer_ids) if args.target_layer_ids else None
+    state = train_drafter(args.target, args.data, args.output, TrainConfig(**fields), progress=sys.stderr.isatty())
+    last = state.evals[-1]["acceptance_length"] if state.evals else None
+    print(f"drafter written to {args.output} after {state.step} steps; final loss {state.losses[-1]:.4f}, "
+          f"held-out acceptance length {last}", file=sys.stderr)
+    return 0
+
+
+def _add_train_drafter(sub) -> None:
+    from trtllm_dflash.train.drafter import TrainConfig
+
+    d = TrainConfig()
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target on your own prompts",
+                       description="Train a DFlash drafter (published recipe) on the target's own responses to "
+                                   "DATA's prompts; resumes from OUTPUT/checkpoint if present.")
+    t.add_argument("--target", type=Path, required=True, help="HF target directory (needs a <|MASK|> token)")
+    t.add_argument("--data", type=Path, required=True, help="JSONL prompts, as for `run`")
+    t.add_argument("--output", type=Path, required=True, help="drafter directory (z-lab format) + checkpoint/")
+    t.add_argument("--block-size", type=int, default=d.block_size)
+    t.add_argument("--num-layers", type=_positive_int, default=d.num_layers)
+    t.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference's spacing")
+    t.add_argument("--steps", type=_positive_int, default=d.steps)
+    t.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="sequences per step")
+    t.add_argument("--anchors", type=_positive_int, default=d.anchors, help="blocks per sequence per step")
+    t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
+    t.add_argument("--gamma", type=float, default=d.gamma, help="loss decay (default 7 for block 16)")
+    t.add_argument("--response-tokens", type=_positive_int, default=d.response_tokens)
+    t.add_argument("--held-out", type=_positive_int, default=d.held_out, help="prompts for the acceptance estimate")
+    t.add_argument("--eval-every", type=_positive_int, default=d.eval_every)
+    t.add_argument("--save-every", type=_positive_int, default=d.save_every)
+    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
+    t.set_defaults(func=cmd_train_drafter)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,6 +124,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--summary", type=Path, help="write the run summary JSON here")
     r.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     r.set_defaults(func=cmd_run)
+
+    _add_train_drafter(sub)
 
     m = sub.add_parser("make-random-pair",
                        help="write a tiny random target (HF) + drafter (z-lab) pair, for pipeline smoke tests")

@@ -60,6 +60,35 @@ class DFlashDrafter(nn.Module):
         model.load_state_dict(state_dict, strict=True, assign=True)
         return model.requires_grad_(False).eval()
 
+    def forward_blocks(
+        self,
+        target_hidden: torch.Tensor,  # [B, S, n_feat * hidden] features of every position
+        block_embeds: torch.Tensor,  # [B, Q, hidden] embeddings of N blocks of block_size (Q = N * block)
+        block_positions: torch.Tensor,  # [B, Q]
+        mask: torch.Tensor,  # [B, Q, S + Q] bool: which context and block keys each block query sees
+    ) -> torch.Tensor:
+        """Many blocks in one differentiable pass without a cache (training); returns normed [B, Q, hidden].
+
+        With mask = (context keys < the block's anchor) + (keys of its own block), each block gets exactly
+        what `forward` gives it at inference.
+        """
+        x = block_embeds
+        S = target_hidden.shape[1]
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos_c, sin_c = self.rotary(torch.arange(S, device=x.device).expand(x.shape[0], S), x.dtype)
+        cos_b, sin_b = self.rotary(block_positions, x.dtype)
+        for layer in self.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rotary(attn.query(h), cos_b, sin_b)
+            k_ctx, v_ctx = attn.key_value(ctx)
+            k_blk, v_blk = attn.key_value(h)
+            k = torch.cat([apply_rotary(k_ctx, cos_c, sin_c), apply_rotary(k_blk, cos_b, sin_b)], dim=1)
+            v = torch.cat([v_ctx, v_blk], dim=1)
+            x = x + attn.o_proj(attend(q, k, v, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
     @torch.inference_mode()
     def append_context(
         self,

@@ -9,45 +9,15 @@ and acceptance is near zero, but every code path and format is the real one.
 
 from __future__ import annotations
 
-import functools
-import sysconfig
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from trtllm_dflash.checkpoint.formats import save_drafter
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def stdlib_files(limit: int | None = None) -> list[Path]:
-    """Python source files of this interpreter's standard library (a real corpus on every machine)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py"))
-    return files[:limit] if limit else files
-
-
-@functools.lru_cache(maxsize=4)
-def train_bpe_tokenizer(vocab_size: int, files: tuple[Path, ...]) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `files`; the special tokens get the first ids. Deterministic."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train([str(f) for f in files], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>", "<|MASK|>"])
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+from trtllm_dflash.train.corpus import stdlib_modules, train_bpe_tokenizer
 
 
 def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int = 512, hidden_size: int = 64,
@@ -58,7 +28,7 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
     """Write `out_dir/target` (HF) and `out_dir/drafter` (z-lab); returns both paths."""
     out_dir = Path(out_dir)
     target_dir, drafter_dir = out_dir / "target", out_dir / "drafter"
-    tokenizer = train_bpe_tokenizer(vocab_size, tuple(stdlib_files(limit=40)))
+    tokenizer = train_bpe_tokenizer(vocab_size, tuple(stdlib_modules(held_out=False, include_tests=False)[:40]))
     mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>")
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,

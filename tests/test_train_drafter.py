@@ -1,0 +1,107 @@
+"""`train-drafter` on a tiny random target: the loss falls, `build` accepts the result, resume is exact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import build
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
+from trtllm_dflash.train.drafter import block_loss, sample_blocks
+
+ARGS = ["--block-size", "8", "--num-layers", "2", "--target-layer-ids", "1", "3", "--batch-size", "4",
+        "--anchors", "8", "--response-tokens", "24", "--held-out", "4", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    prompts = code_prompts(stdlib_modules(held_out=False, include_tests=False), 24, 160, seed=0)
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def train(target, data, out, steps, *extra):
+    return main(["train-drafter", "--target", str(target), "--data", str(data), "--output", str(out),
+                 "--steps", str(steps), "--eval-every", str(steps), "--save-every", "5", *ARGS, *extra])
+
+
+def test_sample_blocks_mask_and_labels():
+    seq = torch.arange(10, 22)  # 12 tokens; the response starts at position 4
+    lm = torch.tensor([False] * 4 + [True] * 8)
+    ids, blk, pos, labels, mask = sample_blocks([seq], [lm], anchors=2, block=3, mask_id=99,
+                                                gen=torch.Generator().manual_seed(0))
+    S = 12
+    for j in range(2):
+        p = int(pos[0, 3 * j])
+        assert 4 <= p <= 10 and pos[0, 3 * j:3 * j + 3].tolist() == [p, p + 1, p + 2]
+        assert blk[0, 3 * j:3 * j + 3].tolist() == [int(seq[p]), 99, 99]
+        want = [-100] + [int(seq[q]) if q < S else -100 for q in (p + 1, p + 2)]
+        assert labels[0, 3 * j:3 * j + 3].tolist() == want  # same-position labels, slot 0 untrained
+        for r in range(3 * j, 3 * j + 3):
+            row = mask[0, r]
+            assert row[:S].tolist() == [q < p for q in range(S)]  # context strictly before the anchor
+            assert row[S:].tolist() == [3 * j <= c < 3 * j + 3 for c in range(6)]  # its own block only
+
+
+def test_block_loss_weights_decay_with_slot():
+    labels = torch.tensor([[-100, 1, 1, -100, 1, 1]])  # two blocks of 3
+    logits = torch.zeros(1, 6, 4)
+    logits[0, [1, 4], 1] = 10.0  # slot 1 right, slot 2 wrong (uniform)
+    gamma = 2.0
+    w1, w2 = 1.0, torch.exp(torch.tensor(-1 / gamma))
+    ce_uniform = torch.log(torch.tensor(4.0))
+    ce_right = torch.nn.functional.cross_entropy(logits[0, 1:2], torch.tensor([1]))
+    want = (2 * w1 * ce_right + 2 * w2 * ce_uniform) / (2 * w1 + 2 * w2)
+    torch.testing.assert_close(block_loss(logits, labels, block=3, gamma=gamma), want)
+
+
+def test_loss_falls_and_build_accepts_the_drafter(biased_pairs, data, tmp_path):
+    qwen3_pair = biased_pairs[8]  # a target with predictable text, so 30 steps show learning
+    out = tmp_path / "drafter"
+    assert train(qwen3_pair / "target", data, out, 30) == 0
+    log = json.loads((out / "training.json").read_text())["state"]
+    losses = log["losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    assert len(log["evals"]) == 1 and log["evals"][0]["acceptance_length"] >= 1.0
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    (pair / "target").symlink_to(qwen3_pair / "target")
+    (pair / "drafter").symlink_to(out)
+    engine = Engine.load(build(pair, tmp_path / "engine"))
+    assert engine.config.dflash.target_layer_ids == [1, 3] and engine.config.dflash.block_size == 8
+
+
+def test_resume_after_a_kill_gives_the_same_drafter(qwen3_pair, data, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert train(qwen3_pair / "target", data, straight, 40) == 0
+    cmd = [sys.executable, "-m", "trtllm_dflash.cli", "train-drafter", "--target", str(qwen3_pair / "target"),
+           "--data", str(data), "--output", str(killed), "--steps", "40", "--eval-every", "40", "--save-every", "5", *ARGS]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    state = killed / "checkpoint" / "state.json"
+    deadline = time.time() + 120
+    while not state.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be interrupted"
+    assert not (killed / "model.safetensors").exists()
+    assert train(qwen3_pair / "target", data, killed, 40) == 0
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(killed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_arguments(qwen3_pair, data, tmp_path, capsys):
+    assert train(qwen3_pair / "target", data, tmp_path / "a", 5, "--target-layer-ids", "1", "9") == EXIT_USER_ERROR
+    assert "[9] outside the target's layers 0..3" in capsys.readouterr().err
+    assert train(qwen3_pair / "target", data, tmp_path / "b", 5) == 0
+    assert train(qwen3_pair / "target", data, tmp_path / "b", 5, "--anchors", "4") == EXIT_USER_ERROR
+    assert "different settings (anchors)" in capsys.readouterr().err

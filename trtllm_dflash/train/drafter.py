@@ -1,0 +1,321 @@
+"""`trtllm-dflash train-drafter`: train a DFlash drafter for a frozen target (DFLASH.md §3).
+
+Recipe (SpecForge / the paper):
+  * data: the target's own greedy responses to the prompts of DATA (generated once, cached);
+  * each step samples `anchors` random anchor positions p per sequence among response positions with
+    a response token after them; block n is [x_p, MASK x (B-1)] at positions p..p+B-1;
+  * all blocks of a batch go through the drafter in one pass: a block's queries see the context
+    features of positions < p (strictly) and every key of their own block, nothing else;
+  * same-position labels: slot k (1 <= k < B) predicts x_{p+k}; slot 0 is not trained;
+  * loss: cross-entropy weighted by exp(-(k-1)/gamma), normalised by the weights of valid labels;
+  * AdamW, cosine schedule with warm-up, gradient clipping 1.0. The target, its embedding and its
+    lm_head stay frozen.
+
+Everything the run needs to continue is checkpointed (safetensors + JSON, no pickles) every
+`save_every` steps into OUTPUT/checkpoint/, so an interrupted run resumes where it stopped. The final
+drafter is written in the z-lab format that `build` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+
+from trtllm_dflash.checkpoint.formats import load_target, save_drafter, target_tensor_shapes
+from trtllm_dflash.checkpoint.tensors import check_tensors
+from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, build_target_layer_ids
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.executor import TorchExecutor
+from trtllm_dflash.runtime.jsonl import Defaults, read_requests
+
+CHECKPOINT = "checkpoint"
+DATA_FILE = "train_data.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a run; a resumed run must have the same values."""
+
+    block_size: int = 16
+    num_layers: int = 3
+    target_layer_ids: tuple[int, ...] | None = None  # default: the reference's spacing for num_layers
+    steps: int = 500
+    batch_size: int = 8  # sequences per step
+    anchors: int = 32  # blocks per sequence per step
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    gamma: float | None = None  # loss decay; default 7 for block 16, 4 for block 8 (block_size / 2 - 1)
+    response_tokens: int = 128  # length of the target's own responses
+    held_out: int = 16  # prompts kept aside for the acceptance estimate
+    eval_every: int = 50
+    save_every: int = 50
+    seed: int = 0
+    dtype: str = "float32"  # dtype of the written drafter
+
+    @property
+    def decay(self) -> float:
+        return self.gamma if self.gamma is not None else max(1.0, self.block_size / 2 - 1)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)  # {"step", "acceptance_length"}
+    seconds: float = 0.0
+
+
+def load_frozen_target(target_dir: Path, device: str = "cpu") -> tuple[TargetModel, object, tuple[int, ...]]:
+    ckpt = load_target(target_dir)
+    check_tensors(ckpt.tensors, target_tensor_shapes(ckpt.spec), "target")
+    state = {name: ckpt.tensors.get(name).float() for name in target_tensor_shapes(ckpt.spec)}
+    return TargetModel.from_state_dict(ckpt.spec, state), load_tokenizer(target_dir), ckpt.eos_token_ids
+
+
+def drafter_spec(target: DecoderSpec, num_layers: int) -> DecoderSpec:
+    """The drafter's layers: Qwen3 layers with the target's width and attention shape."""
+    return DecoderSpec(
+        model_type="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size, num_layers=num_layers, num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps,
+        qk_norm=True, attention_bias=False, mlp_bias=False, tie_word_embeddings=False, hidden_act="silu",
+        rope_parameters=target.rope_parameters, max_position_embeddings=target.max_position_embeddings,
+    )
+
+
+def generate_responses(target: TargetModel, eos: tuple[int, ...], requests: list[Request],
+                       max_seq_len: int, progress: Progress) -> list[dict]:
+    """The target's own greedy continuations (batched, our AR decoder)."""
+    executor = TorchExecutor(target, None, num_slots=min(64, len(requests)), max_seq_len=max_seq_len)
+    task = progress.add_task("target responses", total=len(requests), loss=float("nan"), al=float("nan"))
+    rows = []
+    for result in Decoder(executor, "ar", eos).generate(requests):
+        rows.append({"id": result.request.id, "prompt_token_ids": result.request.prompt_token_ids,
+                     "response_token_ids": result.output_token_ids})
+        progress.advance(task)
+    progress.remove_task(task)
+    return sorted(rows, key=lambda r: str(r["id"]))
+
+
+def sample_blocks(seqs: list[torch.Tensor], loss_masks: list[torch.Tensor], anchors: int, block: int,
+                  mask_id: int, gen: torch.Generator):
+    """Random anchors and their blocks, labels and attention mask for a batch of sequences.
+
+    Returns input_ids [B, S], block_ids [B, Q], block_pos [B, Q], labels [B, Q] (-100: no label) and
+    mask [B, Q, S + Q] with Q = anchors * block.
+    """
+    B, S, Q = len(seqs), max(len(s) for s in seqs), anchors * block
+    input_ids = torch.zeros(B, S, dtype=torch.long)
+    block_ids = torch.full((B, Q), mask_id, dtype=torch.long)
+    block_pos = torch.zeros(B, Q, dtype=torch.long)
+    labels = torch.full((B, Q), -100, dtype=torch.long)
+    mask = torch.zeros(B, Q, S + Q, dtype=torch.bool)
+    for b, (seq, lm) in enumerate(zip(seqs, loss_masks)):
+        n = len(seq)
+        input_ids[b, :n] = seq
+        valid = torch.nonzero(lm[1:n - 1] & lm[2:n]).flatten() + 1  # p and p+1 are response tokens
+        if len(valid) == 0:
+            continue
+        chosen = valid[torch.randperm(len(valid), generator=gen)[:anchors]].sort().values
+        for j, p in enumerate(chosen.tolist()):
+            rows = slice(j * block, (j + 1) * block)
+            block_ids[b, rows.start] = seq[p]
+            block_pos[b, rows] = torch.arange(p, p + block)
+            targets = torch.arange(p + 1, p + block)
+            ok = targets < n
+            lab = torch.full((block - 1,), -100, dtype=torch.long)
+            lab[ok] = torch.where(lm[targets[ok]], seq[targets[ok]], torch.tensor(-100))
+            labels[b, rows.start + 1 : rows.stop] = lab
+            mask[b, rows, :p] = True  # context strictly before the anchor
+            mask[b, rows, S + rows.start : S + rows.stop] = True  # its own block, bidirectional
+        unused = slice(len(chosen) * block, Q)
+        mask[b, unused, S + unused.start : S + Q] = True  # padding blocks see themselves only (no labels)
+    return input_ids, block_ids, block_pos, labels, mask
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, block: int, gamma: float) -> torch.Tensor:
+    """Cross-entropy with weight exp(-(k-1)/gamma) at block slot k, normalised by the valid weights."""
+    k = torch.arange(labels.shape[1]) % block
+    weights = torch.exp(-(k - 1).clamp_min(0) / gamma) * (labels != -100)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp_min(0), reduction="none").view_as(labels)
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-9)
+
+
+@torch.no_grad()
+def acceptance_estimate(target: TargetModel, drafter: DFlashDrafter, eos, prompts: list[Request],
+                        max_seq_len: int) -> float:
+    """Mean acceptance length of greedy DFlash with the current drafter on held-out prompts."""
+    drafter.eval()
+    executor = TorchExecutor(target, drafter, num_slots=len(prompts), max_seq_len=max_seq_len)
+    steps = [n for r in Decoder(executor, "dflash", eos).generate(prompts) for n in r.acceptance_lengths]
+    drafter.train()
+    return sum(steps) / max(1, len(steps))
+
+
+def _save_checkpoint(out: Path, drafter, opt, state: TrainState, cfg: TrainConfig, rng: torch.Generator) -> None:
+    tmp = out / f".{CHECKPOINT}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    opt_tensors, opt_steps = {}, {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                n = names[id(p)]
+                opt_tensors[f"exp_avg.{n}"], opt_tensors[f"exp_avg_sq.{n}"] = st["exp_avg"], st["exp_avg_sq"]
+                opt_steps[n] = float(st["step"])
+    opt_tensors["rng_state"] = rng.get_state()
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({"config": asdict(cfg), "state": asdict(state),
+                                                "optimizer_steps": opt_steps}, indent=1))
+    final = out / CHECKPOINT
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def _load_checkpoint(out: Path, drafter, opt, cfg: TrainConfig, rng: torch.Generator) -> TrainState:
+    ck = out / CHECKPOINT
+    meta = json.loads((ck / "state.json").read_text())
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
+    if saved != {k: v for k, v in asdict(cfg).items()}:
+        diff = sorted(k for k in saved if saved[k] != asdict(cfg)[k])
+        raise UserError(f"{ck}: the checkpoint was made with different settings ({', '.join(diff)}); "
+                        "use the same arguments to resume, or another --output.")
+    drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")))
+    tensors = load_file(str(ck / "optimizer.safetensors"))
+    for n, p in drafter.named_parameters():
+        if n in meta["optimizer_steps"]:
+            opt.state[p] = {"step": torch.tensor(meta["optimizer_steps"][n]),
+                            "exp_avg": tensors[f"exp_avg.{n}"], "exp_avg_sq": tensors[f"exp_avg_sq.{n}"]}
+    rng.set_state(tensors["rng_state"])
+    return TrainState(**meta["state"])
+
+
+def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, progress: bool = True) -> TrainState:
+    """Train (or resume) and write OUTPUT/config.json + OUTPUT/model.safetensors (z-lab format)."""
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise UserError(f"{output}: output path exists and is not a directory.")
+    if cfg.block_size < 2:
+        raise UserError(f"--block-size {cfg.block_size}: a DFlash block needs at least 2 tokens.")
+    target, tokenizer, eos = load_frozen_target(Path(target_dir))
+    tspec = target.spec
+    mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>") if "<|MASK|>" in tokenizer.get_vocab() else None
+    if mask_id is None or not 0 <= mask_id < tspec.vocab_size:
+        raise UserError(f"{target_dir}: the tokenizer has no '<|MASK|>' token inside the embedding "
+                        f"(vocab_size {tspec.vocab_size}); add one to train a DFlash drafter.")
+    layer_ids = cfg.target_layer_ids or tuple(build_target_layer_ids(tspec.num_layers, cfg.num_layers))
+    if len(set(layer_ids)) != len(layer_ids):
+        raise UserError(f"target_layer_ids {list(layer_ids)} repeat a layer (the default spacing for a "
+                        f"{tspec.num_layers}-layer target and {cfg.num_layers} draft layers); pass --target-layer-ids.")
+    bad = [i for i in layer_ids if not 0 <= i < tspec.num_layers]
+    if bad:
+        raise UserError(f"--target-layer-ids {list(layer_ids)}: {bad} outside the target's layers 0..{tspec.num_layers - 1}.")
+    params = DFlashParams(cfg.block_size, mask_id, tuple(layer_ids))
+    output.mkdir(parents=True, exist_ok=True)
+
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("loss {task.fields[loss]:.3f}  AL {task.fields[al]:.2f}"), TimeRemainingColumn()]
+    log = Console(stderr=True)
+    with Progress(*columns, disable=not progress, console=log) as bar:
+        rows = _training_data(target, tokenizer, eos, Path(data), output, cfg, bar)
+        held, train_rows = rows[: cfg.held_out], rows[cfg.held_out:]
+        if not train_rows:
+            raise UserError(f"{data}: needs more than {cfg.held_out} usable prompts (held out for evaluation).")
+        max_len = max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in rows) + cfg.block_size
+        eval_prompts = [Request(id=r["id"], prompt_token_ids=r["prompt_token_ids"], max_new_tokens=cfg.response_tokens)
+                        for r in held]
+
+        torch.manual_seed(cfg.seed)
+        drafter = DFlashDrafter(drafter_spec(tspec, cfg.num_layers), params)
+        with torch.no_grad():  # HF-style init: N(0, 0.02) linears, unit norms
+            for name, p in drafter.named_parameters():
+                if p.ndim == 2:
+                    p.normal_(0.0, 0.02)
+        drafter.train()
+        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        warmup = max(1, int(cfg.steps * cfg.warmup_ratio))
+        schedule = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))  # noqa: E731
+        gen = torch.Generator().manual_seed(cfg.seed)
+        state = _load_checkpoint(output, drafter, opt, cfg, gen) if (output / CHECKPOINT).exists() else TrainState()
+
+        seqs = [torch.tensor(r["prompt_token_ids"] + r["response_token_ids"]) for r in train_rows]
+        masks = [torch.tensor([False] * len(r["prompt_token_ids"]) + [True] * len(r["response_token_ids"]))
+                 for r in train_rows]
+        lm_head = target.lm_head.weight
+        task = bar.add_task("training drafter", total=cfg.steps, completed=state.step,
+                            loss=state.losses[-1] if state.losses else float("nan"),
+                            al=state.evals[-1]["acceptance_length"] if state.evals else float("nan"))
+        while state.step < cfg.steps:
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * schedule(state.step)
+            pick = torch.randint(0, len(seqs), (cfg.batch_size,), generator=gen).tolist()
+            input_ids, block_ids, block_pos, labels, mask = sample_blocks(
+                [seqs[i] for i in pick], [masks[i] for i in pick], cfg.anchors, cfg.block_size, mask_id, gen)
+            with torch.inference_mode():
+                S = input_ids.shape[1]
+                cache = target.new_cache(len(pick), S)
+                feats = target(input_ids, torch.arange(S).expand(len(pick), S), torch.arange(len(pick)), cache,
+                               params.target_layer_ids).hidden
+                embeds = target.embed(block_ids)
+            hidden = drafter.forward_blocks(feats.clone(), embeds.clone(), block_pos, mask)
+            loss = block_loss(F.linear(hidden, lm_head), labels, cfg.block_size, cfg.decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            state.step += 1
+            state.losses.append(round(loss.item(), 5))
+            state.seconds += time.perf_counter() - t0
+            if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
+                al = acceptance_estimate(target, drafter, eos, eval_prompts, max_len)
+                state.evals.append({"step": state.step, "acceptance_length": round(al, 4)})
+                bar.update(task, al=al)
+                log.print(f"step {state.step}/{cfg.steps}: loss {loss.item():.4f}, held-out acceptance length {al:.3f}")
+            bar.update(task, advance=1, loss=loss.item())
+            if state.step % cfg.save_every == 0 or state.step == cfg.steps:
+                _save_checkpoint(output, drafter, opt, state, cfg, gen)
+
+    save_drafter(output, drafter.spec, params, tspec.num_layers, drafter.state_dict(), cfg.dtype)
+    (output / "training.json").write_text(json.dumps({"config": asdict(cfg), "state": asdict(state)}, indent=1) + "\n")
+    return state
+
+
+def _training_data(target, tokenizer, eos, data: Path, output: Path, cfg: TrainConfig, bar: Progress) -> list[dict]:
+    """Prompts of DATA with the target's own responses; cached in OUTPUT so a resumed run reuses them."""
+    cached = output / DATA_FILE
+    if cached.exists():
+        return [json.loads(line) for line in cached.read_text().splitlines()]
+    limit = target.spec.max_position_embeddings
+    defaults = Defaults(cfg.response_tokens, 0.0, cfg.seed, limit, target.spec.vocab_size)
+    requests, errors = read_requests(data, tokenizer, defaults)
+    if errors:
+        raise UserError(f"{data}:{errors[0].line}: {errors[0].message}.")
+    requests = [Request(id=r.id, prompt_token_ids=r.prompt_token_ids, max_new_tokens=cfg.response_tokens)
+                for r in requests]
+    if not requests:
+        raise UserError(f"{data}: no prompts.")
+    max_len = max(len(r.prompt_token_ids) for r in requests) + cfg.response_tokens
+    rows = generate_responses(target, eos, requests, max_len, bar)
+    rows = [r for r in rows if len(r["response_token_ids"]) >= 2]
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.rename(cached)
+    return rows
