@@ -122,3 +122,16 @@ def test_bad_flags_and_missing_input(engine_dir, tmp_path, capsys):
     assert exc.value.code == 2 and "must be a number >= 0, got -1" in capsys.readouterr().err
     code = main(["run", str(engine_dir), "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")])
     assert code == EXIT_USER_ERROR and "missing.jsonl: input file does not exist" in capsys.readouterr().err
+
+
+def test_stop_token_ids(engine_dir, tmp_path, capsys):
+    _, records, _ = run(engine_dir, tmp_path, [json.dumps(GOOD[0])])
+    full = records[0]["output_token_ids"]
+    stop = full[3]
+    code, records, _ = run(engine_dir, tmp_path, [json.dumps(GOOD[0])], "--stop-token-ids", str(stop))
+    assert code == 0
+    assert records[0]["output_token_ids"] == full[: full.index(stop) + 1]
+    assert records[0]["finish_reason"] == "stop"
+    code, _, _ = run(engine_dir, tmp_path, [json.dumps(GOOD[0])], "--stop-token-ids", "99999")
+    assert code == EXIT_USER_ERROR
+    assert "--stop-token-ids: 99999 is outside the vocabulary 0..511." in capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trtllm_dflash import __version__
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.runner import RunOptions
 
 EXIT_USER_ERROR = 2  # bad config / checkpoint / engine: nothing was produced
 EXIT_BAD_LINES = 1  # `run` finished, but some input lines were rejected
@@ -41,8 +42,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from trtllm_dflash.runtime.runner import run_jsonl
 
-    bad = run_jsonl(args.engine_dir, args.input, args.output, args.mode, args.max_new_tokens,
-                    args.temperature, args.seed, args.summary, args.threads)
+    opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
+                      args.threads)
+    bad = run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts)
     return EXIT_BAD_LINES if bad else 0
 
 
@@ -70,6 +72,14 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     last = state.evals[-1]["acceptance_length"] if state.evals else None
     print(f"drafter written to {args.output} after {state.step} steps; final loss {state.losses[-1]:.4f}, "
           f"held-out acceptance length {last}", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from trtllm_dflash.runtime.report import compare_and_print
+
+    compare_and_print(args.engine_dir, args.input, args.num_prompts, args.max_new_tokens, args.show,
+                      args.repeats, args.threads)
     return 0
 
 
@@ -112,18 +122,36 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="replace an existing engine directory")
     b.set_defaults(func=cmd_build)
 
+    ro = RunOptions()
     r = sub.add_parser("run", help="batch inference over a JSONL file of requests")
     r.add_argument("engine_dir", type=Path)
     r.add_argument("--input", type=Path, required=True, help="JSONL: {id, prompt | messages | prompt_token_ids}")
     r.add_argument("--output", type=Path, required=True, help="JSONL results, one line per finished request")
-    r.add_argument("--mode", choices=("dflash", "ar"), default="dflash",
-                   help="dflash: speculative decoding; ar: plain autoregressive decoding (default: dflash)")
-    r.add_argument("--max-new-tokens", type=_positive_int, default=256, help="default per request (256)")
-    r.add_argument("--temperature", type=_non_negative_float, default=0.0, help="default per request (0: greedy)")
-    r.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    r.add_argument("--mode", choices=("dflash", "ar"), default=ro.mode,
+                   help=f"dflash: speculative decoding; ar: plain autoregressive decoding (default: {ro.mode})")
+    r.add_argument("--max-new-tokens", type=_positive_int, default=ro.max_new_tokens,
+                   help=f"default per request ({ro.max_new_tokens})")
+    r.add_argument("--temperature", type=_non_negative_float, default=ro.temperature,
+                   help=f"default per request ({ro.temperature}: greedy)")
+    r.add_argument("--seed", type=int, default=ro.seed, help=f"sampling seed ({ro.seed})")
+    r.add_argument("--stop-token-ids", type=int, nargs="+", default=[], metavar="ID",
+                   help="token ids that end a request, in addition to the engine's EOS ids")
     r.add_argument("--summary", type=Path, help="write the run summary JSON here")
     r.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("compare", help="DFlash vs autoregressive on the same engine: completions, acceptance, speedup",
+                       description="Runs the first prompts of INPUT one at a time (batch size 1, greedy) in both "
+                                   "modes, side by side, and prints completions, the mean acceptance length, the "
+                                   "DFlash/AR speedup and whether the outputs are identical.")
+    c.add_argument("engine_dir", type=Path)
+    c.add_argument("--input", type=Path, required=True, help="JSONL prompts, as for `run`")
+    c.add_argument("--num-prompts", type=_positive_int, default=8)
+    c.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    c.add_argument("--show", type=int, default=3, help="completions to print")
+    c.add_argument("--repeats", type=_positive_int, default=1, help="timed repetitions (medians)")
+    c.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    c.set_defaults(func=cmd_compare)
 
     _add_train_drafter(sub)
 

@@ -35,15 +35,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, kv_len):
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask):
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = apply_rotary(attn.query(h), cos, sin)
         k, v = attn.key_value(h)
         cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
-        k_all, v_all = cache.read(layer_idx, slots, kv_len)
-        key_pos = torch.arange(kv_len, device=x.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len] causal by position
+        k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1])
         x = x + attn.o_proj(attend(q, k_all, v_all, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -104,9 +102,11 @@ class TargetModel(nn.Module):
         kv_len = int(positions.max()) + 1
         x = self.embed(token_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        key_pos = torch.arange(kv_len, device=x.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, slots, positions, kv_len)
+            x = layer(x, cos, sin, cache, i, slots, positions, mask)
             captured[i] = x
         x = self.model.norm(x)
         # HF's hidden_states[num_layers] (what the reference reads for the last layer id) is taken

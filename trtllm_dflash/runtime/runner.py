@@ -57,25 +57,42 @@ class Engine:
         return Decoder(self.executor, mode, self.config.eos_token_ids)
 
 
-def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, mode: Mode, max_new_tokens: int,
-              temperature: float, seed: int, summary_path: Path | None, threads: int | None = None) -> int:
+@dataclass(frozen=True)
+class RunOptions:
+    """`run`'s options; per-line `max_new_tokens` / `temperature` override the defaults here."""
+
+    mode: Mode = "dflash"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+
+
+def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
+              opts: RunOptions) -> int:
     """The `run` command: returns the number of bad input lines (reported on stderr)."""
     if not Path(input_path).is_file():
         raise UserError(f"{input_path}: input file does not exist.")
-    if threads:
-        torch.set_num_threads(threads)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     engine = Engine.load(engine_dir)
     cfg = engine.config
-    defaults = Defaults(max_new_tokens, temperature, seed, cfg.max_seq_len, engine.executor.vocab_size)
+    bad_stop = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
+    if bad_stop:
+        raise UserError(f"--stop-token-ids: {bad_stop[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")
+    defaults = Defaults(opts.max_new_tokens, opts.temperature, opts.seed, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)
     for err in errors:
         print(f"{input_path}:{err.line}: {err.message}; line skipped.", file=sys.stderr)
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
+    mode = opts.mode
+    decoder = Decoder(engine.executor, mode, [*cfg.eos_token_ids, *opts.stop_token_ids])
     results: list[Result] = []
     start = time.perf_counter()
     with output_path.open("w") as out:
-        for result in engine.decoder(mode).generate(requests):
+        for result in decoder.generate(requests):
             results.append(result)
             out.write(json.dumps(result_record(result, engine.tokenizer)) + "\n")
             out.flush()

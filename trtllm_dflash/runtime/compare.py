@@ -1,0 +1,104 @@
+"""DFlash vs autoregressive decoding on the same engine, measured side by side.
+
+Each request runs alone (batch size 1) in both modes, alternating which mode goes first, `repeats`
+times; times are medians. Greedy outputs of the two modes must be identical (losslessness), and the
+comparison says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trtllm_dflash.runtime.decoding import Request, Result
+from trtllm_dflash.runtime.runner import Engine
+
+
+@dataclass(frozen=True)
+class ModeTiming:
+    seconds: float  # median over repeats of the summed per-request decode times
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Comparison:
+    dflash: ModeTiming
+    ar: ModeTiming
+    results: list[Result]  # dflash results, in request order
+    identical: bool  # dflash output == ar output for every request
+    mean_acceptance_length: float
+
+    @property
+    def speedup(self) -> float:
+        return self.dflash.tokens_per_s / self.ar.tokens_per_s
+
+
+def _timed(engine: Engine, mode: str, request: Request) -> tuple[float, Result]:
+    start = time.perf_counter()
+    (result,) = engine.decoder(mode).generate([request])
+    return time.perf_counter() - start, result
+
+
+def side_by_side(engine: Engine, requests: list[Request], repeats: int = 1) -> Comparison:
+    times = {"dflash": [[] for _ in range(repeats)], "ar": [[] for _ in range(repeats)]}
+    outputs: dict[str, list[Result]] = {"dflash": [], "ar": []}
+    for rep in range(repeats):
+        for i, req in enumerate(requests):
+            order = ("dflash", "ar") if (rep + i) % 2 == 0 else ("ar", "dflash")
+            for mode in order:
+                seconds, result = _timed(engine, mode, req)
+                times[mode][rep].append(seconds)
+                if rep == 0:
+                    outputs[mode].append(result)
+    timing = {m: ModeTiming(statistics.median(sum(t) for t in times[m]),
+                            sum(len(r.output_token_ids) for r in outputs[m])) for m in times}
+    steps = [n for r in outputs["dflash"] for n in r.acceptance_lengths]
+    identical = all(a.output_token_ids == b.output_token_ids for a, b in zip(outputs["dflash"], outputs["ar"]))
+    return Comparison(timing["dflash"], timing["ar"], outputs["dflash"], identical,
+                      sum(steps) / max(1, len(steps)))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    context_len: int
+    draft_s: float  # one drafter pass over a block (batch 1)
+    verify_s: float  # one target pass over a block
+    ar_s: float  # one target pass over one token
+
+    def speedup_bound(self, acceptance_length: float) -> float:
+        """AL x t_ar / (t_verify + t_draft): DFlash's speedup if nothing else cost time."""
+        return acceptance_length * self.ar_s / (self.verify_s + self.draft_s)
+
+
+def step_costs(engine: Engine, context_len: int, repeats: int = 25) -> StepCosts:
+    """Median times of the three passes at one context length, batch size 1."""
+    ex = engine.executor
+    block = engine.config.dflash.block_size
+    slots, starts = torch.tensor([0]), torch.tensor([context_len])
+    ids = torch.randint(4, ex.vocab_size, (1, context_len + block), generator=torch.Generator().manual_seed(0))
+    zero = torch.tensor([0])
+    ex.append_context(ex.target_forward(ids[:, :context_len], zero, slots, capture=True).hidden, zero, slots)
+
+    def median(fn) -> float:
+        fn()  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    anchor = ids[:, context_len]
+    return StepCosts(
+        context_len=context_len,
+        draft_s=median(lambda: ex.draft(anchor, starts, slots)),
+        verify_s=median(lambda: ex.target_forward(ids[:, context_len:context_len + block], starts, slots, capture=True)),
+        ar_s=median(lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False)),
+    )
