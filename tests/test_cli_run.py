@@ -135,3 +135,13 @@ def test_stop_token_ids(engine_dir, tmp_path, capsys):
     code, _, _ = run(engine_dir, tmp_path, [json.dumps(GOOD[0])], "--stop-token-ids", "99999")
     assert code == EXIT_USER_ERROR
     assert "--stop-token-ids: 99999 is outside the vocabulary 0..511." in capsys.readouterr().err
+
+
+def test_inspect_summarises_and_verifies(engine_dir, capsys):
+    assert main(["inspect", str(engine_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "block_size 8" in out and "quantization none" in out and "integrity: all 5 files match manifest.json" in out
+    tok = engine_dir / "tokenizer" / "tokenizer.json"
+    tok.write_text(tok.read_text() + " ")
+    assert main(["inspect", str(engine_dir)]) == EXIT_USER_ERROR
+    assert f"{tok}: engine file does not match manifest.json" in capsys.readouterr().err

@@ -48,6 +48,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_BAD_LINES if bad else 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from trtllm_dflash.engine.inspect import inspect_engine
+
+    inspect_engine(args.engine_dir)
+    return 0
+
+
 def cmd_make_random_pair(args: argparse.Namespace) -> int:
     from trtllm_dflash.train.random_pair import write_random_pair
 
@@ -121,6 +128,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--output", type=Path, help="engine directory (overrides the config's `output`)")
     b.add_argument("--force", action="store_true", help="replace an existing engine directory")
     b.set_defaults(func=cmd_build)
+
+    i = sub.add_parser("inspect", help="summarise an engine directory and verify every file against its manifest")
+    i.add_argument("engine_dir", type=Path)
+    i.set_defaults(func=cmd_inspect)
 
     ro = RunOptions()
     r = sub.add_parser("run", help="batch inference over a JSONL file of requests")

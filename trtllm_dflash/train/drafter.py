@@ -313,6 +313,7 @@ def _training_data(target, tokenizer, eos, data: Path, output: Path, cfg: TrainC
     if not requests:
         raise UserError(f"{data}: no prompts.")
     max_len = max(len(r.prompt_token_ids) for r in requests) + cfg.response_tokens
+    bar.console.print(f"generating the target's responses to {len(requests)} prompts ({cfg.response_tokens} tokens each)")
     rows = generate_responses(target, eos, requests, max_len, bar)
     rows = [r for r in rows if len(r["response_token_ids"]) >= 2]
     tmp = cached.with_suffix(".tmp")
