@@ -41,6 +41,10 @@ class BuildConfig(BaseModel):
     tp_size: Literal[1, 2, 4, 8] = 1  # tensor-parallel ranks (MPI processes at run time)
     max_batch_size: int = Field(8, ge=1)  # requests decoded together (KV cache slots)
     max_seq_len: int = Field(4096, ge=2)  # prompt + generated tokens per request
+    calibration: Path | None = None  # JSONL prompts for quantization (default: stdlib code)
+    calibration_samples: int = Field(64, ge=1)  # calibration prompts used
+    calibration_max_tokens: int = Field(256, ge=1)  # tokens per calibration prompt
+    quantize_drafter: bool = False  # also quantize the drafter's linears (not yet supported)
 
 
 def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
@@ -62,7 +66,8 @@ def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
     if cfg.output is None:
         raise UserError(f"{path}: key 'output' is not set and no --output was given.")
     # Paths in the file are relative to the file; --output is relative to the working directory.
-    resolved = {k: (path.parent / getattr(cfg, k)).resolve() for k in ("target", "drafter")}
+    resolved = {k: (path.parent / getattr(cfg, k)).resolve() for k in ("target", "drafter", "calibration")
+                if getattr(cfg, k) is not None}
     resolved["output"] = (Path.cwd() if output is not None else path.parent).joinpath(cfg.output).resolve()
     return cfg.model_copy(update=resolved)
 

@@ -18,13 +18,24 @@ from trtllm_dflash.engine.engine_dir import (
     CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, atomic_directory, check_output, rank_file,
     write_manifest,
 )
+from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.quantized import SCALE_SUFFIXES
+
+
+def quantization_section(quantization: str, quantized: dict[str, torch.Tensor]) -> dict:
+    """EngineConfig.quantization: ModelOpt's quant_algo naming, and which target modules are quantized."""
+    if quantization == "none":
+        return {"quant_algo": None}
+    modules = sorted(k[: -len(".weight_scale")] for k in quantized if k.endswith(".weight_scale"))
+    return {"quant_algo": QUANT_ALGOS[quantization], "group_size": 16 if quantization == "nvfp4" else None,
+            "quantized_modules": [TARGET_PREFIX + m for m in modules], "drafter": "unquantized"}
 
 
 def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config") -> Path:
     """Validate, convert and write the engine; returns its directory. `source` names the config in errors."""
-    if cfg.quantization != "none":
-        raise UserError(f"{source}: quantization {cfg.quantization!r} is not yet supported (only 'none' in this release).")
+    if cfg.quantize_drafter:
+        raise UserError(f"{source}: quantize_drafter is not yet supported (the drafter keeps dtype {cfg.dtype}).")
     if cfg.tp_size != 1:
         raise UserError(f"{source}: tp_size {cfg.tp_size} is not yet supported (only 1 in this release).")
     assert cfg.output is not None
@@ -39,6 +50,10 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
     eos = list(target.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     dtype = getattr(torch, cfg.dtype)
 
+    quantized: dict[str, torch.Tensor] = {}
+    if cfg.quantization != "none":
+        batches = calibration_batches(tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
+        quantized = quantize_target(cfg.target, cfg.quantization, batches)
     sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec)),
                (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params))]
     with atomic_directory(cfg.output, force) as tmp:
@@ -48,7 +63,14 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             task = bar.add_task("converting weights", total=total)
             for prefix, store, names in sources:
                 for name in names:
-                    tensors[prefix + name] = store.get(name).to(dtype).contiguous()
+                    module = name[: -len(".weight")]
+                    if prefix == TARGET_PREFIX and f"{module}.weight_scale" in quantized:
+                        # A quantized linear: stored exactly as ModelOpt exported it.
+                        for key in (name, *(module + s for s in SCALE_SUFFIXES)):
+                            if key in quantized:
+                                tensors[prefix + key] = quantized[key].contiguous()
+                    else:
+                        tensors[prefix + name] = store.get(name).to(dtype).contiguous()
                     bar.advance(task)
         save_file(tensors, str(tmp / rank_file(0)), metadata={"format": "pt"})
         del tensors
@@ -61,6 +83,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             dflash=DFlashSection(block_size=drafter.params.block_size,
                                  mask_token_id=drafter.params.mask_token_id,
                                  target_layer_ids=list(drafter.params.target_layer_ids)),
+            quantization=quantization_section(cfg.quantization, quantized),
             mapping=Mapping(world_size=cfg.tp_size, tp_size=cfg.tp_size),
             max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len,

@@ -16,6 +16,7 @@ from trtllm_dflash.config import EngineConfig
 from trtllm_dflash.engine.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, open_engine, rank_file
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Result
@@ -48,7 +49,10 @@ class Engine:
         weights = load_file(str(root / rank_file(0)), device=device)
         split = {p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
                  for p in (TARGET_PREFIX, DRAFTER_PREFIX)}
-        target = TargetModel.from_state_dict(target_spec, split[TARGET_PREFIX])
+        dtype = getattr(torch, cfg.dtype)
+        target_state, quantized_inputs = dequantize_state_dict(split[TARGET_PREFIX], dtype)
+        target = TargetModel.from_state_dict(target_spec, target_state)
+        quantize_inputs(target, quantized_inputs)
         drafter = DFlashDrafter.from_state_dict(drafter_spec, params, split[DRAFTER_PREFIX])
         executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)

@@ -1,0 +1,63 @@
+"""The build's quantization stage: ModelOpt PTQ of the target's linear layers on the CPU.
+
+The target is loaded with transformers in bfloat16 (ModelOpt's unified export needs bf16), calibrated
+with NVFP4_DEFAULT_CFG or FP8_DEFAULT_CFG (max calibration) on a prompt set, and exported with
+`export_hf_checkpoint`. Quantized linears come back in the unified format (NVFP4: uint8 weight [out, in/2],
+float8_e4m3fn weight_scale [out, in/16], fp32 weight_scale_2 and input_scale; FP8: float8_e4m3fn weight,
+fp32 weight_scale and input_scale); embedding, lm_head and norms stay unquantized. The drafter is not
+quantized here: it keeps the engine's compute dtype.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file
+
+from trtllm_dflash.checkpoint.tensors import read_json
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.jsonl import Defaults, read_requests
+from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
+
+QUANT_ALGOS = {"nvfp4": "NVFP4", "fp8": "FP8"}
+
+
+def calibration_batches(tokenizer, path: Path | None, samples: int, max_tokens: int) -> list[torch.Tensor]:
+    """Token-id batches [1, T] for calibration: the prompts of `path` (JSONL, as for `run`), or by default
+    code from the Python standard library (present on every machine)."""
+    if path is None:
+        texts = code_prompts(stdlib_modules(held_out=False, include_tests=False), samples, 4 * max_tokens, seed=0)
+        ids = [tokenizer(t)["input_ids"] for t in texts]
+    else:
+        requests, errors = read_requests(path, tokenizer, Defaults(1, 0.0, 0, 1 << 30, len(tokenizer)))
+        if errors:
+            raise UserError(f"{path}:{errors[0].line}: {errors[0].message}.")
+        ids = [r.prompt_token_ids for r in requests[:samples]]
+    ids = [i[:max_tokens] for i in ids if i]
+    if not ids:
+        raise UserError(f"{path}: no calibration prompts.")
+    return [torch.tensor([i]) for i in ids]
+
+
+def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Calibrate and export with ModelOpt; returns the exported tensors under their HF names."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from trtllm_dflash.quantize.modelopt_cpu import calibrate, export_unified
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise UserError(f"quantization needs NVIDIA ModelOpt: pip install 'trtllm-dflash[quantize]' ({exc}).") from None
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    calibrate(model, fmt, batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_unified(model, tmp)
+        tensors = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            tensors |= load_file(str(f))
+        quant = read_json(Path(tmp) / "hf_quant_config.json", "hf_quant_config.json")["quantization"]
+    if quant.get("quant_algo") != QUANT_ALGOS[fmt]:
+        raise RuntimeError(f"ModelOpt exported quant_algo {quant.get('quant_algo')!r}, expected {QUANT_ALGOS[fmt]!r}")
+    return tensors

@@ -1,0 +1,70 @@
+"""Faithful CPU emulation of quantized linears (ModelOpt unified format) for the torch executor.
+
+Weights are dequantized once at load (e2m1 x block scale x global scale for NVFP4, e4m3 x scale for
+FP8), so the weight error is exactly the stored format's. Activations are quantized at every call as
+the deployed kernels do: NVFP4 W4A4 quantizes each 16-element block of the input with the calibrated
+`input_scale` as global scale; FP8 casts the input scaled by `input_scale` to e4m3. The matmul then runs
+in the compute dtype: numerics equal the quantized GEMM up to accumulation order.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from trtllm_dflash.quantize.fp8 import FP8Weight, dequantize_fp8, fake_quant_fp8_activation
+from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
+from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
+
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+class QuantizedInput(nn.Module):
+    """Wraps a linear whose weight is already dequantized; quantizes its input like the real kernel."""
+
+    def __init__(self, linear: nn.Linear, fmt: Literal["nvfp4", "fp8"], input_scale: torch.Tensor):
+        super().__init__()
+        self.linear, self.fmt = linear, fmt
+        self.register_buffer("input_scale", input_scale.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        quant = fake_quant_nvfp4_activation if self.fmt == "nvfp4" else fake_quant_fp8_activation
+        return self.linear(quant(x, self.input_scale).to(x.dtype))
+
+
+def dequantize_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor]]]:
+    """Replace every quantized linear's tensors by a plain `.weight` in `dtype`.
+
+    Returns the plain state dict and {module prefix: (format, input_scale)} for `quantize_inputs`.
+    """
+    plain, inputs = {}, {}
+    prefixes = {name[: -len(".weight_scale")] for name in state if name.endswith(".weight_scale")}
+    for name, tensor in state.items():
+        if any(name.endswith(s) for s in SCALE_SUFFIXES) and name.rsplit(".", 1)[0] in prefixes:
+            continue
+        prefix = name[: -len(".weight")] if name.endswith(".weight") else None
+        if prefix in prefixes:
+            q = read_quantized_linear(state, prefix)
+            if isinstance(q, NVFP4Weight):
+                plain[name] = dequantize_nvfp4(q, torch.float32).to(dtype)
+                fmt = "nvfp4"
+            else:
+                assert isinstance(q, FP8Weight)
+                plain[name] = dequantize_fp8(q, torch.float32).to(dtype)
+                fmt = "fp8"
+            if q.input_scale is not None:
+                inputs[prefix] = (fmt, q.input_scale)
+        else:
+            plain[name] = tensor
+    return plain, inputs
+
+
+def quantize_inputs(model: nn.Module, inputs: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """Wrap the listed linears of `model` (by module path) with activation quantization, in place."""
+    for prefix, (fmt, scale) in inputs.items():
+        parent_name, _, child = prefix.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, QuantizedInput(getattr(parent, child), fmt, scale))
