@@ -101,7 +101,6 @@ def test_output_flag_and_force(pair, capsys):
         pytest.param({"flavour": "x"}, ["build.yaml", "unknown key 'flavour'"], id="unknown-key"),
         pytest.param({"dtype": "float64"}, ["build.yaml", "'dtype'", "float64"], id="bad-dtype"),
         pytest.param({"quantization": "int3"}, ["build.yaml", "'quantization'", "int3"], id="unknown-quantization"),
-        pytest.param({"quantization": "nvfp4"}, ["build.yaml", "nvfp4", "not yet supported"], id="nvfp4-not-yet"),
         pytest.param({"tp_size": 2}, ["build.yaml", "tp_size 2", "not yet supported"], id="tp2-not-yet"),
         pytest.param({"tp_size": 3}, ["build.yaml", "'tp_size'", "3"], id="tp3-invalid"),
         pytest.param({"max_batch_size": 0}, ["build.yaml", "'max_batch_size'", "0"], id="zero-batch"),
