@@ -145,3 +145,12 @@ def test_inspect_summarises_and_verifies(engine_dir, capsys):
     tok.write_text(tok.read_text() + " ")
     assert main(["inspect", str(engine_dir)]) == EXIT_USER_ERROR
     assert f"{tok}: engine file does not match manifest.json" in capsys.readouterr().err
+
+
+def test_block_size_flag(engine_dir, tmp_path, capsys):
+    code, records, summary = run(engine_dir, tmp_path, [json.dumps(GOOD[0])], "--block-size", "4")
+    assert code == 0 and len(summary["acceptance_rate_per_position"]) == 3
+    assert all(n <= 4 for n in records[0]["acceptance_lengths"])
+    code, _, _ = run(engine_dir, tmp_path, [json.dumps(GOOD[0])], "--block-size", "9")
+    assert code == EXIT_USER_ERROR
+    assert "--block-size 9: must be between 2 and the engine's trained block_size 8." in capsys.readouterr().err

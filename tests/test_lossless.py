@@ -78,3 +78,17 @@ def test_batching_does_not_change_a_request(biased_engines):
         alone = run(engine, "dflash", [req])[req.id]
         assert alone.output_token_ids == together[req.id].output_token_ids
         assert alone.acceptance_lengths == together[req.id].acceptance_lengths
+
+
+@pytest.mark.parametrize("block_size", [2, 5])
+def test_shorter_blocks_of_a_trained_drafter_stay_lossless(biased_pairs, hf_outputs, tmp_path, block_size):
+    """A drafter trained at block 16 drafting fewer tokens per block (run-time --block-size)."""
+    from tests.conftest import build
+    from trtllm_dflash.runtime.runner import Engine
+
+    engine = Engine.load(build(biased_pairs[16], tmp_path / "engine", max_batch_size=4), block_size=block_size)
+    reqs = requests(engine.executor.vocab_size)
+    dflash = run(engine, "dflash", reqs)
+    assert all(dflash[r.id].output_token_ids == hf_outputs[r.id] for r in reqs)
+    steps = [n for r in dflash.values() for n in r.acceptance_lengths]
+    assert max(steps) == block_size

@@ -43,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trtllm_dflash.runtime.runner import run_jsonl
 
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
-                      args.threads)
+                      args.threads, args.block_size)
     bad = run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts)
     return EXIT_BAD_LINES if bad else 0
 
@@ -86,7 +86,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from trtllm_dflash.runtime.report import compare_and_print
 
     compare_and_print(args.engine_dir, args.input, args.num_prompts, args.max_new_tokens, args.show,
-                      args.repeats, args.threads)
+                      args.repeats, args.threads, args.block_size)
     return 0
 
 
@@ -149,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
                    help="token ids that end a request, in addition to the engine's EOS ids")
     r.add_argument("--summary", type=Path, help="write the run summary JSON here")
     r.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    r.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("compare", help="DFlash vs autoregressive on the same engine: completions, acceptance, speedup",
@@ -162,6 +163,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--show", type=int, default=3, help="completions to print")
     c.add_argument("--repeats", type=_positive_int, default=1, help="timed repetitions (medians)")
     c.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    c.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
     c.set_defaults(func=cmd_compare)
 
     _add_train_drafter(sub)

@@ -80,7 +80,7 @@ class StepCosts:
 def step_costs(engine: Engine, context_len: int, repeats: int = 25) -> StepCosts:
     """Median times of the three passes at one context length, batch size 1."""
     ex = engine.executor
-    block = engine.config.dflash.block_size
+    block = ex.block_size
     slots, starts = torch.tensor([0]), torch.tensor([context_len])
     ids = torch.randint(4, ex.vocab_size, (1, context_len + block), generator=torch.Generator().manual_seed(0))
     zero = torch.tensor([0])

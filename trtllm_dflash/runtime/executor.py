@@ -32,8 +32,11 @@ class Executor(Protocol):
 class TorchExecutor:
     """Target + drafter as torch modules, with static per-slot KV caches for both."""
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int):
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
+                 block_size: int | None = None):
         self.target, self.drafter = target, drafter
+        # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
+        self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
         self.num_slots, self.vocab_size = num_slots, target.spec.vocab_size
         # A verify pass writes block_size positions from the last committed one.
         margin = drafter.params.block_size if drafter is not None else 1
@@ -56,8 +59,8 @@ class TorchExecutor:
         """Greedy drafts [B, block_size - 1] for the block after each anchor (at position `starts`)."""
         assert self.drafter is not None
         p = self.drafter.params
-        block = block_input(anchors, p.mask_token_id, p.block_size)
-        positions = starts[:, None] + torch.arange(p.block_size, device=self.device)
+        block = block_input(anchors, p.mask_token_id, self.block_size)
+        positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache)
         return self.target.logits(hidden[:, 1:]).argmax(dim=-1)
 

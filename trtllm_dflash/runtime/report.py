@@ -15,20 +15,20 @@ from trtllm_dflash.runtime.runner import Engine
 
 
 def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_new_tokens: int, show: int,
-                      repeats: int, threads: int | None) -> None:
+                      repeats: int, threads: int | None, block_size: int | None = None) -> None:
     if not Path(input_path).is_file():
         raise UserError(f"{input_path}: input file does not exist.")
     if threads:
         torch.set_num_threads(threads)
     console = Console()
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, block_size=block_size)
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)
     if errors:
         raise UserError(f"{input_path}:{errors[0].line}: {errors[0].message}.")
     requests = [r for r in requests if r.temperature == 0][:num_prompts]
-    console.print(f"[bold]{engine_dir}[/]: block_size {cfg.dflash.block_size}, {len(requests)} prompts, "
+    console.print(f"[bold]{engine_dir}[/]: block_size {engine.executor.block_size}, {len(requests)} prompts, "
                   f"batch size 1, greedy, up to {max_new_tokens} new tokens, {torch.get_num_threads()} threads")
     cmp = side_by_side(engine, requests, repeats)
     tok = engine.tokenizer

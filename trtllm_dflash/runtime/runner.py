@@ -40,9 +40,13 @@ class Engine:
     executor: TorchExecutor
 
     @classmethod
-    def load(cls, root: Path, device: str = "cpu") -> "Engine":
+    def load(cls, root: Path, device: str = "cpu", block_size: int | None = None) -> "Engine":
+        """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained."""
         root = Path(root)
         cfg = open_engine(root)
+        if block_size is not None and not 2 <= block_size <= cfg.dflash.block_size:
+            raise UserError(f"--block-size {block_size}: must be between 2 and the engine's trained block_size "
+                            f"{cfg.dflash.block_size}.")
         if cfg.mapping.tp_size != 1:
             raise UserError(f"{root}: tp_size {cfg.mapping.tp_size} engines are not yet supported by `run`.")
         target_spec, drafter_spec, params = engine_specs(cfg)
@@ -54,7 +58,7 @@ class Engine:
         target = TargetModel.from_state_dict(target_spec, target_state)
         quantize_inputs(target, quantized_inputs)
         drafter = DFlashDrafter.from_state_dict(drafter_spec, params, split[DRAFTER_PREFIX])
-        executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len)
+        executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
 
     def decoder(self, mode: Mode) -> Decoder:
@@ -71,6 +75,7 @@ class RunOptions:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    block_size: int | None = None  # tokens per block, <= the engine's trained block_size (None: trained)
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
@@ -80,7 +85,7 @@ def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_pat
         raise UserError(f"{input_path}: input file does not exist.")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, block_size=opts.block_size)
     cfg = engine.config
     bad_stop = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
     if bad_stop:
@@ -101,7 +106,7 @@ def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_pat
             out.write(json.dumps(result_record(result, engine.tokenizer)) + "\n")
             out.flush()
     wall = time.perf_counter() - start
-    summary = summarize(mode, results, wall, cfg.dflash.block_size)
+    summary = summarize(mode, results, wall, engine.executor.block_size)
     summary["num_failed"] = len(errors)
     if summary_path is not None:
         Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
