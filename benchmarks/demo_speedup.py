@@ -1,6 +1,6 @@
 """DFlash vs AR on the demo engine at batch size 1: acceptance, speedup, step costs and the speedup bound.
 
-    python benchmarks/demo_speedup.py --engine engines/demo --repeats 5
+    python benchmarks/demo_speedup.py --engine engines/demo --repeats 5 --block-sizes 4,8,16
 
 Both modes run on the same engine and the same held-out prompts, one request at a time, alternating
 which mode goes first; times are medians over `--repeats` runs. Writes benchmarks/results/demo_speedup.json
@@ -39,45 +39,56 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--block-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8, 16])
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "demo_speedup.json")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.load(args.engine)
-    defaults = Defaults(args.max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
-    requests, errors = read_requests(args.prompts, engine.tokenizer, defaults)
-    assert not errors, errors
-    requests = requests[: args.num_prompts]
-    side_by_side(engine, requests[:2], repeats=1)  # warm-up
-    cmp = side_by_side(engine, requests, repeats=args.repeats)
-    mean_prompt = sum(len(r.prompt_token_ids) for r in requests) / len(requests)
-    costs = step_costs(engine, context_len=int(mean_prompt + args.max_new_tokens / 2), repeats=50)
     report = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads, no GPU",
-        "torch": torch.__version__,
-        "engine": str(args.engine), "block_size": engine.config.dflash.block_size, "dtype": engine.config.dtype,
+        "torch": torch.__version__, "engine": str(args.engine),
         "prompts": str(args.prompts.relative_to(ROOT)) if args.prompts.is_relative_to(ROOT) else str(args.prompts),
-        "num_prompts": len(requests), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "batch_size": 1, "temperature": 0,
-        "outputs_identical": cmp.identical,
-        "mean_acceptance_length": round(cmp.mean_acceptance_length, 3),
-        "ar_tokens_per_s": round(cmp.ar.tokens_per_s, 2),
-        "dflash_tokens_per_s": round(cmp.dflash.tokens_per_s, 2),
-        "speedup": round(cmp.speedup, 3),
-        "step_costs_ms": {"context_len": costs.context_len, "draft": round(costs.draft_s * 1e3, 3),
-                          "verify": round(costs.verify_s * 1e3, 3), "ar": round(costs.ar_s * 1e3, 3)},
-        "speedup_bound": round(costs.speedup_bound(cmp.mean_acceptance_length), 3),
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1, "temperature": 0,
+        "by_block_size": [],
     }
+    lines = ["| block size | AL | AR tokens/s | DFlash tokens/s | speedup | bound | draft ms | verify ms | AR step ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for block_size in args.block_sizes:
+        engine = Engine.load(args.engine, block_size=block_size)
+        defaults = Defaults(args.max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
+        requests, errors = read_requests(args.prompts, engine.tokenizer, defaults)
+        assert not errors, errors
+        requests = requests[: args.num_prompts]
+        side_by_side(engine, requests[:2], repeats=1)  # warm-up
+        cmp = side_by_side(engine, requests, repeats=args.repeats)
+        mean_prompt = sum(len(r.prompt_token_ids) for r in requests) / len(requests)
+        costs = step_costs(engine, context_len=int(mean_prompt + args.max_new_tokens / 2), repeats=50)
+        row = {
+            "block_size": block_size, "dtype": engine.config.dtype, "num_prompts": len(requests),
+            "outputs_identical": cmp.identical,
+            "mean_acceptance_length": round(cmp.mean_acceptance_length, 3),
+            "ar_tokens_per_s": round(cmp.ar.tokens_per_s, 2),
+            "dflash_tokens_per_s": round(cmp.dflash.tokens_per_s, 2),
+            "speedup": round(cmp.speedup, 3),
+            "step_costs_ms": {"context_len": costs.context_len, "draft": round(costs.draft_s * 1e3, 3),
+                              "verify": round(costs.verify_s * 1e3, 3), "ar": round(costs.ar_s * 1e3, 3)},
+            "speedup_bound": round(costs.speedup_bound(cmp.mean_acceptance_length), 3),
+        }
+        report["by_block_size"].append(row)
+        c = row["step_costs_ms"]
+        lines.append(f"| {block_size} | {row['mean_acceptance_length']} | {row['ar_tokens_per_s']} | "
+                     f"{row['dflash_tokens_per_s']} | {row['speedup']}x | {row['speedup_bound']}x | {c['draft']} | "
+                     f"{c['verify']} | {c['ar']} |")
+        print(lines[-1], flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    c = report["step_costs_ms"]
-    print(f"| mode | tokens/s | mean acceptance length |\n|---|---|---|\n"
-          f"| ar | {report['ar_tokens_per_s']} | 1.00 |\n"
-          f"| dflash (block {report['block_size']}) | {report['dflash_tokens_per_s']} | {report['mean_acceptance_length']} |\n\n"
-          f"speedup {report['speedup']}x (bound {report['speedup_bound']}x = AL x t_ar / (t_verify + t_draft)); "
-          f"step costs at context {c['context_len']}: draft {c['draft']} ms, verify {c['verify']} ms, ar {c['ar']} ms; "
-          f"outputs identical: {cmp.identical}; {report['machine']}, {report['date']}")
+    identical = all(r["outputs_identical"] for r in report["by_block_size"])
+    print("\n".join(lines))
+    print(f"\n{len(requests)} held-out prompts, batch size 1, greedy, {args.max_new_tokens} new tokens, medians of "
+          f"{args.repeats} runs; outputs identical to AR: {identical}; step costs at context "
+          f"{report['by_block_size'][0]['step_costs_ms']['context_len']}; bound = AL x t_ar / (t_verify + t_draft); "
+          f"{report['machine']}, {report['date']}")
 
 
 if __name__ == "__main__":
