@@ -1,15 +1,19 @@
 """`trtllm-dflash build`: a good build, and every bad input ending in one sentence and exit code 2."""
 
 import json
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.engine.engine_dir import open_engine
 
 
 @pytest.fixture
@@ -203,3 +207,20 @@ def test_console_script_end_to_end(pair, tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert json.loads((tmp_path / "out.jsonl").read_text())["num_output_tokens"] == 5
+
+
+def test_killed_builds_never_leave_an_engine_that_loads(pair):
+    """SIGKILL a build at many moments: the output either does not exist or is complete and verified."""
+    config = write_config(pair)
+    rng = random.Random(0)
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-m", "trtllm_dflash.cli", "build", str(config), "--force"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.5, 6.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        engine = pair / "engine"
+        if engine.exists():
+            open_engine(engine)  # raises if anything is missing or does not match the manifest
+    assert main(["build", str(config), "--force"]) == 0
+    assert not list(pair.glob(".engine.building-*")), "temporary directories of killed builds are cleaned up"

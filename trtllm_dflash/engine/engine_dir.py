@@ -94,6 +94,14 @@ def check_output(final: Path, force: bool) -> None:
         raise UserError(f"{final}: output directory already exists (use --force to replace it).")
 
 
+def _remove_stale_builds(final: Path) -> None:
+    """Remove temporary directories of earlier builds of `final` whose process is gone (killed builds)."""
+    for tmp in final.parent.glob(f".{final.name}.building-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextmanager
 def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling of `final`; on success, rename it into place (replacing only if `force`).
@@ -104,6 +112,7 @@ def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
     final = Path(final)
     check_output(final, force)
     final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(final)
     tmp = final.parent / f".{final.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
