@@ -67,7 +67,8 @@ def test_block_loss_weights_decay_with_slot():
 def test_loss_falls_and_build_accepts_the_drafter(biased_pairs, data, tmp_path):
     qwen3_pair = biased_pairs[8]  # a target with predictable text, so 30 steps show learning
     out = tmp_path / "drafter"
-    assert train(qwen3_pair / "target", data, out, 30) == 0
+    assert train(qwen3_pair / "target", data, out, 30, "--dtype", "bfloat16") == 0
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
     log = json.loads((out / "training.json").read_text())["state"]
     losses = log["losses"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors, read_json
@@ -236,6 +237,6 @@ def save_drafter(directory: Path, spec: DecoderSpec, params: DFlashParams, num_t
         "dtype": dtype,
     }
     expected = drafter_tensor_shapes(spec, params)
-    tensors = {name: state_dict[name].detach().contiguous() for name in expected}
+    tensors = {name: state_dict[name].detach().to(getattr(torch, dtype)).contiguous() for name in expected}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

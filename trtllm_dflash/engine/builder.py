@@ -63,7 +63,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             task = bar.add_task("converting weights", total=total)
             for prefix, store, names in sources:
                 for name in names:
-                    module = name[: -len(".weight")]
+                    module = name.removesuffix(".weight")
                     if prefix == TARGET_PREFIX and f"{module}.weight_scale" in quantized:
                         # A quantized linear: stored exactly as ModelOpt exported it.
                         for key in (name, *(module + s for s in SCALE_SUFFIXES)):
