@@ -21,7 +21,6 @@ import torch
 
 from trtllm_dflash.config import load_build_config
 from trtllm_dflash.engine.builder import build_engine
-from trtllm_dflash.runtime.decoding import Decoder
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.runtime.runner import Engine
 
@@ -45,8 +44,8 @@ def main() -> None:
             requests, errors = read_requests(args.prompts, engine.tokenizer, defaults)
             assert not errors, errors
             requests = requests[: args.num_prompts]
-            dflash = {r.request.id: r for r in Decoder(engine.executor, "dflash", engine.config.eos_token_ids).generate(requests)}
-            ar = {r.request.id: r for r in Decoder(engine.executor, "ar", engine.config.eos_token_ids).generate(requests)}
+            dflash = {r.request.id: r for r in engine.decoder("dflash").generate(requests)}
+            ar = {r.request.id: r for r in engine.decoder("ar").generate(requests)}
             outputs[quant] = {i: r.output_token_ids for i, r in dflash.items()}
             steps = [n for r in dflash.values() for n in r.acceptance_lengths]
             row = {"quantization": quant, "mean_acceptance_length": round(sum(steps) / len(steps), 3),

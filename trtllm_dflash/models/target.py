@@ -107,11 +107,13 @@ class TargetModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, slots, positions, mask)
-            captured[i] = x
+            if i in capture_layers:
+                captured[i] = x
         x = self.model.norm(x)
         # HF's hidden_states[num_layers] (what the reference reads for the last layer id) is taken
         # after the final norm.
-        captured[self.spec.num_layers - 1] = x
+        if self.spec.num_layers - 1 in capture_layers:
+            captured[self.spec.num_layers - 1] = x
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]

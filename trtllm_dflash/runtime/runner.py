@@ -61,8 +61,9 @@ class Engine:
         executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
 
-    def decoder(self, mode: Mode) -> Decoder:
-        return Decoder(self.executor, mode, self.config.eos_token_ids)
+    def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:
+        """A decoder that stops at the engine's EOS ids and `stop_token_ids`."""
+        return Decoder(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids])
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_pat
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     mode = opts.mode
-    decoder = Decoder(engine.executor, mode, [*cfg.eos_token_ids, *opts.stop_token_ids])
+    decoder = engine.decoder(mode, opts.stop_token_ids)
     results: list[Result] = []
     start = time.perf_counter()
     with output_path.open("w") as out:
