@@ -54,7 +54,11 @@ def test_outputs_and_summary(engine_dir, tmp_path, capsys, mode):
     tok = load_tokenizer(engine_dir / "tokenizer")
     for r in records:
         assert set(r) == {"id", "text", "output_token_ids", "finish_reason", "num_prompt_tokens",
-                          "num_output_tokens", "acceptance_lengths"}
+                          "num_output_tokens", "acceptance_lengths", "ttft_ms", "tpot_ms", "e2e_latency_ms"}
+        assert 0 < r["ttft_ms"] <= r["e2e_latency_ms"]
+        if r["num_output_tokens"] > 1:
+            assert r["tpot_ms"] == pytest.approx((r["e2e_latency_ms"] - r["ttft_ms"]) / (r["num_output_tokens"] - 1),
+                                                 rel=1e-3, abs=1e-3)
         assert r["num_output_tokens"] == len(r["output_token_ids"])
         assert r["text"] == tok.decode(r["output_token_ids"], skip_special_tokens=True)
         assert r["finish_reason"] in ("stop", "length")
@@ -67,7 +71,12 @@ def test_outputs_and_summary(engine_dir, tmp_path, capsys, mode):
     assert by_id[7]["num_prompt_tokens"] == len(chat)
     assert by_id["plain"]["num_prompt_tokens"] == len(tok("def fibonacci(n):")["input_ids"])
     assert set(summary) == {"mode", "num_requests", "num_output_tokens", "wall_time_s", "output_tokens_per_s",
-                            "mean_acceptance_length", "acceptance_rate_per_position", "num_failed"}
+                            "mean_acceptance_length", "acceptance_rate_per_position", "num_failed",
+                            "ttft_ms", "tpot_ms", "request_latency_ms"}
+    for key in ("ttft_ms", "request_latency_ms"):
+        block = summary[key]
+        assert block["minimum"] <= block["p50"] <= block["p90"] <= block["p99"] <= block["maximum"]
+        assert block["maximum"] == max(r[key if key == "ttft_ms" else "e2e_latency_ms"] for r in records)
     assert summary["mode"] == mode and summary["num_requests"] == 3 and summary["num_failed"] == 0
     assert summary["num_output_tokens"] == sum(r["num_output_tokens"] for r in records)
     steps = [n for r in records for n in r["acceptance_lengths"]]

@@ -14,6 +14,7 @@ not yet in it. The drafter's context cache holds the same positions.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -42,56 +43,125 @@ class Result:
     output_token_ids: list[int]
     finish_reason: Literal["stop", "length"]
     acceptance_lengths: list[int]  # tokens committed per verify step (accepted drafts + 1)
+    ttft_s: float = 0.0  # submission -> first output token (includes queueing for a free slot)
+    e2e_s: float = 0.0  # submission -> last output token
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (trtllm-bench's TPOT); None for one-token outputs."""
+        n = len(self.output_token_ids)
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else None
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one scheduler step produced for one request: newly committed tokens, and its result once done."""
+
+    request: Request
+    new_token_ids: list[int]
+    result: Result | None = None
 
 
 @dataclass
 class _Active:
     request: Request
     slot: int
+    submitted: float
     output: list[int] = field(default_factory=list)  # committed tokens; the last one is the anchor
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: Literal["stop", "length"] | None = None
+    first_token_at: float | None = None
 
     @property
     def start(self) -> int:
         """Position of the anchor = number of positions in the KV caches."""
         return len(self.request.prompt_token_ids) + len(self.output) - 1
 
-    def commit(self, tokens: list[int], stop_ids: frozenset[int]) -> None:
+    def commit(self, tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+        """Append tokens up to the first stop token / the length limit; returns those appended."""
+        done = []
         for tok in tokens:
             self.output.append(tok)
+            done.append(tok)
             if tok in stop_ids:
                 self.finish_reason = "stop"
             elif len(self.output) >= self.request.max_new_tokens:
                 self.finish_reason = "length"
             if self.finish_reason:
-                return
+                break
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        return done
+
+    def result(self) -> Result:
+        now = time.perf_counter()
+        return Result(self.request, self.output, self.finish_reason, self.acceptance_lengths,
+                      ttft_s=self.first_token_at - self.submitted, e2e_s=now - self.submitted)
 
 
 class Decoder:
-    """Runs requests to completion on one executor, `mode` 'dflash' or 'ar'."""
+    """Continuous-batching scheduler over one executor's KV-cache slots, `mode` 'dflash' or 'ar'.
+
+    `submit` queues requests; every `step` admits queued requests into free slots (one batched
+    prefill), runs one decoding step (a draft + verify pass, or one AR token) for every running
+    request and returns what each request committed. Finished requests free their slot in the
+    same step, so the next step admits new ones. `generate` is the batch-job loop over it.
+    """
 
     def __init__(self, executor: Executor, mode: Mode, stop_token_ids: Iterable[int]):
         self.executor, self.mode = executor, mode
         self.stop_ids = frozenset(stop_token_ids)
+        self._pending: deque[tuple[Request, float]] = deque()
+        self._free = list(range(executor.num_slots))
+        self._active: list[_Active] = []
+
+    def submit(self, request: Request) -> None:
+        limit = self.executor.max_seq_len
+        if len(request.prompt_token_ids) + request.max_new_tokens > limit:
+            raise ValueError(f"request {request.id!r}: prompt ({len(request.prompt_token_ids)} tokens) + "
+                             f"max_new_tokens ({request.max_new_tokens}) exceeds the engine's max_seq_len {limit}")
+        self._pending.append((request, time.perf_counter()))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending or self._active)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def step(self) -> list[Update]:
+        before = {id(a): len(a.output) for a in self._active}
+        admitted = []
+        while self._pending and self._free:
+            request, submitted = self._pending.popleft()
+            admitted.append(_Active(request, self._free.pop(0), submitted))
+        if admitted:
+            self._prefill(admitted)
+            self._active += admitted
+        running = [a for a in self._active if a.finish_reason is None]
+        if running:
+            self._dflash_step(running) if self.mode == "dflash" else self._ar_step(running)
+        updates = []
+        for a in list(self._active):
+            new = a.output[before.get(id(a), 0):]
+            result = None
+            if a.finish_reason is not None:
+                self._active.remove(a)
+                self._free.append(a.slot)
+                result = a.result()
+            if new or result:
+                updates.append(Update(a.request, new, result))
+        return updates
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Yield each request's result as soon as it finishes (not in input order)."""
-        pending = deque(requests)
-        free = list(range(self.executor.num_slots))
-        active: list[_Active] = []
-        while pending or active:
-            admitted = [_Active(pending.popleft(), free.pop(0)) for _ in range(min(len(free), len(pending)))]
-            if admitted:
-                self._prefill(admitted)
-                active += admitted
-            running = [a for a in active if a.finish_reason is None]
-            if running:
-                self._dflash_step(running) if self.mode == "dflash" else self._ar_step(running)
-            for a in [a for a in active if a.finish_reason is not None]:
-                active.remove(a)
-                free.append(a.slot)
-                yield Result(a.request, a.output, a.finish_reason, a.acceptance_lengths)
+        for request in requests:
+            self.submit(request)
+        while self.has_work:
+            for update in self.step():
+                if update.result is not None:
+                    yield update.result
 
     def _batch(self, active: list[_Active]):
         ex = self.executor

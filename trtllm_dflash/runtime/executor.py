@@ -20,6 +20,7 @@ from trtllm_dflash.speculative.core import block_input
 class Executor(Protocol):
     num_slots: int
     vocab_size: int
+    max_seq_len: int  # prompt + output tokens a slot holds
 
     def target_forward(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
                        capture: bool, last_index: torch.Tensor | None = None) -> TargetOutput: ...
@@ -37,7 +38,7 @@ class TorchExecutor:
         self.target, self.drafter = target, drafter
         # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
         self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
-        self.num_slots, self.vocab_size = num_slots, target.spec.vocab_size
+        self.num_slots, self.vocab_size, self.max_seq_len = num_slots, target.spec.vocab_size, max_seq_len
         # A verify pass writes block_size positions from the last committed one.
         margin = drafter.params.block_size if drafter is not None else 1
         self.target_cache = target.new_cache(num_slots, max_seq_len + margin)

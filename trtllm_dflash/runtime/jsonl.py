@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.errors import UserError
@@ -116,7 +117,20 @@ def result_record(result: Result, tokenizer: PreTrainedTokenizerBase) -> dict:
         "num_prompt_tokens": len(result.request.prompt_token_ids),
         "num_output_tokens": len(result.output_token_ids),
         "acceptance_lengths": result.acceptance_lengths,
+        "ttft_ms": round(result.ttft_s * 1e3, 3),
+        "tpot_ms": None if result.tpot_s is None else round(result.tpot_s * 1e3, 3),
+        "e2e_latency_ms": round(result.e2e_s * 1e3, 3),
     }
+
+
+def percentiles_ms(seconds: list[float]) -> dict | None:
+    """trtllm-bench's percentile block (minimum/maximum/average/p50/p90/p95/p99) in milliseconds."""
+    if not seconds:
+        return None
+    ms = np.asarray(seconds) * 1e3
+    stats = {"minimum": ms.min(), "maximum": ms.max(), "average": ms.mean()}
+    stats |= {f"p{q}": np.percentile(ms, q) for q in (50, 90, 95, 99)}
+    return {k: round(float(v), 3) for k, v in stats.items()}
 
 
 def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: int) -> dict:
@@ -132,4 +146,7 @@ def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: 
         "output_tokens_per_s": round(num_out / wall_time_s, 3) if wall_time_s > 0 else None,
         "mean_acceptance_length": round(sum(steps) / len(steps), 4) if steps else (1.0 if mode == "ar" else None),
         "acceptance_rate_per_position": [round(x, 4) for x in per_position],
+        "ttft_ms": percentiles_ms([r.ttft_s for r in results]),
+        "tpot_ms": percentiles_ms([r.tpot_s for r in results if r.tpot_s is not None]),
+        "request_latency_ms": percentiles_ms([r.e2e_s for r in results]),
     }
