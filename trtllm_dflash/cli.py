@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trtllm_dflash import __version__
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.parallel.world import AgreedError
 from trtllm_dflash.runtime.runner import RunOptions
 
 EXIT_USER_ERROR = 2  # bad config / checkpoint / engine: nothing was produced
@@ -40,12 +41,29 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from trtllm_dflash.runtime.runner import run_jsonl
+    from trtllm_dflash.parallel.world import init_world
+    from trtllm_dflash.runtime.runner import run_jsonl, stream
 
+    if args.stream is None and (args.input is None or args.output is None):
+        raise UserError("run needs --input and --output (or --stream PROMPT for interactive use).")
+    if args.stream is not None and (args.input or args.output or args.resume):
+        raise UserError("--stream prints to the terminal; it does not take --input, --output or --resume.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
-                      args.threads, args.block_size)
-    bad = run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts)
-    return EXIT_BAD_LINES if bad else 0
+                      args.threads, args.block_size, args.device, args.resume, args.progress)
+    world = init_world("nccl" if args.device == "cuda" else "gloo")
+    try:
+        if args.stream is not None:
+            return stream(args.engine_dir, args.stream, opts, world)
+        bad = run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts, world)
+        return EXIT_BAD_LINES if bad else 0
+    except UserError as exc:
+        if world.size > 1 and not isinstance(exc, AgreedError):
+            world.abort(str(exc), EXIT_USER_ERROR)  # one rank failed alone: end them all
+        raise
+    except Exception as exc:
+        if world.size > 1:  # never leave the other ranks waiting on a collective
+            world.abort(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -136,8 +154,13 @@ def parser() -> argparse.ArgumentParser:
     ro = RunOptions()
     r = sub.add_parser("run", help="batch inference over a JSONL file of requests")
     r.add_argument("engine_dir", type=Path)
-    r.add_argument("--input", type=Path, required=True, help="JSONL: {id, prompt | messages | prompt_token_ids}")
-    r.add_argument("--output", type=Path, required=True, help="JSONL results, one line per finished request")
+    r.add_argument("--input", type=Path, help="JSONL: {id, prompt | messages | prompt_token_ids}")
+    r.add_argument("--output", type=Path, help="JSONL results, one line per finished request, flushed as it finishes")
+    r.add_argument("--resume", action="store_true",
+                   help="keep the requests already in --output (from an interrupted run) and run only the others")
+    r.add_argument("--stream", metavar="PROMPT",
+                   help="interactive: print the completion of PROMPT as tokens are committed ('-': prompts from "
+                        "stdin, one per line)")
     r.add_argument("--mode", choices=("dflash", "ar"), default=ro.mode,
                    help=f"dflash: speculative decoding; ar: plain autoregressive decoding (default: {ro.mode})")
     r.add_argument("--max-new-tokens", type=_positive_int, default=ro.max_new_tokens,
@@ -150,6 +173,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--summary", type=Path, help="write the run summary JSON here")
     r.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     r.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
+    r.add_argument("--device", choices=("cpu", "cuda"), default=ro.device,
+                   help="cuda: rank r runs on GPU r %% device_count, collectives over nccl (default: cpu)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="live progress on stderr (default: only when stderr is a terminal)")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("compare", help="DFlash vs autoregressive on the same engine: completions, acceptance, speedup",
@@ -184,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # an error all MPI ranks share is printed by rank 0 only
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

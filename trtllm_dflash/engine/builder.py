@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 from rich.progress import Progress
-from safetensors.torch import save_file
 
 from trtllm_dflash import __version__
 from trtllm_dflash.checkpoint.formats import (
@@ -19,8 +18,10 @@ from trtllm_dflash.engine.engine_dir import (
     write_manifest,
 )
 from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
+from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.quantized import SCALE_SUFFIXES
+from trtllm_dflash.parallel.shard import check_tp, shard_tensor, split_for
 
 
 def quantization_section(quantization: str, quantized: dict[str, torch.Tensor]) -> dict:
@@ -33,11 +34,9 @@ def quantization_section(quantization: str, quantized: dict[str, torch.Tensor]) 
 
 
 def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config") -> Path:
-    """Validate, convert and write the engine; returns its directory. `source` names the config in errors."""
+    """Validate, convert, shard and write the engine; returns its directory. `source` names the config in errors."""
     if cfg.quantize_drafter:
         raise UserError(f"{source}: quantize_drafter is not yet supported (the drafter keeps dtype {cfg.dtype}).")
-    if cfg.tp_size != 1:
-        raise UserError(f"{source}: tp_size {cfg.tp_size} is not yet supported (only 1 in this release).")
     assert cfg.output is not None
     check_output(cfg.output, force)
     target, drafter = load_pair(cfg.target, cfg.drafter)
@@ -46,6 +45,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
             f"{target.spec.max_position_embeddings}."
         )
+    check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none")
+    check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", False)
     tokenizer = load_tokenizer(cfg.target)
     eos = list(target.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     dtype = getattr(torch, cfg.dtype)
@@ -54,26 +55,29 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
     if cfg.quantization != "none":
         batches = calibration_batches(tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
         quantized = quantize_target(cfg.target, cfg.quantization, batches)
-    sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec)),
-               (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params))]
+
+    def stored(prefix: str, store, name: str) -> list[tuple[str, torch.Tensor]]:
+        """One checkpoint tensor as stored in the engine (a quantized linear: as ModelOpt exported it)."""
+        module = name.removesuffix(".weight")
+        if prefix == TARGET_PREFIX and f"{module}.weight_scale" in quantized:
+            return [(key, quantized[key]) for key in (name, *(module + s for s in SCALE_SUFFIXES)) if key in quantized]
+        return [(name, store.get(name).to(dtype))]
+
+    sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec), target.spec),
+               (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params), drafter.spec)]
     with atomic_directory(cfg.output, force) as tmp:
-        tensors: dict[str, torch.Tensor] = {}
-        total = sum(len(names) for _, _, names in sources)
+        total = cfg.tp_size * sum(len(names) for _, _, names, _ in sources)
         with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("converting weights", total=total)
-            for prefix, store, names in sources:
-                for name in names:
-                    module = name.removesuffix(".weight")
-                    if prefix == TARGET_PREFIX and f"{module}.weight_scale" in quantized:
-                        # A quantized linear: stored exactly as ModelOpt exported it.
-                        for key in (name, *(module + s for s in SCALE_SUFFIXES)):
-                            if key in quantized:
-                                tensors[prefix + key] = quantized[key].contiguous()
-                    else:
-                        tensors[prefix + name] = store.get(name).to(dtype).contiguous()
-                    bar.advance(task)
-        save_file(tensors, str(tmp / rank_file(0)), metadata={"format": "pt"})
-        del tensors
+            task = bar.add_task("writing weights", total=total)
+            for rank in range(cfg.tp_size):
+                bar.update(task, description=f"writing {rank_file(rank)}")
+                # Streamed tensor by tensor: memory holds one source tensor at a time, never a whole rank.
+                with SafetensorsWriter(tmp / rank_file(rank), metadata={"format": "pt"}) as out:
+                    for prefix, store, names, spec in sources:
+                        for name in names:
+                            for key, tensor in stored(prefix, store, name):
+                                out.add(prefix + key, shard_tensor(tensor, split_for(key, spec, cfg.tp_size, rank)))
+                            bar.advance(task)
         tokenizer.save_pretrained(str(tmp / TOKENIZER))
         engine_cfg = EngineConfig(
             trtllm_dflash_version=__version__,

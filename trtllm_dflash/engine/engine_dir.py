@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,8 +50,10 @@ def write_manifest(root: Path) -> None:
     (root / MANIFEST).write_text(json.dumps({"files": entries}, indent=2) + "\n")
 
 
-def verify_manifest(root: Path) -> None:
-    """Every listed file exists with its size and sha256, and nothing unlisted was added."""
+def verify_manifest(root: Path, rank: int | None = None) -> None:
+    """Every listed file exists with its size and sha256, and nothing unlisted was added.
+
+    With `rank`, other ranks' weight files are not read (each MPI rank checks the files it uses)."""
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise UserError(f"{root}: not an engine directory ({MANIFEST} is missing; was the build interrupted?).")
@@ -59,6 +62,8 @@ def verify_manifest(root: Path) -> None:
     except (json.JSONDecodeError, KeyError, TypeError):
         raise UserError(f"{manifest}: unreadable manifest.") from None
     for rel, meta in entries.items():
+        if rank is not None and re.fullmatch(r"rank\d+\.safetensors", rel) and rel != rank_file(rank):
+            continue
         path = root / rel
         if not path.is_file():
             raise UserError(f"{path}: engine file listed in {MANIFEST} is missing.")
@@ -77,12 +82,12 @@ def read_engine_config(root: Path) -> EngineConfig:
         raise UserError(describe_validation_error(str(path), exc)) from None
 
 
-def open_engine(root: Path) -> EngineConfig:
-    """Verify an engine directory and return its config."""
+def open_engine(root: Path, rank: int | None = None) -> EngineConfig:
+    """Verify an engine directory (with `rank`: only that rank's weights) and return its config."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: engine directory does not exist.")
-    verify_manifest(root)
+    verify_manifest(root, rank)
     return read_engine_config(root)
 
 

@@ -21,43 +21,49 @@ import torch
 from torch import nn
 
 from trtllm_dflash.models.layers import (
-    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, apply_rotary, attend,
+    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, apply_rotary, attend, drop_replicated_biases,
 )
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
+from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup):
         super().__init__()
-        self.self_attn = AttentionProjections(spec)
-        self.mlp = MLP(spec)
+        self.self_attn = AttentionProjections(spec, tp)
+        self.mlp = MLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, spec: DecoderSpec, params: DFlashParams):
+    """Under tensor parallelism (`tp`) the draft layers are split like the target's; fc and the norms are
+    replicated."""
+
+    def __init__(self, spec: DecoderSpec, params: DFlashParams, tp: TPGroup = SINGLE):
         super().__init__()
         assert spec.qk_norm, "DFlash draft layers are Qwen3 layers (q_norm/k_norm)"
         self.spec, self.params = spec, params
         n_feat = len(params.target_layer_ids)
         self.fc = nn.Linear(n_feat * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = Rotary(spec)
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         s, p = self.spec, self.fc.weight
-        return KVCache(s.num_layers, num_slots, capacity, s.num_kv_heads, s.head_dim, p.dtype, p.device)
+        kv = self.layers[0].self_attn.num_kv_heads
+        return KVCache(s.num_layers, num_slots, capacity, kv, s.head_dim, p.dtype, p.device)
 
     @classmethod
-    def from_state_dict(cls, spec: DecoderSpec, params: DFlashParams,
-                        state_dict: dict[str, torch.Tensor]) -> "DFlashDrafter":
-        """Build without random init and adopt the given tensors (z-lab names)."""
+    def from_state_dict(cls, spec: DecoderSpec, params: DFlashParams, state_dict: dict[str, torch.Tensor],
+                        tp: TPGroup = SINGLE) -> "DFlashDrafter":
+        """Build without random init and adopt the given tensors (z-lab names; under `tp`, this rank's shard)."""
         with torch.device("meta"):
-            model = cls(spec, params)
+            model = cls(spec, params, tp)
         model.load_state_dict(state_dict, strict=True, assign=True)
+        drop_replicated_biases(model, tp)
         return model.requires_grad_(False).eval()
 
     def forward_blocks(
@@ -85,7 +91,7 @@ class DFlashDrafter(nn.Module):
             k_blk, v_blk = attn.key_value(h)
             k = torch.cat([apply_rotary(k_ctx, cos_c, sin_c), apply_rotary(k_blk, cos_b, sin_b)], dim=1)
             v = torch.cat([v_ctx, v_blk], dim=1)
-            x = x + attn.o_proj(attend(q, k, v, mask))
+            x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -129,6 +135,6 @@ class DFlashDrafter(nn.Module):
             k_ctx, v_ctx = cache.read(i, slots, kv_len)
             k = torch.cat([k_ctx, apply_rotary(k_blk, cos, sin)], dim=1)
             v = torch.cat([v_ctx, v_blk], dim=1)
-            x = x + attn.o_proj(attend(q, k, v, mask))
+            x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

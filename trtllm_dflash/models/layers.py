@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtllm_dflash.models.spec import DecoderSpec
+from trtllm_dflash.parallel.group import SINGLE, TPGroup
+from trtllm_dflash.parallel.shard import kv_heads, o_proj_columns, padded_vocab, query_heads
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +55,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    """gate/up column-parallel, down row-parallel (its partial sums all-reduced) over `tp`."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
         super().__init__()
-        h, i, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        h, i, bias = spec.hidden_size, spec.intermediate_size // tp.size, spec.mlp_bias
+        self.tp = tp
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -63,20 +68,27 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class AttentionProjections(nn.Module):
-    """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints."""
+    """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints.
 
-    def __init__(self, spec: DecoderSpec):
+    Under tensor parallelism (parallel/shard.py) this rank holds its query and KV heads, and the o_proj
+    input columns it multiplies (`o_columns`, a slice of its attention output); `output` all-reduces.
+    """
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
         super().__init__()
         h, hd, bias = spec.hidden_size, spec.head_dim, spec.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
-        self.q_proj = nn.Linear(h, spec.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(spec.num_heads * hd, h, bias=bias)
+        heads, kv = query_heads(spec, tp.size, tp.rank), kv_heads(spec, tp.size, tp.rank)
+        cols = o_proj_columns(spec, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.tp = len(heads), len(kv), hd, tp
+        self.o_columns = slice(cols.start - heads.start * hd, cols.stop - heads.start * hd)
+        self.q_proj = nn.Linear(h, len(heads) * hd, bias=bias)
+        self.k_proj = nn.Linear(h, len(kv) * hd, bias=bias)
+        self.v_proj = nn.Linear(h, len(kv) * hd, bias=bias)
+        self.o_proj = nn.Linear(len(cols), h, bias=bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
@@ -93,6 +105,39 @@ class AttentionProjections(nn.Module):
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return (self.k_norm(k) if self.k_norm is not None else k), v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        # attended: [B, T, heads * head_dim] -> [B, T, hidden], summed over the ranks
+        return self.tp.all_reduce(self.o_proj(attended[..., self.o_columns]))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rank r holds rows [r * V/tp, (r+1) * V/tp) of the (padded) vocabulary; other ids give zeros before
+    the all-reduce."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
+        self.per_rank = padded_vocab(spec.vocab_size, tp.size) // tp.size
+        super().__init__(self.per_rank, spec.hidden_size)
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.tp.rank * self.per_rank
+        inside = (local >= 0) & (local < self.per_rank)
+        x = super().forward(local.clamp(0, self.per_rank - 1)) * inside[..., None].to(self.weight.dtype)
+        return self.tp.all_reduce(x)
+
+
+def drop_replicated_biases(model: nn.Module, tp: TPGroup) -> None:
+    """Row-parallel biases are stored on every rank but added once: keep rank 0's."""
+    if tp.rank == 0:
+        return
+    for module in model.modules():
+        for linear in ((module.o_proj,) if isinstance(module, AttentionProjections) else
+                       (module.down_proj,) if isinstance(module, MLP) else ()):
+            if getattr(linear, "bias", None) is not None:
+                linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from trtllm_dflash.models.layers import (
-    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, apply_rotary, attend,
+    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, VocabParallelEmbedding, apply_rotary, attend,
+    drop_replicated_biases,
 )
 from trtllm_dflash.models.spec import DecoderSpec
+from trtllm_dflash.parallel.group import SINGLE, TPGroup
+from trtllm_dflash.parallel.shard import padded_vocab
 
 
 @dataclass
@@ -28,10 +31,10 @@ class TargetOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup):
         super().__init__()
-        self.self_attn = AttentionProjections(spec)
-        self.mlp = MLP(spec)
+        self.self_attn = AttentionProjections(spec, tp)
+        self.mlp = MLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -42,51 +45,57 @@ class DecoderLayer(nn.Module):
         k, v = attn.key_value(h)
         cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
         k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1])
-        x = x + attn.o_proj(attend(q, k_all, v_all, mask))
+        x = x + attn.output(attend(q, k_all, v_all, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderBody(nn.Module):
     """HF's `model.` submodule: embed_tokens, layers, norm."""
 
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class TargetModel(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    """`spec` is the whole model's; under tensor parallelism (`tp`) this module holds one rank's shard."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
         super().__init__()
-        self.spec = spec
-        self.model = DecoderBody(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.spec, self.tp = spec, tp
+        self.model = DecoderBody(spec, tp)
+        self.lm_head = nn.Linear(spec.hidden_size, padded_vocab(spec.vocab_size, tp.size) // tp.size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(spec)
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         s, p = self.spec, self.lm_head.weight
-        return KVCache(s.num_layers, num_slots, capacity, s.num_kv_heads, s.head_dim, p.dtype, p.device)
+        kv = self.model.layers[0].self_attn.num_kv_heads
+        return KVCache(s.num_layers, num_slots, capacity, kv, s.head_dim, p.dtype, p.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head of already-normed hidden states, in fp32."""
-        return self.lm_head(hidden).float()
+        """lm_head of already-normed hidden states, in fp32 (gathered over the vocabulary shards)."""
+        return self.tp.all_gather_last(self.lm_head(hidden).float())[..., : self.spec.vocab_size]
 
     @classmethod
-    def from_state_dict(cls, spec: DecoderSpec, state_dict: dict[str, torch.Tensor]) -> "TargetModel":
-        """Build without random init and adopt the given tensors (HF names, `lm_head` absent if tied)."""
+    def from_state_dict(cls, spec: DecoderSpec, state_dict: dict[str, torch.Tensor],
+                        tp: TPGroup = SINGLE) -> "TargetModel":
+        """Build without random init and adopt the given tensors (HF names, `lm_head` absent if tied;
+        under `tp`, this rank's shard)."""
         with torch.device("meta"):
-            model = cls(spec)
+            model = cls(spec, tp)
         missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
         tied = {"lm_head.weight"} if spec.tie_word_embeddings else set()
         assert set(missing) == tied and not unexpected, (missing, unexpected)
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        drop_replicated_biases(model, tp)
         return model.requires_grad_(False).eval()
 
     @torch.inference_mode()

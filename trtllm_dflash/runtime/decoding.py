@@ -115,11 +115,15 @@ class Decoder:
         self._free = list(range(executor.num_slots))
         self._active: list[_Active] = []
 
-    def submit(self, request: Request) -> None:
+    def check(self, request: Request) -> None:
+        """Raise ValueError if the request can never fit in a slot (prompt + max_new_tokens > max_seq_len)."""
         limit = self.executor.max_seq_len
         if len(request.prompt_token_ids) + request.max_new_tokens > limit:
             raise ValueError(f"request {request.id!r}: prompt ({len(request.prompt_token_ids)} tokens) + "
                              f"max_new_tokens ({request.max_new_tokens}) exceeds the engine's max_seq_len {limit}")
+
+    def submit(self, request: Request) -> None:
+        self.check(request)
         self._pending.append((request, time.perf_counter()))
 
     @property

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file
 
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
@@ -19,9 +23,12 @@ from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.decoding import Decoder, Mode, Result
+from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
+from trtllm_dflash.parallel.world import World
+from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
+from trtllm_dflash.speculative.core import request_seed
 
 
 def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
@@ -33,31 +40,36 @@ def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashPar
 
 @dataclass
 class Engine:
-    """A loaded engine: its config, tokenizer and torch executor."""
+    """A loaded engine (this rank's shard of it under tensor parallelism): config, tokenizer, torch executor."""
 
     config: EngineConfig
     tokenizer: object
     executor: TorchExecutor
 
     @classmethod
-    def load(cls, root: Path, device: str = "cpu", block_size: int | None = None) -> "Engine":
-        """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained."""
+    def load(cls, root: Path, device: str = "cpu", block_size: int | None = None, world: World = World()) -> "Engine":
+        """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained.
+
+        Under MPI, each rank verifies and reads only its own rank file."""
         root = Path(root)
-        cfg = open_engine(root)
+        cfg = open_engine(root, rank=world.rank)
         if block_size is not None and not 2 <= block_size <= cfg.dflash.block_size:
             raise UserError(f"--block-size {block_size}: must be between 2 and the engine's trained block_size "
                             f"{cfg.dflash.block_size}.")
-        if cfg.mapping.tp_size != 1:
-            raise UserError(f"{root}: tp_size {cfg.mapping.tp_size} engines are not yet supported by `run`.")
+        tp = cfg.mapping.tp_size
+        if tp != world.size:
+            how = f"mpirun -n {tp} trtllm-dflash run ..." if tp > 1 else "trtllm-dflash run ... (without mpirun)"
+            raise UserError(f"{root}: the engine is split for tp_size {tp} but this run has {world.size} "
+                            f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
         target_spec, drafter_spec, params = engine_specs(cfg)
-        weights = load_file(str(root / rank_file(0)), device=device)
+        weights = load_file(str(root / rank_file(world.rank)), device=device)
         split = {p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
                  for p in (TARGET_PREFIX, DRAFTER_PREFIX)}
         dtype = getattr(torch, cfg.dtype)
         target_state, quantized_inputs = dequantize_state_dict(split[TARGET_PREFIX], dtype)
-        target = TargetModel.from_state_dict(target_spec, target_state)
+        target = TargetModel.from_state_dict(target_spec, target_state, world.tp)
         quantize_inputs(target, quantized_inputs)
-        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, split[DRAFTER_PREFIX])
+        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, split[DRAFTER_PREFIX], world.tp)
         executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
 
@@ -75,40 +87,107 @@ class RunOptions:
     temperature: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
-    threads: int | None = None  # torch CPU threads (None: torch's default)
+    threads: int | None = None  # torch CPU threads per rank (None: torch's choice, shared out among ranks)
     block_size: int | None = None  # tokens per block, <= the engine's trained block_size (None: trained)
+    device: str = "cpu"  # "cpu" or "cuda" (rank r uses GPU r % device_count)
+    resume: bool = False  # keep the output file's finished requests and run only the others
+    progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
+
+
+def _set_threads(opts: RunOptions, world: World) -> None:
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    elif world.size > 1:  # ranks on one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.size))
+
+
+def _device(opts: RunOptions, world: World) -> str:
+    if opts.device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible to torch on this machine.")
+    return f"cuda:{world.rank % torch.cuda.device_count()}"
+
+
+def prepare(engine_dir: Path, opts: RunOptions, world: World,
+            inputs: tuple[Path, ...] = ()) -> tuple[Engine, Decoder]:
+    """Every rank: load its shard and check the options (errors agreed on by all ranks)."""
+
+    def load() -> tuple[Engine, Decoder]:
+        for path in inputs:
+            if not Path(path).is_file():
+                raise UserError(f"{path}: input file does not exist.")
+        engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world)
+        bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
+        if bad:
+            raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")
+        return engine, engine.decoder(opts.mode, opts.stop_token_ids)
+
+    _set_threads(opts, world)
+    return world.agree(load)
+
+
+def finished_ids(output_path: Path) -> set:
+    """Ids already in a previous run's output; a last line cut off by a crash is removed from the file."""
+    path = Path(output_path)
+    if not path.is_file():
+        return set()
+    raw = path.read_bytes()
+    keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
+    if len(keep) != len(raw):
+        path.write_bytes(keep)
+    ids = set()
+    for lineno, line in enumerate(keep.decode().splitlines(), start=1):
+        try:
+            ids.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{path}:{lineno}: not a result line of `run`; cannot --resume from this file.") from None
+    return ids
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
-              opts: RunOptions) -> int:
-    """The `run` command: returns the number of bad input lines (reported on stderr)."""
-    if not Path(input_path).is_file():
-        raise UserError(f"{input_path}: input file does not exist.")
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    engine = Engine.load(engine_dir, block_size=opts.block_size)
+              opts: RunOptions, world: World = World()) -> int:
+    """The `run` command: returns the number of bad input lines (reported on stderr). Every rank calls it."""
+    engine, decoder = prepare(engine_dir, opts, world, (input_path,))
+    if world.rank != 0:
+        follow(decoder)
+        return 0
+    driver = LockstepDriver(decoder) if world.size > 1 else decoder
+    try:
+        return _run_rank0(engine, driver, input_path, output_path, summary_path, opts)
+    finally:
+        if world.size > 1:
+            driver.close()
+
+
+def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summary_path: Path | None,
+               opts: RunOptions) -> int:
     cfg = engine.config
-    bad_stop = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
-    if bad_stop:
-        raise UserError(f"--stop-token-ids: {bad_stop[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")
     defaults = Defaults(opts.max_new_tokens, opts.temperature, opts.seed, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)
     for err in errors:
         print(f"{input_path}:{err.line}: {err.message}; line skipped.", file=sys.stderr)
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    mode = opts.mode
-    decoder = engine.decoder(mode, opts.stop_token_ids)
+    done = finished_ids(output_path) if opts.resume else set()
+    todo = [r for r in requests if r.id not in done]
+    if done:
+        print(f"--resume: {len(requests) - len(todo)} of {len(requests)} requests already in {output_path}; "
+              f"running {len(todo)}.", file=sys.stderr)
     results: list[Result] = []
+    show = sys.stderr.isatty() if opts.progress is None else opts.progress
     start = time.perf_counter()
-    with output_path.open("w") as out:
-        for result in decoder.generate(requests):
+    with output_path.open("a" if opts.resume else "w") as out, RunProgress(len(todo), show) as progress:
+        for result in driver.generate(todo):
             results.append(result)
             out.write(json.dumps(result_record(result, engine.tokenizer)) + "\n")
             out.flush()
+            progress.update(result, time.perf_counter() - start)
     wall = time.perf_counter() - start
+    mode = opts.mode
     summary = summarize(mode, results, wall, engine.executor.block_size)
     summary["num_failed"] = len(errors)
+    summary["num_skipped_resumed"] = len(requests) - len(todo)
     if summary_path is not None:
         Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
     al = summary["mean_acceptance_length"]
@@ -116,3 +195,88 @@ def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_pat
           f"{wall:.2f} s ({summary['output_tokens_per_s']} tokens/s), mean acceptance length "
           f"{al if al is None else f'{al:.2f}'}; results in {output_path}", file=sys.stderr)
     return len(errors)
+
+
+class RunProgress:
+    """Live `requests done/total, output tokens/s, mean acceptance length` on stderr (rich), when shown."""
+
+    def __init__(self, total: int, show: bool):
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.fields[stats]}"), TimeElapsedColumn(),
+                             console=Console(stderr=True), disable=not show, transient=True)
+        self._task = self._bar.add_task("requests", total=total, stats="")
+        self._tokens = self._steps = self._committed = 0
+
+    def update(self, result: Result, elapsed: float) -> None:
+        self._tokens += len(result.output_token_ids)
+        self._steps += len(result.acceptance_lengths)
+        self._committed += sum(result.acceptance_lengths)
+        al = f", AL {self._committed / self._steps:.2f}" if self._steps else ""
+        self._bar.update(self._task, advance=1, stats=f"{self._tokens / max(elapsed, 1e-9):.1f} tok/s{al}")
+
+    def __enter__(self) -> "RunProgress":
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+
+def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World = World(),
+           out: TextIO = sys.stdout) -> int:
+    """`run --stream PROMPT`: print each completion's text as its tokens are committed.
+
+    PROMPT '-' reads prompts from stdin, one per line, and streams them one after another."""
+    engine, decoder = prepare(engine_dir, opts, world)
+    if world.rank != 0:
+        follow(decoder)
+        return 0
+    driver = LockstepDriver(decoder) if world.size > 1 else decoder
+    tok = engine.tokenizer
+    prompts = (line.rstrip("\n") for line in sys.stdin) if prompt == "-" else iter([prompt])
+    try:
+        for n, text in enumerate(p for p in prompts if p.strip()):
+            ids = tok(text)["input_ids"]
+            request = Request(n, ids, opts.max_new_tokens, opts.temperature, request_seed(opts.seed, str(n)))
+            try:
+                driver.submit(request)
+            except ValueError as exc:
+                raise UserError(str(exc) + ".") from None
+            text_out = TextStream(tok)
+            while driver.has_work:
+                for update in driver.step():
+                    out.write(text_out.push(update.new_token_ids))
+                    out.flush()
+                    if update.result is not None:
+                        r = update.result
+                        al = sum(r.acceptance_lengths) / len(r.acceptance_lengths) if r.acceptance_lengths else 1.0
+                        out.write(text_out.finish() + "\n")
+                        print(f"[{len(r.output_token_ids)} tokens, {r.finish_reason}, TTFT {r.ttft_s * 1e3:.0f} ms, "
+                              f"TPOT {(r.tpot_s or 0) * 1e3:.1f} ms, mean acceptance length {al:.2f}]", file=sys.stderr)
+    finally:
+        if world.size > 1:
+            driver.close()
+    return 0
+
+
+class TextStream:
+    """Incremental detokenization whose pieces concatenate to `tokenizer.decode(all ids)`.
+
+    Holds text back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+    def finish(self) -> str:
+        """The text still held back (the request has ended)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        piece, self.sent = text[self.sent:], len(text)
+        return piece

@@ -1,0 +1,157 @@
+"""Tensor-parallel split rules: which slice of every target and drafter tensor a rank holds.
+
+The rules are TensorRT-LLM's (TRTLLM.md §4), applied to HF / z-lab tensor names:
+
+- column-parallel (output features, dim 0): q_proj by query heads, k_proj / v_proj by KV heads,
+  gate_proj / up_proj by intermediate features;
+- row-parallel (input features, dim 1, the partial outputs are all-reduced): o_proj, down_proj;
+- vocab-parallel (dim 0): embed_tokens and lm_head, the vocabulary zero-padded to a multiple of tp_size;
+- replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
+  (added by rank 0 only), and the per-tensor scales of quantized linears (weight_scale_2 / input_scale
+  for NVFP4, weight_scale / input_scale for FP8), so global scales are identical on every rank.
+
+KV heads fewer than ranks are replicated: rank r holds KV head r // (tp_size / num_kv_heads). Query
+heads fewer than ranks are replicated the same way, and each replica of a head takes an equal share of
+that head's o_proj input columns, so the all-reduced sum is still exactly one o_proj product.
+
+Every slice is a contiguous range of the logical (unpacked) dimension. Packed or block-scaled tensors
+are cut at the same logical range: NVFP4 weights hold 2 values per byte and their weight_scale one
+value per 16 inputs, so a row-parallel cut must fall on a multiple of 16 (checked by `check_tp`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.spec import DecoderSpec
+
+# Quantized linears are cut in blocks of this many inputs (NVFP4's weight_scale block).
+ROW_ALIGN = 16
+
+_LINEAR = re.compile(r"(?:^|\.)layers\.\d+\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class Split:
+    """Rank's range [start, stop) of the logical dimension `dim` (of logical size `full`)."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def _replicas(n: int, tp_size: int) -> int:
+    """How many ranks share each of n heads (1 when n >= tp_size)."""
+    return max(tp_size // n, 1)
+
+
+def query_heads(spec: DecoderSpec, tp_size: int, rank: int) -> range:
+    per = max(spec.num_heads // tp_size, 1)
+    first = rank * spec.num_heads // tp_size if spec.num_heads >= tp_size else rank // _replicas(spec.num_heads, tp_size)
+    return range(first, first + per)
+
+
+def kv_heads(spec: DecoderSpec, tp_size: int, rank: int) -> range:
+    n = spec.num_kv_heads
+    per = max(n // tp_size, 1)
+    first = rank * n // tp_size if n >= tp_size else rank // _replicas(n, tp_size)
+    return range(first, first + per)
+
+
+def o_proj_columns(spec: DecoderSpec, tp_size: int, rank: int) -> range:
+    """Columns of o_proj's input (= of the attention output) this rank multiplies."""
+    hd, heads = spec.head_dim, query_heads(spec, tp_size, rank)
+    rep = _replicas(spec.num_heads, tp_size)
+    if rep == 1:
+        return range(heads.start * hd, heads.stop * hd)
+    share = hd // rep
+    first = heads.start * hd + (rank % rep) * share
+    return range(first, first + share)
+
+
+def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int) -> Split | None:
+    """The slice of tensor `name` (HF / z-lab name) rank holds; None = replicated."""
+    if name in _VOCAB:
+        per = padded_vocab(spec.vocab_size, tp_size) // tp_size
+        return Split(0, rank * per, (rank + 1) * per, spec.vocab_size)
+    m = _LINEAR.search(name)
+    if m is None:
+        return None
+    module, leaf = m.groups()
+    if leaf not in ("weight", "bias", "weight_scale"):
+        return None  # per-tensor scales: replicated
+    hd, inter = spec.head_dim, spec.intermediate_size
+    if module.endswith(("o_proj", "down_proj")):
+        if leaf == "bias":
+            return None
+        if module.endswith("o_proj"):
+            cols = o_proj_columns(spec, tp_size, rank)
+            return Split(1, cols.start, cols.stop, spec.num_heads * hd)
+        per = inter // tp_size
+        return Split(1, rank * per, (rank + 1) * per, inter)
+    if module.endswith("q_proj"):
+        heads = query_heads(spec, tp_size, rank)
+        return Split(0, heads.start * hd, heads.stop * hd, spec.num_heads * hd)
+    if module.endswith(("k_proj", "v_proj")):
+        heads = kv_heads(spec, tp_size, rank)
+        return Split(0, heads.start * hd, heads.stop * hd, spec.num_kv_heads * hd)
+    per = inter // tp_size  # gate_proj / up_proj
+    return Split(0, rank * per, (rank + 1) * per, inter)
+
+
+def shard_tensor(tensor: torch.Tensor, split: Split | None) -> torch.Tensor:
+    """Rank's slice of `tensor` (packed / block-scaled tensors cut at the same logical range)."""
+    if split is None or tensor.dim() <= split.dim:
+        return tensor
+    size = tensor.shape[split.dim]
+    if split.dim == 0 and size == split.full and split.stop > size:  # a rank at the padded end of the vocabulary
+        part = tensor[split.start: split.stop]
+        pad = split.stop - split.start - part.shape[0]
+        return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
+    factor = split.full // size
+    assert factor * size == split.full and split.start % factor == 0 and split.stop % factor == 0, (split, tensor.shape)
+    return tensor.narrow(split.dim, split.start // factor, (split.stop - split.start) // factor)
+
+
+def local_spec(spec: DecoderSpec, tp_size: int) -> DecoderSpec:
+    """The per-rank shapes: heads, KV heads, intermediate size and (padded) vocabulary of one rank."""
+    return replace(
+        spec,
+        num_heads=max(spec.num_heads // tp_size, 1),
+        num_kv_heads=max(spec.num_kv_heads // tp_size, 1),
+        intermediate_size=spec.intermediate_size // tp_size,
+        vocab_size=padded_vocab(spec.vocab_size, tp_size) // tp_size,
+    )
+
+
+def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool) -> None:
+    """Raise UserError (one sentence naming the field) when `spec` cannot be split over tp_size ranks."""
+
+    def divisible(field: str, n: int) -> None:
+        if n % tp_size and tp_size % n:
+            raise UserError(f"{what}: {field} {n} is not divisible by tp_size {tp_size} (nor tp_size by it).")
+
+    divisible("num_attention_heads", spec.num_heads)
+    divisible("num_key_value_heads", spec.num_kv_heads)
+    if spec.num_heads < tp_size and spec.head_dim % _replicas(spec.num_heads, tp_size):
+        raise UserError(f"{what}: head_dim {spec.head_dim} cannot be shared by the "
+                        f"{_replicas(spec.num_heads, tp_size)} ranks of each of its {spec.num_heads} heads.")
+    if spec.intermediate_size % tp_size:
+        raise UserError(f"{what}: intermediate_size {spec.intermediate_size} is not divisible by tp_size {tp_size}.")
+    if quantized:
+        cut = len(o_proj_columns(spec, tp_size, 0))
+        for field, n in (("o_proj input columns per rank", cut),
+                         ("intermediate_size / tp_size", spec.intermediate_size // tp_size)):
+            if n % ROW_ALIGN:
+                raise UserError(f"{what}: {field} is {n}, not a multiple of the quantization block {ROW_ALIGN}, "
+                                f"so the row-parallel split at tp_size {tp_size} would cut a block.")

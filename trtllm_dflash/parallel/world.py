@@ -1,0 +1,108 @@
+"""Ranks from MPI: bring-up of torch.distributed under `mpirun -n N`, agreement on errors, aborting.
+
+A process started without an MPI launcher is a world of one and never imports mpi4py. Under
+`mpirun` / `mpiexec` (MPICH's hydra or Open MPI), mpi4py gives the rank and size; rank 0 opens a
+torch.distributed TCPStore on a free port and sends its address to the others over MPI, and every
+rank joins the process group (gloo on CPU, nccl on CUDA) used by the sharded model's collectives.
+
+Failure policy: errors while loading (bad engine file, wrong number of ranks, ...) are exchanged
+with `agree`, so every rank exits with the same error printed once by rank 0. An error after that
+(while decoding) is printed by the failing rank and aborts the whole MPI job, so no rank waits
+forever on a collective; a killed rank is detected by the MPI launcher, which ends the others.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.parallel.group import TPGroup
+
+T = TypeVar("T")
+
+# Set by MPICH/hydra (PMI_*), Open MPI (OMPI_*) and PMIx launchers (srun --mpi=pmix).
+_LAUNCHER_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def launched_by_mpi() -> bool:
+    return any(k in os.environ for k in _LAUNCHER_ENV)
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    comm: Any = None  # mpi4py communicator (None in a world of one)
+
+    @property
+    def tp(self) -> TPGroup:
+        return TPGroup(self.rank, self.size)
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Run fn on every rank; if it fails on any, raise on every rank (rank 0's message names the ranks)."""
+        try:
+            value, error = fn(), None
+        except UserError as exc:
+            value, error = None, str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported below with its type, on every rank
+            value, error = None, f"{type(exc).__name__}: {exc}"
+        if self.size == 1:
+            if error is not None:
+                raise UserError(error)
+            return value
+        errors = self.comm.allgather(error)
+        if any(errors):
+            first = next(e for e in errors if e)
+            ranks = [r for r, e in enumerate(errors) if e == first]
+            where = "" if len(ranks) == self.size else f" (rank {', '.join(map(str, ranks))})"
+            raise AgreedError(first.rstrip(".") + where + ".", quiet=self.rank != 0)
+        return value
+
+    def abort(self, message: str, code: int = 1) -> None:
+        """Print this rank's error and end every rank of the job (never returns)."""
+        print(f"error (rank {self.rank} of {self.size}): {message}", file=sys.stderr, flush=True)
+        if self.size > 1:
+            self.comm.Abort(code)
+        raise SystemExit(code)
+
+
+class AgreedError(UserError):
+    """An error every rank raised together; only rank 0 prints it (`quiet` on the others)."""
+
+    def __init__(self, message: str, quiet: bool):
+        super().__init__(message)
+        self.quiet = quiet
+
+
+def init_world(backend: str = "gloo") -> World:
+    """The MPI world this process belongs to, with torch.distributed initialised when it has > 1 rank."""
+    if not launched_by_mpi():
+        return World()
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise UserError(f"running under an MPI launcher needs mpi4py: pip install 'trtllm-dflash[mpi]' ({exc}).") from None
+    comm = MPI.COMM_WORLD
+    world = World(comm.Get_rank(), comm.Get_size(), comm)
+    if world.size == 1:
+        return world
+    hosts = comm.allgather(MPI.Get_processor_name())
+    host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
+    store = None
+    if world.rank == 0:
+        store = dist.TCPStore(host, 0, world.size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                               wait_for_workers=False)
+    port = comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, world.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
+    return world
