@@ -53,9 +53,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
-            return stream(args.engine_dir, args.stream, opts, world)
-        bad = run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts, world)
-        return EXIT_BAD_LINES if bad else 0
+            code = stream(args.engine_dir, args.stream, opts, world)
+        else:
+            code = EXIT_BAD_LINES if run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts, world) else 0
+        world.close()
+        return code
     except UserError as exc:
         if world.size > 1 and not isinstance(exc, AgreedError):
             world.abort(str(exc), EXIT_USER_ERROR)  # one rank failed alone: end them all

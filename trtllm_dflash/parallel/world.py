@@ -67,6 +67,11 @@ class World:
             raise AgreedError(first.rstrip(".") + where + ".", quiet=self.rank != 0)
         return value
 
+    def close(self) -> None:
+        """Leave the process group cleanly (gloo's threads otherwise end the process with std::terminate)."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
     def abort(self, message: str, code: int = 1) -> None:
         """Print this rank's error and end every rank of the job (never returns)."""
         print(f"error (rank {self.rank} of {self.size}): {message}", file=sys.stderr, flush=True)

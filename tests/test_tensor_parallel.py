@@ -1,0 +1,220 @@
+"""Tensor parallelism: rank files are exact slices of the unsharded engine, and `mpiexec -n N run`
+(MPICH from PyPI, CPU, gloo) produces the same tokens as one process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.engine.engine_dir import rank_file
+from trtllm_dflash.train.random_pair import write_random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+needs_mpi = pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
+
+
+def write_build_config(path: Path, target: Path, drafter: Path, **fields) -> Path:
+    cfg = {"target": str(target), "drafter": str(drafter), "dtype": "float32", "max_batch_size": 4,
+           "max_seq_len": 1024, **fields}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def build(tmp: Path, pair: Path, name: str, **fields) -> Path:
+    config = write_build_config(tmp / f"{name}.yaml", pair / "target", pair / "drafter", **fields)
+    assert main(["build", str(config), "--output", str(tmp / name), "--force"]) == 0
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def tp_pair(tmp_path_factory) -> Path:
+    """Dims that split 8 ways even when quantized (o_proj cut of 16 columns) and a vocabulary of 500 that
+    needs padding at tp_size 8. (Unbiased: varied tokens; the demo pair covers accepted drafts.)"""
+    root = tmp_path_factory.mktemp("tp_pair")
+    write_random_pair(root, "qwen3", vocab_size=500, head_dim=32, intermediate_size=256, block_size=8, seed=3)
+    return root
+
+
+def rank_tensors(engine: Path, tp: int) -> list[dict[str, torch.Tensor]]:
+    return [load_file(str(engine / rank_file(r))) for r in range(tp)]
+
+
+def assert_reassembles(full: dict[str, torch.Tensor], ranks: list[dict[str, torch.Tensor]]) -> None:
+    """Every rank holds every tensor name; a replicated tensor equals the full one; a split one is a strict
+    slice, and concatenating the distinct slices in rank order (replicas of a head appear on consecutive
+    ranks) gives back the full tensor, bit for bit; vocabulary padding rows are zero."""
+    for name, whole in full.items():
+        parts = [r[name] for r in ranks]
+        assert all(p.dtype == whole.dtype for p in parts), name
+        bits = [p.view(torch.uint8) if p.dim() else p.reshape(1).view(torch.uint8) for p in parts]
+        if all(p.shape == whole.shape for p in parts):
+            assert all(torch.equal(b, bits[0]) for b in bits) and torch.equal(parts[0].float(), whole.float()), name
+            assert whole.dim() < 2 or name == "drafter.fc.weight", f"{name} is replicated on every rank"
+            continue
+        dim = next(d for d in range(whole.dim()) if parts[0].shape[d] != whole.shape[d])
+        distinct = [bits[0]] + [b for prev, b in zip(bits, bits[1:]) if not torch.equal(prev, b)]
+        merged = torch.cat(distinct, dim=dim)
+        n = whole.view(torch.uint8).shape[dim]
+        assert torch.equal(merged.narrow(dim, 0, n), whole.view(torch.uint8)), name
+        assert not merged.narrow(dim, n, merged.shape[dim] - n).any(), f"{name}: padding is not zero"
+
+
+@pytest.mark.parametrize("quantization", ["none", "nvfp4", "fp8"])
+def test_rank_files_are_slices_of_the_unsharded_engine(tp_pair, tmp_path, quantization):
+    if quantization != "none":
+        pytest.importorskip("modelopt.torch.quantization")
+    q = {} if quantization == "none" else {"quantization": quantization, "calibration_samples": 4}
+    full = rank_tensors(build(tmp_path, tp_pair, "tp1", **q), 1)[0]
+    if quantization != "none":
+        assert any(t.dtype == torch.uint8 or t.dtype == torch.float8_e4m3fn for t in full.values())
+    for tp in (2, 4, 8) if quantization != "fp8" else (8,):
+        engine = build(tmp_path, tp_pair, f"tp{tp}", tp_size=tp, **q)
+        assert json.loads((engine / "config.json").read_text())["mapping"] == {"world_size": tp, "tp_size": tp}
+        assert sorted(p.name for p in engine.glob("rank*")) == sorted(rank_file(r) for r in range(tp))
+        assert_reassembles(full, rank_tensors(engine, tp))
+
+
+def test_split_that_cannot_be_made(tmp_path, capsys):
+    six = tmp_path / "six_heads"
+    write_random_pair(six, "qwen3", num_heads=6, num_kv_heads=2, seed=4)
+    config = write_build_config(tmp_path / "six.yaml", six / "target", six / "drafter", tp_size=4)
+    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "num_attention_heads 6 is not divisible by tp_size 4" in err and str(config) in err
+    # The default random pair's o_proj cut at tp_size 8 is 8 columns: half an NVFP4 block.
+    pair = tmp_path / "small"
+    write_random_pair(pair, "qwen3", seed=5)
+    config = write_build_config(tmp_path / "q.yaml", pair / "target", pair / "drafter", tp_size=8, quantization="nvfp4")
+    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
+    assert "not a multiple of the quantization block 16" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+# --- running under mpiexec ------------------------------------------------------------------------------
+
+
+def mpirun(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "trtllm_dflash.cli", "run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def outputs(path: Path) -> dict:
+    return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def demo_tp(tmp_path_factory) -> dict[int, Path]:
+    tmp = tmp_path_factory.mktemp("demo_tp")
+    demo = ROOT / "trtllm_dflash" / "assets" / "demo"
+    return {tp: build(tmp, demo, f"demo_tp{tp}", tp_size=tp, max_seq_len=512) for tp in (1, 2, 4, 8)}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "in.jsonl"
+    lines = (ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl").read_text().splitlines()[:3]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@needs_mpi
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
+    ref, out = tmp_path / "tp1.jsonl", tmp_path / f"tp{tp}.jsonl"
+    assert main(["run", str(demo_tp[1]), "--input", str(prompts), "--output", str(ref), "--max-new-tokens", "24"]) == 0
+    proc = mpirun(tp, str(demo_tp[tp]), "--input", str(prompts), "--output", str(out), "--max-new-tokens", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert outputs(out) == outputs(ref) and len(outputs(ref)) == 3
+
+
+@needs_mpi
+@pytest.mark.parametrize("tp, mode", [(2, "ar"), (8, "dflash")])
+def test_random_pair_under_mpiexec_equals_one_process(tp_pair, tmp_path, tp, mode):
+    """Padded vocabulary (500 over 8 ranks), replicated query and KV heads."""
+    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 5 + i + 7 * (i + 1))), "max_new_tokens": 4 + 3 * i}
+             for i in range(6)]  # 6 requests on 4 slots: continuous batching across ranks too
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    one, many = build(tmp_path, tp_pair, "tp1"), build(tmp_path, tp_pair, f"tp{tp}", tp_size=tp)
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref), "--mode", mode]) == 0
+    assert len({t for ids in outputs(ref).values() for t in ids}) > 20  # varied tokens, not one repeated
+    proc = mpirun(tp, str(many), "--input", str(prompts), "--output", str(out), "--mode", mode)
+    assert proc.returncode == 0, proc.stderr
+    assert outputs(out) == outputs(ref)
+
+
+@needs_mpi
+def test_wrong_number_of_ranks_and_tampered_rank_file(demo_tp, prompts, tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    # Without mpirun, a tp 2 engine says how to start it.
+    assert main(["run", str(demo_tp[2]), "--input", str(prompts), "--output", str(out)]) == EXIT_USER_ERROR
+    assert "start it as `mpirun -n 2 trtllm-dflash run ...`" in capsys.readouterr().err
+    # Every rank finds the mismatch; the error is printed once.
+    proc = mpirun(2, str(demo_tp[4]), "--input", str(prompts), "--output", str(out))
+    assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
+    assert "split for tp_size 4 but this run has 2 processes" in proc.stderr
+    # One rank's file modified: that rank fails, all exit, the message names the file and the rank.
+    tampered = tmp_path / "tampered"
+    subprocess.run(["cp", "-r", str(demo_tp[2]), str(tampered)], check=True)
+    t = load_file(str(tampered / "rank1.safetensors"))
+    t["target.model.norm.weight"] = t["target.model.norm.weight"] * 2
+    save_file(t, str(tampered / "rank1.safetensors"))
+    proc = mpirun(2, str(tampered), "--input", str(prompts), "--output", str(out))
+    assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
+    assert "rank1.safetensors: engine file does not match manifest.json" in proc.stderr and "(rank 1)" in proc.stderr
+    assert not out.exists()
+
+
+def _rank_pids(rank: int) -> list[int]:
+    """Processes of this test's MPI job with the given rank (MPICH sets PMI_RANK)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"trtllm_dflash.cli" in cmd and f"PMI_RANK={rank}".encode() in env and b"TRTLLM_DFLASH_KILL_TEST=1" in env:
+            pids.append(int(proc.name))
+    return pids
+
+
+@needs_mpi
+def test_a_killed_rank_ends_the_job(demo_tp, tmp_path):
+    lines = (ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl").read_text().splitlines()[:8]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(demo_tp[2]),
+           "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--max-new-tokens", "480"]
+    job = subprocess.Popen(cmd, env={**os.environ, "TRTLLM_DFLASH_KILL_TEST": "1"}, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "o.jsonl").exists():  # rank 0 opens the output once every rank has loaded
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)  # decoding
+        assert job.poll() is None
+        victims = _rank_pids(1)
+        assert victims
+        os.kill(victims[0], signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait(timeout=60)
+        assert job.returncode != 0
+        while _rank_pids(0) and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        assert not _rank_pids(0) and not _rank_pids(1), "ranks still alive 60 s after one was killed"
+    finally:
+        if job.poll() is None:
+            job.kill()
