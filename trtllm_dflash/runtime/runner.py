@@ -223,10 +223,11 @@ class RunProgress:
 
 
 def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World = World(),
-           out: TextIO = sys.stdout) -> int:
+           out: TextIO | None = None) -> int:
     """`run --stream PROMPT`: print each completion's text as its tokens are committed.
 
     PROMPT '-' reads prompts from stdin, one per line, and streams them one after another."""
+    out = out or sys.stdout
     engine, decoder = prepare(engine_dir, opts, world)
     if world.rank != 0:
         follow(decoder)
