@@ -76,7 +76,48 @@ def test_quantized_engine_is_lossless_against_itself(quantized):
 
 
 def test_quantization_bad_inputs(pair, capsys):  # noqa: F811
-    build_fails(pair, capsys, "build.yaml", "quantize_drafter is not yet supported",
-                config=write_config(pair, quantization="nvfp4", quantize_drafter=True))
+    build_fails(pair, capsys, "build.yaml", "quantize_drafter: true needs quantization nvfp4 or fp8",
+                config=write_config(pair, quantize_drafter=True))
     build_fails(pair, capsys, "nope.jsonl", "does not exist",
                 config=write_config(pair, quantization="fp8", calibration="nope.jsonl"))
+
+
+DRAFT_LINEARS = LINEARS + ("fc",)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_quantize_drafter(fmt, biased_pairs, tmp_path):
+    """quantize_drafter: the drafter's linears (fc included) in the unified format, calibrated by ModelOpt during
+    DFlash decoding; NVFP4 q/k/v and gate/up share global scales; the engine stays lossless and drafts still
+    get accepted."""
+    pair_dir = biased_pairs[8]
+    config = tmp_path / "build.yaml"
+    config.write_text(f"target: {pair_dir / 'target'}\ndrafter: {pair_dir / 'drafter'}\noutput: engine\n"
+                      f"dtype: float32\nquantization: {fmt}\nquantize_drafter: true\ncalibration_samples: 8\n"
+                      "max_seq_len: 512\nmax_batch_size: 4\n")
+    assert main(["build", str(config)]) == 0
+    engine_dir = tmp_path / "engine"
+    cfg = json.loads((engine_dir / "config.json").read_text())["quantization"]
+    t = load_file(str(engine_dir / "rank0.safetensors"))
+    n_draft = 2
+    drafter_modules = [m for m in cfg["quantized_modules"] if m.startswith("drafter.")]
+    assert cfg["drafter"] == "quantized" and len(drafter_modules) == n_draft * len(LINEARS) + 1
+    for i in range(n_draft):
+        qs = {lin: read_quantized_linear(t, f"drafter.layers.{i}.{lin}") for lin in LINEARS}
+        assert all(q is not None and q.input_scale is not None and q.input_scale > 0 for q in qs.values())
+        if fmt == "nvfp4":
+            for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+                assert len({float(qs[g].weight_scale_2) for g in group}) == 1, group
+                assert len({float(qs[g].input_scale) for g in group}) == 1, group
+            assert qs["self_attn.o_proj"].weight.dtype == torch.uint8
+        else:
+            assert qs["self_attn.o_proj"].weight.dtype == torch.float8_e4m3fn
+    assert read_quantized_linear(t, "drafter.fc") is not None
+    assert t["drafter.norm.weight"].dtype == torch.float32
+
+    engine = Engine.load(engine_dir)
+    reqs = requests(engine.executor.vocab_size)
+    dflash, ar = run(engine, "dflash", reqs), run(engine, "ar", reqs)
+    assert all(dflash[r.id].output_token_ids == ar[r.id].output_token_ids for r in reqs)
+    steps = [n for r in dflash.values() for n in r.acceptance_lengths]
+    assert sum(steps) / len(steps) > 1.5

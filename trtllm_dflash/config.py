@@ -44,7 +44,7 @@ class BuildConfig(BaseModel):
     calibration: Path | None = None  # JSONL prompts for quantization (default: stdlib code)
     calibration_samples: int = Field(64, ge=1)  # calibration prompts used
     calibration_max_tokens: int = Field(256, ge=1)  # tokens per calibration prompt
-    quantize_drafter: bool = False  # also quantize the drafter's linears (not yet supported)
+    quantize_drafter: bool = False  # also quantize the drafter's linears (needs quantization nvfp4 | fp8)
 
 
 def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:

@@ -17,6 +17,7 @@ from trtllm_dflash.engine.engine_dir import (
     CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, atomic_directory, check_output, rank_file,
     write_manifest,
 )
+from trtllm_dflash.engine.quantize_drafter import quantize_drafter
 from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.errors import UserError
@@ -24,19 +25,23 @@ from trtllm_dflash.models.quantized import SCALE_SUFFIXES
 from trtllm_dflash.parallel.shard import check_tp, shard_tensor, split_for
 
 
-def quantization_section(quantization: str, quantized: dict[str, torch.Tensor]) -> dict:
-    """EngineConfig.quantization: ModelOpt's quant_algo naming, and which target modules are quantized."""
+def quantization_section(quantization: str, target: dict[str, torch.Tensor], drafter: dict[str, torch.Tensor]) -> dict:
+    """EngineConfig.quantization: ModelOpt's quant_algo naming, and which modules are quantized."""
     if quantization == "none":
         return {"quant_algo": None}
-    modules = sorted(k[: -len(".weight_scale")] for k in quantized if k.endswith(".weight_scale"))
+
+    def modules(prefix: str, tensors: dict[str, torch.Tensor]) -> list[str]:
+        return sorted(prefix + k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
+
     return {"quant_algo": QUANT_ALGOS[quantization], "group_size": 16 if quantization == "nvfp4" else None,
-            "quantized_modules": [TARGET_PREFIX + m for m in modules], "drafter": "unquantized"}
+            "quantized_modules": modules(TARGET_PREFIX, target) + modules(DRAFTER_PREFIX, drafter),
+            "drafter": "quantized" if drafter else "unquantized"}
 
 
 def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config") -> Path:
     """Validate, convert, shard and write the engine; returns its directory. `source` names the config in errors."""
-    if cfg.quantize_drafter:
-        raise UserError(f"{source}: quantize_drafter is not yet supported (the drafter keeps dtype {cfg.dtype}).")
+    if cfg.quantize_drafter and cfg.quantization == "none":
+        raise UserError(f"{source}: quantize_drafter: true needs quantization nvfp4 or fp8 (it is none).")
     assert cfg.output is not None
     check_output(cfg.output, force)
     target, drafter = load_pair(cfg.target, cfg.drafter)
@@ -46,21 +51,23 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             f"{target.spec.max_position_embeddings}."
         )
     check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none")
-    check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", False)
+    check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)
     tokenizer = load_tokenizer(cfg.target)
     eos = list(target.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     dtype = getattr(torch, cfg.dtype)
 
-    quantized: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict[str, torch.Tensor]] = {TARGET_PREFIX: {}, DRAFTER_PREFIX: {}}
     if cfg.quantization != "none":
         batches = calibration_batches(tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
-        quantized = quantize_target(cfg.target, cfg.quantization, batches)
+        if cfg.quantize_drafter:
+            quantized[DRAFTER_PREFIX] = quantize_drafter(target, drafter, cfg.quantization, batches)
+        quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches)
 
     def stored(prefix: str, store, name: str) -> list[tuple[str, torch.Tensor]]:
-        """One checkpoint tensor as stored in the engine (a quantized linear: as ModelOpt exported it)."""
-        module = name.removesuffix(".weight")
-        if prefix == TARGET_PREFIX and f"{module}.weight_scale" in quantized:
-            return [(key, quantized[key]) for key in (name, *(module + s for s in SCALE_SUFFIXES)) if key in quantized]
+        """One checkpoint tensor as stored in the engine (a quantized linear: in ModelOpt's unified format)."""
+        module, q = name.removesuffix(".weight"), quantized[prefix]
+        if f"{module}.weight_scale" in q:
+            return [(key, q[key]) for key in (name, *(module + s for s in SCALE_SUFFIXES)) if key in q]
         return [(name, store.get(name).to(dtype))]
 
     sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec), target.spec),
@@ -87,7 +94,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             dflash=DFlashSection(block_size=drafter.params.block_size,
                                  mask_token_id=drafter.params.mask_token_id,
                                  target_layer_ids=list(drafter.params.target_layer_ids)),
-            quantization=quantization_section(cfg.quantization, quantized),
+            quantization=quantization_section(cfg.quantization, quantized[TARGET_PREFIX], quantized[DRAFTER_PREFIX]),
             mapping=Mapping(world_size=cfg.tp_size, tp_size=cfg.tp_size),
             max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len,

@@ -52,7 +52,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(spec)
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        s, p = self.spec, self.fc.weight
+        s, p = self.spec, self.norm.weight  # (fc may be wrapped by a quantized-input module)
         kv = self.layers[0].self_attn.num_kv_heads
         return KVCache(s.num_layers, num_slots, capacity, kv, s.head_dim, p.dtype, p.device)
 

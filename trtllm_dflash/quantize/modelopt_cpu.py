@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -77,13 +77,19 @@ def calibrate(model: torch.nn.Module, cfg_name: QuantFormat, batches: Iterable[t
         assert b.dtype == torch.long and b.ndim == 2, (
             f"batches must be [batch, seq] int64 token ids, got {b.dtype} {tuple(b.shape)}")
 
-    mtq = importlib.import_module("modelopt.torch.quantization")
     device = next(model.parameters()).device
 
     def forward_loop(m: torch.nn.Module) -> None:
         for b in batches:
             m(input_ids=b.to(device), use_cache=False)
 
+    calibrate_module(model, cfg_name, forward_loop)
+
+
+def calibrate_module(model: torch.nn.Module, cfg_name: QuantFormat,
+                     forward_loop: Callable[[torch.nn.Module], None]) -> None:
+    """`mtq.quantize` of any torch module with the default config of `cfg_name`, on the CPU as well."""
+    mtq = importlib.import_module("modelopt.torch.quantization")
     with torch.no_grad(), cpu_nvfp4_fake_quant():
         mtq.quantize(model, getattr(mtq, _CONFIG_NAMES[cfg_name]), forward_loop)
 

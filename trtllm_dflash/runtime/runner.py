@@ -69,7 +69,9 @@ class Engine:
         target_state, quantized_inputs = dequantize_state_dict(split[TARGET_PREFIX], dtype)
         target = TargetModel.from_state_dict(target_spec, target_state, world.tp)
         quantize_inputs(target, quantized_inputs)
-        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, split[DRAFTER_PREFIX], world.tp)
+        drafter_state, drafter_inputs = dequantize_state_dict(split[DRAFTER_PREFIX], dtype)
+        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, world.tp)
+        quantize_inputs(drafter, drafter_inputs)
         executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
 
