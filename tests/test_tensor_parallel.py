@@ -218,3 +218,23 @@ def test_a_killed_rank_ends_the_job(demo_tp, tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
+
+
+@pytest.mark.parametrize("name, dims", [
+    ("Qwen3-8B", dict(num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936)),
+    ("Llama-3.1-8B", dict(num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256)),
+])
+def test_published_models_split_eight_ways_quantized(name, dims):
+    """The real targets of build_configs/ pass the TP checks at tp_size 8 with NVFP4 (no checkpoint needed)."""
+    from dataclasses import replace
+
+    from trtllm_dflash.models.spec import DecoderSpec
+    from trtllm_dflash.parallel.shard import check_tp, kv_heads, padded_vocab, query_heads
+
+    base = DecoderSpec("qwen3", 0, 4096, 0, 36, 0, 0, 0, 1e-6, True, False, False, False, "silu", {}, 40960)
+    spec = replace(base, **dims)
+    for tp in (1, 2, 4, 8):
+        check_tp(spec, tp, name, quantized=True)
+    assert [len(query_heads(spec, 8, r)) for r in range(8)] == [4] * 8
+    assert [kv_heads(spec, 8, r).start for r in range(8)] == list(range(8))
+    assert padded_vocab(spec.vocab_size, 8) % 8 == 0 and padded_vocab(spec.vocab_size, 8) - spec.vocab_size < 8

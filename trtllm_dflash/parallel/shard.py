@@ -22,7 +22,7 @@ value per 16 inputs, so a row-parallel cut must fall on a multiple of 16 (checke
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -121,17 +121,6 @@ def shard_tensor(tensor: torch.Tensor, split: Split | None) -> torch.Tensor:
     factor = split.full // size
     assert factor * size == split.full and split.start % factor == 0 and split.stop % factor == 0, (split, tensor.shape)
     return tensor.narrow(split.dim, split.start // factor, (split.stop - split.start) // factor)
-
-
-def local_spec(spec: DecoderSpec, tp_size: int) -> DecoderSpec:
-    """The per-rank shapes: heads, KV heads, intermediate size and (padded) vocabulary of one rank."""
-    return replace(
-        spec,
-        num_heads=max(spec.num_heads // tp_size, 1),
-        num_kv_heads=max(spec.num_kv_heads // tp_size, 1),
-        intermediate_size=spec.intermediate_size // tp_size,
-        vocab_size=padded_vocab(spec.vocab_size, tp_size) // tp_size,
-    )
 
 
 def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool) -> None:
