@@ -105,7 +105,6 @@ def test_output_flag_and_force(pair, capsys):
         pytest.param({"flavour": "x"}, ["build.yaml", "unknown key 'flavour'"], id="unknown-key"),
         pytest.param({"dtype": "float64"}, ["build.yaml", "'dtype'", "float64"], id="bad-dtype"),
         pytest.param({"quantization": "int3"}, ["build.yaml", "'quantization'", "int3"], id="unknown-quantization"),
-        pytest.param({"tp_size": 2}, ["build.yaml", "tp_size 2", "not yet supported"], id="tp2-not-yet"),
         pytest.param({"tp_size": 3}, ["build.yaml", "'tp_size'", "3"], id="tp3-invalid"),
         pytest.param({"max_batch_size": 0}, ["build.yaml", "'max_batch_size'", "0"], id="zero-batch"),
         pytest.param({"max_seq_len": 100000}, ["build.yaml", "max_seq_len 100000", "max_position_embeddings 4096"], id="too-long"),
