@@ -33,7 +33,9 @@ from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.engine.engine_dir import CONFIG, TOKENIZER, write_manifest
 from trtllm_dflash.serve.repository import SERVE_CONFIG
-from trtllm_dflash.serve.scheduler import TextStream
+from trtllm_dflash.runtime.decoding import Request
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.serve.scheduler import Event, ServingLoop, TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl"
@@ -513,3 +515,43 @@ def test_launch_refuses_a_port_in_use(servers, engine_dir, tmp_path):
     assert out.returncode == EXIT_USER_ERROR, out.stderr
     assert f"--http-port {busy}: cannot listen on 127.0.0.1:{busy}" in out.stderr
     assert not (tmp_path / "repo").exists()
+
+
+# --- the scheduler alone (after the server tests, so that `run` overlaps the servers' start) --------------
+
+def test_serving_loop_batches_requests_from_many_threads(engine_dir, expected):
+    """The scheduler alone (no Triton): threads submit at once; texts equal `run`'s, steps batch them."""
+    engine = Engine.load(engine_dir)
+    loop = ServingLoop(engine.decoder("dflash"), engine.tokenizer, max_batch_size=8)
+    events: dict[int, list[Event]] = {}
+    finished = threading.Semaphore(0)
+    jobs = [(n, f"p{n % NUM_PROMPTS}", n % 2 == 1) for n in range(12)]  # (request id, prompt id, streaming)
+
+    def callback(n: int):
+        def on_event(event: Event) -> None:
+            events.setdefault(n, []).append(event)
+            if event.last:
+                finished.release()
+        return on_event
+
+    def submit(part: list) -> None:
+        for n, rid, streaming in part:
+            ids = engine.tokenizer(expected[rid]["prompt"])["input_ids"]
+            loop.submit(Request(n, ids, MAX_TOKENS), callback(n), streaming)
+
+    loop.start()
+    threads = [threading.Thread(target=submit, args=(jobs[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    too_long = Request("long", [5] * 10, engine.config.max_seq_len)  # the Decoder itself refuses it
+    loop.submit(too_long, callback(-1), False)
+    for _ in range(len(jobs) + 1):
+        assert finished.acquire(timeout=120)
+    loop.stop()
+    assert "exceeds the engine's max_seq_len" in events[-1][0].error
+    for n, rid, streaming in jobs:
+        last = events[n][-1]
+        assert last.result is not None and last.full_text == expected[rid]["text"]
+        assert "".join(e.text for e in events[n]) == expected[rid]["text"]
+        assert len(events[n]) > 1 if streaming else len(events[n]) == 1
+    assert loop.stats.max_batch_size > 1, loop.stats.batch_sizes
