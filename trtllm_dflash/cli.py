@@ -135,7 +135,8 @@ def _add_serve(sub) -> None:
                    help="requests decoded together, up to the engine's (default: the engine's)")
     s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
                    help=f"when a request has no sampling_param_max_tokens (default: {d.max_new_tokens})")
-    s.add_argument("--seed", type=_non_negative_int, default=d.seed, help=f"when a request has no sampling_param_seed ({d.seed})")
+    s.add_argument("--seed", type=_non_negative_int, default=d.seed,
+                   help=f"when a request has no sampling_param_seed (default: {d.seed})")
     s.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
     s.add_argument("--host", default=e.host, help=f"address the endpoints bind to (default: {e.host})")

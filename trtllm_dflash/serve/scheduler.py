@@ -18,10 +18,23 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from trtllm_dflash.runtime.decoding import Decoder, Request, Result
+from trtllm_dflash.runtime.decoding import Request, Result, Update
+
+class Stepper(Protocol):
+    """What the loop needs of a decoder: `runtime.decoding.Decoder`, or a tensor-parallel rank 0 driving its
+    followers in lockstep. `submit` raises ValueError for a request it cannot take."""
+
+    def submit(self, request: Request) -> None: ...
+
+    def step(self) -> list[Update]: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for a UTF-8 character whose bytes are not all there yet
 
@@ -110,12 +123,13 @@ class ServingLoop:
 
     Each iteration hands waiting requests to the Decoder (keeping at most `max_batch_size` running),
     runs one `decoder.step()` and routes each request's Update to its callback as an Event. A request
-    the Decoder rejects gets an error event; an exception inside `step` fails every running request
-    and stops the loop (later submissions get an error event at once), since the decoder's state is
-    then unknown. Callbacks run on the loop's thread and must not block.
+    the Decoder rejects gets an error event; an exception while stepping fails every request in
+    flight and stops the loop (later submissions get an error event at once), since the decoder's
+    state is then unknown. Callbacks run on the loop's thread and must not block; one that raises
+    is logged and does not affect the others.
     """
 
-    def __init__(self, decoder: Decoder, tokenizer: PreTrainedTokenizerBase, max_batch_size: int,
+    def __init__(self, decoder: Stepper, tokenizer: PreTrainedTokenizerBase, max_batch_size: int,
                  on_step: Callable[[int], None] | None = None):
         self.decoder, self.tokenizer, self.max_batch_size = decoder, tokenizer, max_batch_size
         self.on_step = on_step  # called with each step's batch size (metrics, logs)

@@ -162,7 +162,8 @@ class TritonPythonModel:
                     raise ValueError("'streaming' needs a decoupled model (written by `serve` without --no-streaming)")
             except ValueError as exc:
                 error = pb_utils.TritonError(f"bad request: {exc}", pb_utils.TritonError.INVALID_ARG)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(pb_utils.InferenceResponse(error=error),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             self.loop.submit(req, self._answer(sender), streaming)
         return None
