@@ -110,6 +110,62 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {text}")
+    return value
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from trtllm_dflash.serve import Endpoints, ServeConfig, serve
+
+    cfg = ServeConfig(engine_dir=str(args.engine_dir.absolute()), mode=args.mode, block_size=args.block_size,
+                      max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                      threads=args.threads)
+    endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
+    return serve(args.model_repo, args.model_name, cfg, not args.no_streaming, args.force, endpoints)
+
+
+def _add_serve(sub) -> None:
+    from trtllm_dflash.serve.launch import Endpoints
+    from trtllm_dflash.serve.repository import ServeConfig
+
+    d, e = ServeConfig(engine_dir=""), Endpoints()
+    s = sub.add_parser("serve", help="write a Triton model repository for an engine (and start tritonserver on it)",
+                       description="Writes MODEL_REPO/NAME (config.pbtxt, 1/model.py for Triton's Python backend, "
+                                   "1/serve.json); with --launch, starts tritonserver on it and runs until stopped.")
+    s.add_argument("engine_dir", type=Path)
+    s.add_argument("--model-repo", type=Path, required=True, help="Triton model repository directory to write")
+    s.add_argument("--model-name", default="trtllm_dflash", help="model name in the repository (default: %(default)s)")
+    s.add_argument("--force", action="store_true", help="replace a non-empty --model-repo")
+    s.add_argument("--no-streaming", action="store_true",
+                   help="a non-decoupled model: one response per request, for Triton's plain infer over HTTP and "
+                        "gRPC (default: decoupled, streaming over gRPC streams and HTTP generate_stream)")
+    s.add_argument("--mode", choices=("dflash", "ar"), default=d.mode, help=f"decoding mode (default: {d.mode})")
+    s.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
+    s.add_argument("--max-batch-size", type=_positive_int,
+                   help="requests decoded together, up to the engine's (default: the engine's)")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
+                   help=f"when a request has no sampling_param_max_tokens (default: {d.max_new_tokens})")
+    s.add_argument("--seed", type=_non_negative_int, default=d.seed,
+                   help=f"when a request has no sampling_param_seed (default: {d.seed})")
+    s.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
+    s.add_argument("--host", default=e.host, help=f"address the endpoints bind to (default: {e.host})")
+    s.add_argument("--http-port", type=_port, default=e.http_port, help=f"default: {e.http_port}")
+    s.add_argument("--grpc-port", type=_port, default=e.grpc_port, help=f"default: {e.grpc_port}")
+    s.add_argument("--metrics-port", type=_port, default=e.metrics_port, help=f"default: {e.metrics_port}")
+    s.set_defaults(func=cmd_serve)
+
+
 def _add_train_drafter(sub) -> None:
     from trtllm_dflash.train.drafter import TrainConfig
 
@@ -195,6 +251,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
     c.set_defaults(func=cmd_compare)
 
+    _add_serve(sub)
     _add_train_drafter(sub)
 
     m = sub.add_parser("make-random-pair",

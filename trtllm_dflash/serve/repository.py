@@ -1,0 +1,151 @@
+"""`serve`: a standard Triton model repository for one engine (Python backend, decoupled).
+
+    MODEL_REPO/
+      NAME/
+        config.pbtxt      backend "python", decoupled transaction policy, the tensors below
+        1/model.py        imports trtllm_dflash.serve.triton_model.TritonPythonModel
+        1/serve.json      ServeConfig: the engine directory and run options
+
+The interface follows TensorRT-LLM's Triton LLM-API model (`triton_backend/all_models/llmapi/
+tensorrt_llm`) where it can: the same input and output names and types, plus DFlash acceptance
+outputs. `max_batch_size: 0` turns off Triton's own batching: requests are batched by our scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trtllm_dflash.config import EngineConfig, describe_validation_error
+from trtllm_dflash.engine.engine_dir import open_engine
+from trtllm_dflash.errors import UserError
+
+SERVE_CONFIG = "serve.json"
+MODEL_VERSION = "1"
+
+# (name, Triton data type, dims, optional); dims [1] = one value per request.
+INPUTS = [
+    ("text_input", "TYPE_STRING", [1], False),  # the prompt, UTF-8 (tokenized as `run` tokenizes `prompt`)
+    ("streaming", "TYPE_BOOL", [1], True),  # true: one response per decoding step with the new text
+    ("sampling_param_max_tokens", "TYPE_INT32", [1], True),  # default: ServeConfig.max_new_tokens
+    ("sampling_param_temperature", "TYPE_FP32", [1], True),  # 0: greedy (default)
+    ("sampling_param_seed", "TYPE_UINT64", [1], True),  # default: ServeConfig.seed
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", [1]),  # streaming: the new text of this step; else the whole text
+    ("num_output_tokens", "TYPE_INT32", [1]),  # tokens committed so far
+    # on the last response only:
+    ("finish_reason", "TYPE_STRING", [1]),  # "stop" (EOS / stop token) or "length"
+    ("acceptance_lengths", "TYPE_INT32", [-1]),  # tokens committed per verify step (accepted drafts + 1)
+    ("mean_acceptance_length", "TYPE_FP32", [1]),
+    ("acceptance_rate", "TYPE_FP32", [1]),  # TensorRT-LLM's: accepted draft tokens / draft tokens
+    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
+    ("total_draft_tokens", "TYPE_INT32", [1]),
+    ("batch_size_max", "TYPE_INT32", [1]),  # most requests decoded in one step while this one ran
+]
+
+MODEL_PY = '''\
+"""Triton Python-backend entry point written by `trtllm-dflash serve`; options in serve.json beside it."""
+
+from trtllm_dflash.serve.triton_model import TritonPythonModel  # noqa: F401
+'''
+
+
+class ServeConfig(BaseModel):
+    """MODEL_REPO/NAME/1/serve.json: what the Triton model loads and how it decodes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_dir: str  # absolute path of the engine directory
+    mode: Literal["dflash", "ar"] = "dflash"
+    block_size: int | None = None  # tokens per block, <= the engine's (None: the engine's)
+    max_batch_size: int | None = Field(None, ge=1)  # requests decoded together, <= the engine's (None: the engine's)
+    max_new_tokens: int = Field(256, ge=1)  # when a request has no sampling_param_max_tokens
+    seed: int = Field(0, ge=0)  # when a request has no sampling_param_seed
+    threads: int | None = Field(None, ge=1)  # torch CPU threads (None: torch's default)
+
+
+def read_serve_config(path: Path) -> ServeConfig:
+    try:
+        return ServeConfig.model_validate_json(Path(path).read_text())
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(str(path), exc)) from None
+
+
+def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
+    """Options that only the engine can judge; shared by `serve` (early) and the model (at load)."""
+    if engine.mapping.tp_size != 1:
+        raise UserError(f"{cfg.engine_dir}: tp_size {engine.mapping.tp_size} engines are not yet supported "
+                        f"by `serve` (tensor-parallel serving is planned).")
+    if cfg.block_size is not None and not 2 <= cfg.block_size <= engine.dflash.block_size:
+        raise UserError(f"--block-size {cfg.block_size}: must be between 2 and the engine's trained block_size "
+                        f"{engine.dflash.block_size}.")
+    if cfg.max_batch_size is not None and cfg.max_batch_size > engine.max_batch_size:
+        raise UserError(f"--max-batch-size {cfg.max_batch_size}: the engine has KV-cache slots for "
+                        f"{engine.max_batch_size} requests (its build's max_batch_size).")
+    if cfg.max_new_tokens >= engine.max_seq_len:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: must be below the engine's max_seq_len "
+                        f"{engine.max_seq_len} (which also holds the prompt).")
+
+
+def config_pbtxt(name: str, decoupled: bool) -> str:
+    def tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> str:
+        opt = "\n    optional: true" if optional else ""
+        return f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: {dims}{opt}\n  }}'
+
+    inputs = ",\n".join(tensor(*t) for t in INPUTS)
+    outputs = ",\n".join(tensor(*t) for t in OUTPUTS)
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0  # requests are batched by trtllm-dflash\'s '
+            f'scheduler\nmodel_transaction_policy {{\n  decoupled: {str(decoupled).lower()}\n}}\n'
+            f'instance_group [\n  {{\n    count: 1\n    kind: KIND_CPU\n  }}\n]\n'
+            f'input [\n{inputs}\n]\noutput [\n{outputs}\n]\n')
+
+
+def _check_target(repo: Path, force: bool) -> None:
+    if repo.exists() and not repo.is_dir():
+        raise UserError(f"{repo}: --model-repo exists and is not a directory.")
+    if repo.is_dir() and any(repo.iterdir()) and not force:
+        raise UserError(f"{repo}: --model-repo directory is not empty (use --force to replace it).")
+
+
+def write_model_repository(repo: Path, name: str, cfg: ServeConfig, decoupled: bool = True,
+                           force: bool = False) -> Path:
+    """Write MODEL_REPO with the one model NAME; returns the model's directory.
+
+    `decoupled` (Triton's transaction policy): streaming, and gRPC streams / HTTP `generate` endpoints
+    only; not decoupled: one response per request, for Triton's plain `infer` (HTTP and gRPC), no
+    streaming. The same choice as TensorRT-LLM's `triton_config.decoupled`.
+
+    Everything is written into a temporary sibling and renamed into place, so MODEL_REPO is either
+    untouched or complete. `force` replaces a non-empty MODEL_REPO (all of it).
+    """
+    repo = Path(repo).absolute()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+        raise UserError(f"--model-name {name!r}: use letters, digits, '_', '-' and '.' only.")
+    _check_target(repo, force)
+    check_serve_config(cfg, open_engine(Path(cfg.engine_dir)))
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.writing-", dir=repo.parent))
+    try:
+        version = tmp / name / MODEL_VERSION
+        version.mkdir(parents=True)
+        (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, decoupled))
+        (version / "model.py").write_text(MODEL_PY)
+        (version / SERVE_CONFIG).write_text(cfg.model_dump_json(indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users (e.g. a container's) out
+        if repo.exists():
+            old = repo.parent / f".{repo.name}.replaced-{os.getpid()}"
+            repo.rename(old)
+            tmp.rename(repo)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(repo)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return repo / name
