@@ -84,11 +84,12 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     dataset = load_dataset(dataset_path)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    block_sizes: tuple[int | None, ...] = opts.block_sizes or (None,)
+    # Duplicates would only repeat points; AR alone needs one engine at any block size.
+    block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
     engine = Engine.load(engine_dir, block_size=block_sizes[0])
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
-    concurrency = opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests))
+    concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
     _check_concurrency(concurrency, cfg.max_batch_size, len(requests))
     warmup = requests[: opts.warmup]
     context_len = int(sum(len(r.prompt_token_ids) for r in requests) / len(requests) + opts.max_new_tokens / 2)
@@ -111,15 +112,18 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         for rep in range(opts.repeats):
             for c in concurrency:
                 for mode, _ in (configs if rep % 2 == 0 else configs[::-1]):
-                    runs[mode, c].append(closed_loop(engine.decoder(mode), requests, c))
+                    run = closed_loop(engine.decoder(mode), requests, c)
+                    runs[mode, c].append(run)
+                    progress(f"repeat {rep + 1}/{opts.repeats}: {mode if mode == 'ar' else f'dflash b{b}'} C={c}: "
+                             f"{run.wall_s:.2f} s")
         for (mode, c), timed in runs.items():
             point = summarize_runs(mode, b if mode == "dflash" else None, c, timed, dataset.categories)
             if mode == "ar":
                 ar_runs[c] = timed[0]
             elif c in ar_runs:
-                ar_tps = next(p for p in points if p["mode"] == "ar" and p["concurrency"] == c)
+                ar_point = next(p for p in points if p["mode"] == "ar" and p["concurrency"] == c)
                 point["speedup_vs_ar"] = round(point["performance"]["system_output_throughput_tok_s"]
-                                               / ar_tps["performance"]["system_output_throughput_tok_s"], 3)
+                                               / ar_point["performance"]["system_output_throughput_tok_s"], 3)
                 point["outputs_identical_to_ar"] = _same_tokens(ar_runs[c], timed[0])
             points.append(point)
             progress(_progress_line(point))
