@@ -62,6 +62,7 @@ def decoders(engine: Engine, hf_model, prompt_lookup_num_tokens: int) -> dict[st
 
 def run(engine_dir: Path, target_dir: Path, prompts: Path, num_prompts: int, max_new_tokens: int, repeats: int,
         prompt_lookup_num_tokens: int = 10) -> dict:
+    machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     engine = Engine.load(engine_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, engine.config.dtype)).eval()
     defaults = Defaults(max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
@@ -101,8 +102,7 @@ def run(engine_dir: Path, target_dir: Path, prompts: Path, num_prompts: int, max
         methods[m]["speedup_vs_hf_generate"] = round(methods[m]["tokens_per_s"] / hf_tps, 3)
         methods[m]["speedup_vs_ar"] = round(methods[m]["tokens_per_s"] / methods["ar"]["tokens_per_s"], 3)
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "date": started, "machine": machine,
         "engine": _rel(engine_dir), "target": _rel(target_dir), "prompts": _rel(prompts),
         "dtype": engine.config.dtype, "num_prompts": len(requests), "max_new_tokens": max_new_tokens,
         "repeats": repeats, "batch_size": 1, "temperature": 0,
@@ -121,7 +121,8 @@ def markdown(report: dict) -> str:
              f"{report['dtype']}, medians of {report['repeats']} runs; prompt lookup with "
              f"{report['prompt_lookup_num_tokens']} tokens; DFlash block {report['block_size']}; "
              f"{describe(report['machine'])}; {report['date']}", "",
-             "| method | output tokens | seconds | tokens/s | vs HF generate() | vs our ar | tokens agreeing with our ar |",
+             "| method | output tokens | seconds | tokens/s | vs HF generate() | vs our ar | "
+             "tokens agreeing with our ar |",
              "|---|---|---|---|---|---|---|"]
     for m, row in report["methods"].items():
         lines.append(f"| {LABELS[m]} | {row['output_tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.1f} | "

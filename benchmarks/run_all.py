@@ -91,7 +91,7 @@ def main() -> None:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
-    started = datetime.datetime.now().isoformat(timespec="seconds")
+    started, machine = datetime.datetime.now().isoformat(timespec="seconds"), machine_info()
 
     cfg = load_build_config(args.engine_config)
     engine = timed("build", seconds, lambda: build_engine(cfg, force=True, progress=False,
@@ -123,7 +123,6 @@ def main() -> None:
     scaling_report = timed("scaling", seconds, run_scaling)
 
     command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
-    machine = machine_info()
     report_md = "\n".join([
         "# trtllm-dflash benchmark report",
         "",

@@ -99,6 +99,7 @@ def _point(engine: Engine, requests: list[Request], repeats: int, context_len: i
 
 def run(engine_dir: Path, prompts_path: Path, lengths: list[int], block_sizes: list[int], num_prompts: int,
         max_new_tokens: int, repeats: int) -> dict:
+    machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     engine = Engine.load(engine_dir)
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
@@ -109,7 +110,7 @@ def run(engine_dir: Path, prompts_path: Path, lengths: list[int], block_sizes: l
     skipped = [n for n in lengths if n > longest]
     target_limit = cfg.target.get("max_position_embeddings")
     report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
+        "date": started, "machine": machine,
         "engine": str(engine_dir), "prompts": str(prompts_path), "dtype": cfg.dtype, "batch_size": 1,
         "temperature": 0, "max_new_tokens": max_new_tokens, "num_prompts": num_prompts, "repeats": repeats,
         "max_seq_len": cfg.max_seq_len, "target_max_position_embeddings": target_limit,

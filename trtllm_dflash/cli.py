@@ -144,7 +144,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--num-requests", type=_positive_int, help="the first N prompts of the dataset (default: all)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
                    help=f"per request (default {d.max_new_tokens})")
-    b.add_argument("--warmup", type=_non_negative_int, default=d.warmup, help=f"warm-up requests per mode (default {d.warmup})")
+    b.add_argument("--warmup", type=_non_negative_int, default=d.warmup,
+                   help=f"warm-up requests per mode (default {d.warmup})")
     b.add_argument("--repeats", type=_positive_int, default=d.repeats,
                    help=f"timed runs per point; medians are reported (default {d.repeats})")
     b.add_argument("--report-json", type=Path, help="write the full report (trtllm-bench field names) here")

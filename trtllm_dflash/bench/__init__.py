@@ -5,4 +5,5 @@ runner.py    the closed loop at a given concurrency, warm-up, repeats, the speed
 metrics.py   one run's results -> trtllm-bench's metrics; medians over repeats
 report.py    the markdown tables and the machine description
 plot.py      the PNG: per-user vs total throughput, acceptance per block position
+machine.py   what a benchmark ran on (CPU, cores, torch threads, load), for every report
 """

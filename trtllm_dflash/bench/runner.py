@@ -42,7 +42,7 @@ class BenchOptions:
 
 
 def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> TimedRun:
-    """Run `requests` keeping at most `concurrency` of them submitted and unfinished; submit the next as one finishes."""
+    """Run `requests` keeping at most `concurrency` submitted and unfinished; submit the next as one finishes."""
     waiting = deque(requests)
     results = []
     start = time.perf_counter()
@@ -67,8 +67,8 @@ def default_concurrency(max_batch_size: int, num_requests: int) -> tuple[int, ..
 def _check_concurrency(concurrency: tuple[int, ...], max_batch_size: int, num_requests: int) -> None:
     for c in concurrency:
         if c > max_batch_size:
-            raise UserError(f"--concurrency {c}: exceeds the engine's max_batch_size {max_batch_size} (KV-cache slots); "
-                            f"rebuild the engine with a larger max_batch_size.")
+            raise UserError(f"--concurrency {c}: exceeds the engine's max_batch_size {max_batch_size} (KV-cache "
+                            f"slots); rebuild the engine with a larger max_batch_size.")
         if c > num_requests:
             raise UserError(f"--concurrency {c}: more than the {num_requests} requests to run (see --num-requests).")
 
@@ -84,6 +84,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     dataset = load_dataset(dataset_path)
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     # Duplicates would only repeat points; AR alone needs one engine at any block size.
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
     engine = Engine.load(engine_dir, block_size=block_sizes[0])
@@ -130,8 +131,8 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         if "dflash" in opts.modes:
             bounds.append(_speedup_bound(engine, context_len, points, b))
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "date": started,
+        "machine": machine,
         "engine": str(engine_dir),
         "dataset": str(dataset_path),
         "dataset_format": dataset.format,
