@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -102,19 +109,22 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from trtllm_dflash.bench.report import bench_command
+    from trtllm_dflash.bench.runner import BenchOptions
+
+    opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
+                        args.warmup, args.repeats, args.threads)
+    bench_command(args.engine_dir, args.dataset, opts, args.report_json, args.plot)
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from trtllm_dflash.runtime.report import compare_and_print
 
     compare_and_print(args.engine_dir, args.input, args.num_prompts, args.max_new_tokens, args.show,
                       args.repeats, args.threads, args.block_size)
     return 0
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
 
 
 def _port(text: str) -> int:
@@ -164,6 +174,51 @@ def _add_serve(sub) -> None:
     s.add_argument("--grpc-port", type=_port, default=e.grpc_port, help=f"default: {e.grpc_port}")
     s.add_argument("--metrics-port", type=_port, default=e.metrics_port, help=f"default: {e.metrics_port}")
     s.set_defaults(func=cmd_serve)
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {text!r}")
+    return values
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(text.split(","))
+    bad = [m for m in modes if m not in ("ar", "dflash")]
+    if bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"must be ar, dflash or ar,dflash, got {text!r}")
+    return modes
+
+
+def _add_bench(sub) -> None:
+    from trtllm_dflash.bench.runner import BenchOptions
+
+    d = BenchOptions()
+    b = sub.add_parser("bench", help="throughput / latency / acceptance benchmark with trtllm-bench's metrics",
+                       description="Closed-loop benchmark of an engine on a dataset (SPEED-Bench JSONL, "
+                                   "{id, prompt} or {prompt} JSONL): for every mode, block size and concurrency, "
+                                   "warm-up, then repeated timed runs; prints markdown tables of the medians.")
+    b.add_argument("engine_dir", type=Path)
+    b.add_argument("--dataset", type=Path, required=True, help="JSONL: SPEED-Bench records, {id, prompt} or {prompt}")
+    b.add_argument("--concurrency", type=_int_list, metavar="C,C,...",
+                   help="requests in flight (closed loop), each <= the engine's max_batch_size "
+                        "(default: 1,2,4,... up to max_batch_size)")
+    b.add_argument("--modes", type=_modes, default=d.modes, metavar="ar,dflash", help="default: ar,dflash")
+    b.add_argument("--block-sizes", type=_int_list, metavar="B,B,...",
+                   help="DFlash block sizes, 2 .. the engine's (default: the engine's)")
+    b.add_argument("--num-requests", type=_positive_int, help="the first N prompts of the dataset (default: all)")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
+                   help=f"per request (default {d.max_new_tokens})")
+    b.add_argument("--warmup", type=_non_negative_int, default=d.warmup,
+                   help=f"warm-up requests per mode (default {d.warmup})")
+    b.add_argument("--repeats", type=_positive_int, default=d.repeats,
+                   help=f"timed runs per point; medians are reported (default {d.repeats})")
+    b.add_argument("--report-json", type=Path, help="write the full report (trtllm-bench field names) here")
+    b.add_argument("--plot", type=Path, help="write a PNG: per-user vs total throughput, acceptance per position")
+    b.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    b.set_defaults(func=cmd_bench)
 
 
 def _add_train_drafter(sub) -> None:
@@ -252,6 +307,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare)
 
     _add_serve(sub)
+    _add_bench(sub)
     _add_train_drafter(sub)
 
     m = sub.add_parser("make-random-pair",

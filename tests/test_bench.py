@@ -1,0 +1,176 @@
+"""`trtllm-dflash bench`: a smoke run on a tiny engine (report structure and consistency, PNG) and the dataset loader.
+
+No timed assertions: the smoke run only checks that the numbers agree with each other and with `run`.
+"""
+
+import json
+import statistics
+
+import pytest
+
+from trtllm_dflash.bench.datasets import load_dataset
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.errors import UserError
+
+from .conftest import build
+
+SPEED_BENCH = [
+    {"question_id": "q-code", "category": "coding", "sub_category": "python", "source": "x", "difficulty": "easy",
+     "multiturn": True, "turns": ["Write a function that reverses a string.", "Now make it faster."]},
+    {"question_id": "q-math", "category": "math", "turns": ["What is 12 times 7?"]},
+]
+PERCENTILE_KEYS = ["minimum", "p50", "p90", "p95", "p99", "maximum"]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_engine(biased_pairs, tmp_path_factory):
+    """A biased random pair (block 8): its drafts are accepted in varied numbers, so acceptance is non-trivial."""
+    return build(biased_pairs[8], tmp_path_factory.mktemp("bench") / "engine", max_batch_size=4)
+
+
+def assert_ordered(block):
+    values = [block[k] for k in PERCENTILE_KEYS]
+    assert values == sorted(values) and block["minimum"] <= block["average"] <= block["maximum"]
+
+
+def test_bench_smoke(bench_engine, tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "speed.jsonl", SPEED_BENCH)
+    report_path, png = tmp_path / "report.json", tmp_path / "plot.png"
+    code = main(["bench", str(bench_engine), "--dataset", str(dataset), "--concurrency", "1,2",
+                 "--max-new-tokens", "24", "--warmup", "1", "--repeats", "2", "--report-json", str(report_path),
+                 "--plot", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Total Output Throughput (tokens/sec)" in out and "Per User Output Speed (tps/user)" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    report = json.loads(report_path.read_text())
+    assert report["dataset_format"] == "speed-bench" and report["num_requests"] == 2
+    assert {"cpu", "cpu_cores", "torch_threads"} <= set(report["machine"])
+    points = {(p["mode"], p["concurrency"]): p for p in report["points"]}
+    assert set(points) == {("ar", 1), ("ar", 2), ("dflash", 1), ("dflash", 2)}
+    for p in points.values():
+        perf, stream = p["performance"], p["streaming_metrics"]
+        wall_s = perf["total_latency_ms"] / 1e3
+        median = statistics.median(perf["total_latency_ms_per_repeat"])
+        assert perf["total_latency_ms"] == pytest.approx(median, abs=1e-3)
+        assert perf["system_output_throughput_tok_s"] == pytest.approx(perf["num_output_tokens"] / wall_s, rel=1e-3)
+        assert perf["request_throughput_req_s"] == pytest.approx(2 / wall_s, rel=1e-3)
+        assert p["request_info"]["avg_output_length"] * 2 == perf["num_output_tokens"]
+        for block in (perf["request_latency_percentiles_ms"], stream["ttft_percentiles"], stream["tpot_percentiles"]):
+            assert_ordered(block)
+        assert stream["ttft_percentiles"]["maximum"] <= perf["request_latency_percentiles_ms"]["maximum"]
+        assert sum(c["num_requests"] for c in p["per_category"].values()) == 2
+        assert set(p["per_category"]) == {"coding", "math"}
+
+    for c in (1, 2):
+        p = points["dflash", c]
+        dec = p["decoding_stats"]
+        al, rates = dec["acceptance_length"], dec["acceptance_rate_per_position"]
+        assert p["block_size"] == 8 and len(rates) == 7 and 1 <= al <= 8
+        assert all(1 >= a >= b >= 0 for a, b in zip(rates, rates[1:]))  # non-increasing in the position
+        assert al == pytest.approx(1 + sum(rates), abs=1e-3)  # E[accepted] = sum_k P(k-th draft accepted)
+        assert dec["draft_acceptance_rate"] == pytest.approx((al - 1) / 7, abs=1e-3)
+        steps = dec["num_draft_tokens_percentiles"]["average"] / 7  # verify steps per request
+        assert al == pytest.approx(1 + dec["num_accepted_draft_tokens_percentiles"]["average"] / steps, abs=1e-3)
+        assert_ordered(dec["acceptance_length_percentiles"])
+        assert p["outputs_identical_to_ar"] is True and p["speedup_vs_ar"] > 0
+        assert p["performance"]["num_output_tokens"] == points["ar", c]["performance"]["num_output_tokens"]
+
+    dflash_1 = points["dflash", 1]["decoding_stats"]
+    (bound,) = report["speedup_bound"]
+    costs = bound["step_costs_ms"]
+    assert bound["block_size"] == 8 and bound["acceptance_length"] == dflash_1["acceptance_length"]
+    assert all(t > 0 for t in costs.values())
+    expected = bound["acceptance_length"] * costs["ar"] / (costs["verify"] + costs["draft"])
+    assert bound["speedup_bound"] == pytest.approx(expected, rel=2e-2)
+
+    # The same requests through `run`: the same tokens and acceptance lengths.
+    messages = write_jsonl(tmp_path / "run.jsonl", [
+        {"id": r["question_id"], "messages": [{"role": "user", "content": r["turns"][0]}]} for r in SPEED_BENCH])
+    summary = tmp_path / "summary.json"
+    assert main(["run", str(bench_engine), "--input", str(messages), "--output", str(tmp_path / "out.jsonl"),
+                 "--summary", str(summary), "--max-new-tokens", "24"]) == 0
+    run_summary = json.loads(summary.read_text())
+    assert run_summary["num_output_tokens"] == points["dflash", 1]["performance"]["num_output_tokens"]
+    assert run_summary["mean_acceptance_length"] == pytest.approx(dflash_1["acceptance_length"])
+    assert run_summary["acceptance_rate_per_position"] == dflash_1["acceptance_rate_per_position"]
+
+
+def test_bench_refuses_more_concurrency_than_slots(bench_engine, tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"def f{i}():"} for i in range(8)])
+    code = main(["bench", str(bench_engine), "--dataset", str(dataset), "--concurrency", "1,8"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR
+    assert "--concurrency 8: exceeds the engine's max_batch_size 4" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--num-requests", "5"], "--num-requests 5: "),
+    (["--block-sizes", "9"], "--block-size 9: must be between 2 and the engine's trained block_size 8"),
+    (["--max-new-tokens", "600"], "exceeds the engine's max_seq_len 512"),
+    (["--concurrency", "4"], "--concurrency 4: more than the 2 requests"),
+], ids=["too-many-requests", "block-too-large", "too-long", "concurrency-over-requests"])
+def test_bench_option_errors(bench_engine, tmp_path, capsys, args, words):
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f():"}, {"id": "b", "prompt": "x = 1"}])
+    code = main(["bench", str(bench_engine), "--dataset", str(dataset), *args])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_loader_formats(tmp_path):
+    speed = load_dataset(write_jsonl(tmp_path / "speed.jsonl", SPEED_BENCH))
+    assert speed.format == "speed-bench"
+    assert [(p.id, p.text, p.category) for p in speed.prompts] == [
+        ("q-code", "Write a function that reverses a string.", "coding"), ("q-math", "What is 12 times 7?", "math")]
+    held_out = load_dataset(write_jsonl(tmp_path / "ids.jsonl", [{"id": "a", "prompt": "def f():"}, "",
+                                                                 {"id": 7, "prompt": "x"}]))
+    assert held_out.format == "prompt" and [p.id for p in held_out.prompts] == ["a", 7]
+    plain = load_dataset(write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "a"}, {"prompt": "b", "category": "c"}]))
+    assert [(p.id, p.category) for p in plain.prompts] == [(1, None), (2, "c")]  # ids: line numbers
+    assert plain.categories == {2: "c"}
+
+
+BAD_DATASETS = {
+    "empty": ([], "the dataset has no records"),
+    "not-json": ([{"prompt": "a"}, "{oops"], ":2: not valid JSON"),
+    "not-object": (["[1, 2]"], ":1: a record must be a JSON object, got list"),
+    "unknown-shape": ([{"text": "a"}], ":1: unrecognized record with keys ['text']"),
+    "extra-key": ([{"prompt": "a", "max_new_tokens": 3}],
+                  ":1: unrecognized record with keys ['max_new_tokens', 'prompt']"),
+    "empty-turns": ([{"question_id": "q", "category": "c", "turns": []}], ":1: 'turns' must be a non-empty list"),
+    "turn-not-str": ([{"question_id": "q", "category": "c", "turns": [3]}], ":1: 'turns' must be a non-empty list"),
+    "no-category": ([{"question_id": "q", "turns": ["hi"]}], ":1: 'category' must be a non-empty string"),
+    "mixed": ([SPEED_BENCH[0], {"prompt": "a"}], ":2: a prompt record in a file whose first record (line 1) is a "
+                                                 "speed-bench record"),
+    "empty-prompt": ([{"id": "a", "prompt": ""}], ":1: 'prompt' must be a non-empty string"),
+    "bad-id": ([{"id": 1.5, "prompt": "a"}], ":1: the id must be a string or an integer, got 1.5"),
+    "duplicate-id": ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], ":2: duplicate id 'a'"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_DATASETS)
+def test_loader_rejects_bad_datasets(tmp_path, name):
+    records, words = BAD_DATASETS[name]
+    path = write_jsonl(tmp_path / "bad.jsonl", records)
+    with pytest.raises(UserError) as exc:
+        load_dataset(path)
+    message = str(exc.value)
+    assert message.startswith(str(path)) and words in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_cli_reports_a_bad_dataset_in_one_line(qwen3_engine_dir, tmp_path, capsys):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"text": "b"}])
+    assert main(["bench", str(qwen3_engine_dir), "--dataset", str(path)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {path}:2: unrecognized record with keys ['text']; expected a SPEED-Bench record "
+                   '({"question_id", "category", "turns": [str, ...]}), an {"id", "prompt"} record '
+                   'or a {"prompt"} record.')
+    assert main(["bench", str(qwen3_engine_dir), "--dataset", str(tmp_path / "missing.jsonl")]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'missing.jsonl'}: dataset file does not exist."

@@ -1,0 +1,140 @@
+"""One configuration's timed runs -> trtllm-bench's metrics (medians over the repeated runs).
+
+Names and units follow trtllm-bench's report_json (tensorrt_llm/bench/dataclasses/reporting.py):
+
+    performance.request_throughput_req_s         Request Throughput (req/sec) = requests / total latency
+    performance.system_output_throughput_tok_s   Total Output Throughput (tokens/sec) = output tokens / total latency
+    performance.total_latency_ms                 first submission -> last token of the run
+    streaming_metrics.token_output_speed_tok_s   Per User Output Speed (tps/user): mean over requests of 1 / TPOT
+    streaming_metrics.{ttft,tpot}_percentiles    [TTFT] / [TPOT] minimum/maximum/average/p50/p90/p95/p99, ms
+    decoding_stats.*_percentiles                 per-request draft tokens, accepted drafts, draft acceptance rate, AL
+
+One difference, on purpose: an acceptance length counts verify steps only (tokens committed per verify
+step = accepted drafts + 1, as the DFlash paper and `run` report it); trtllm-bench also counts the
+prefill iteration, which lowers its AL slightly for short outputs.
+
+Times are medians over repeats; the throughputs are derived from the median total latency, so
+`system_output_throughput_tok_s == output tokens / total_latency_ms * 1e3` holds exactly. Greedy
+decoding with the same schedule produces the same tokens in every repeat, so token counts and
+acceptance come from the first repeat.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtllm_dflash.runtime.decoding import Result
+from trtllm_dflash.runtime.jsonl import summarize
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    results: list[Result]  # in completion order
+    wall_s: float  # first submission -> last token
+
+
+def percentiles(values: list[float]) -> dict | None:
+    """trtllm-bench's percentile block (minimum/maximum/average/p50/p90/p95/p99), unitless."""
+    if not values:
+        return None
+    v = np.asarray(values, dtype=float)
+    stats = {"minimum": v.min(), "maximum": v.max(), "average": v.mean()}
+    stats |= {f"p{q}": np.percentile(v, q) for q in (50, 90, 95, 99)}
+    return {k: round(float(x), 4) for k, x in stats.items()}
+
+
+def _median_block(blocks: list[dict | None]) -> dict | None:
+    """Key-wise median of percentile blocks from repeated runs."""
+    if any(b is None for b in blocks):
+        return None
+    return {k: round(statistics.median(b[k] for b in blocks), 3) for k in blocks[0]}
+
+
+def decoding_stats(results: list[Result], block_size: int) -> dict:
+    """DFlash acceptance over all verify steps of the run, plus trtllm-bench's per-request percentile blocks."""
+    drafts_per_step = block_size - 1
+    steps = [n for r in results for n in r.acceptance_lengths]
+    verified = [r for r in results if r.acceptance_lengths]  # requests that reached a verify step
+    drafted = [drafts_per_step * len(r.acceptance_lengths) for r in verified]
+    accepted = [sum(n - 1 for n in r.acceptance_lengths) for r in verified]
+    summary = summarize("dflash", results, 1.0, block_size)
+    mean_al = sum(steps) / len(steps) if steps else None
+    return {
+        "mode": "DFlash",
+        "max_draft_len": drafts_per_step,
+        "num_verify_steps": len(steps),
+        "acceptance_length": None if mean_al is None else round(mean_al, 4),
+        "draft_acceptance_rate": None if mean_al is None else round((mean_al - 1) / drafts_per_step, 4),
+        # position k = 1 .. block_size-1: share of verify steps whose k-th draft was accepted
+        "acceptance_rate_per_position": summary["acceptance_rate_per_position"],
+        "num_draft_tokens_percentiles": percentiles(drafted),
+        "num_accepted_draft_tokens_percentiles": percentiles(accepted),
+        "draft_acceptance_rate_percentiles": percentiles([a / d for a, d in zip(accepted, drafted)]),
+        "acceptance_length_percentiles": percentiles([sum(r.acceptance_lengths) / len(r.acceptance_lengths)
+                                                      for r in verified]),
+    }
+
+
+def per_category(results: list[Result], categories: Mapping[str | int, str]) -> dict:
+    """Per dataset category: requests, output tokens and (DFlash) acceptance length over its verify steps."""
+    out: dict[str, dict] = {}
+    for category in sorted(set(categories.values())):
+        rs = [r for r in results if categories.get(r.request.id) == category]
+        steps = [n for r in rs for n in r.acceptance_lengths]
+        out[category] = {"num_requests": len(rs), "num_output_tokens": sum(len(r.output_token_ids) for r in rs),
+                         "acceptance_length": round(sum(steps) / len(steps), 4) if steps else None}
+    return out
+
+
+def _per_user_speed(results: list[Result]) -> float | None:
+    speeds = [1 / r.tpot_s for r in results if r.tpot_s]
+    return sum(speeds) / len(speeds) if speeds else None
+
+
+def summarize_runs(mode: str, block_size: int | None, concurrency: int, runs: list[TimedRun],
+                   categories: Mapping[str | int, str]) -> dict:
+    """One point of the benchmark (mode, block size, concurrency) from its repeated runs."""
+    first = runs[0].results
+    num_out = sum(len(r.output_token_ids) for r in first)
+    # Same greedy requests, same schedule: every repeat must commit the same tokens.
+    assert all(sum(len(r.output_token_ids) for r in run.results) == num_out for run in runs), "repeats differ"
+    wall = statistics.median(run.wall_s for run in runs)
+    timing = [summarize(mode, run.results, run.wall_s, block_size or 1) for run in runs]
+    speed = [_per_user_speed(run.results) for run in runs]
+    ttft, tpot = _median_block([t["ttft_ms"] for t in timing]), _median_block([t["tpot_ms"] for t in timing])
+    latency = _median_block([t["request_latency_ms"] for t in timing])
+    point = {
+        "mode": mode,
+        "block_size": block_size,
+        "concurrency": concurrency,
+        "repeats": len(runs),
+        "request_info": {
+            "num_requests": len(first),
+            "avg_input_length": round(sum(len(r.request.prompt_token_ids) for r in first) / len(first), 2),
+            "avg_output_length": round(num_out / len(first), 2),
+        },
+        "performance": {
+            "num_output_tokens": num_out,
+            "total_latency_ms": round(wall * 1e3, 3),
+            "total_latency_ms_per_repeat": [round(run.wall_s * 1e3, 3) for run in runs],
+            "avg_request_latency_ms": latency["average"],
+            "request_throughput_req_s": round(len(first) / wall, 4),
+            "system_output_throughput_tok_s": round(num_out / wall, 3),
+            "request_latency_percentiles_ms": latency,
+        },
+        "streaming_metrics": {
+            "token_output_speed_tok_s": None if None in speed else round(statistics.median(speed), 3),
+            "avg_ttft_ms": ttft["average"],
+            "avg_tpot_ms": None if tpot is None else tpot["average"],
+            "ttft_percentiles": ttft,
+            "tpot_percentiles": tpot,
+        },
+        "decoding_stats": decoding_stats(first, block_size) if mode == "dflash" else None,
+    }
+    if categories:
+        point["per_category"] = per_category(first, categories)
+    return point

@@ -1,0 +1,175 @@
+"""The benchmark loop: for every mode, block size and concurrency, warm up, then time repeated closed-loop runs.
+
+Concurrency C is a closed loop: at most C requests are submitted and unfinished at any time, and a new
+one is submitted as soon as one finishes (trtllm-bench's `--concurrency`). C is bounded by the engine's
+KV-cache slots (`max_batch_size`), so every submitted request decodes at once and none waits in a queue.
+
+AR runs once (its tokens do not depend on the block size); DFlash runs at each block size on the
+same engine directory. Within one engine, the configurations of a repeat run back to back, in
+alternating order, so slow drifts of the machine hit every mode alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.bench.datasets import load_dataset, to_requests
+from trtllm_dflash.bench.machine import machine_info
+from trtllm_dflash.bench.metrics import TimedRun, summarize_runs
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.compare import step_costs
+from trtllm_dflash.runtime.decoding import Decoder, Mode, Request
+from trtllm_dflash.runtime.runner import Engine
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    concurrency: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_batch_size and the request count
+    modes: tuple[Mode, ...] = ("ar", "dflash")
+    block_sizes: tuple[int, ...] | None = None  # DFlash block sizes (None: the engine's trained one)
+    num_requests: int | None = None  # the first N prompts of the dataset (None: all)
+    max_new_tokens: int = 128
+    warmup: int = 2  # requests run through every configuration before timing, not measured
+    repeats: int = 3  # timed runs per point; the report gives medians
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+
+
+def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> TimedRun:
+    """Run `requests` keeping at most `concurrency` submitted and unfinished; submit the next as one finishes."""
+    waiting = deque(requests)
+    results = []
+    start = time.perf_counter()
+    for _ in range(min(concurrency, len(waiting))):
+        decoder.submit(waiting.popleft())
+    while decoder.has_work:
+        for update in decoder.step():
+            if update.result is not None:
+                results.append(update.result)
+                if waiting:
+                    decoder.submit(waiting.popleft())
+        assert decoder.num_active <= concurrency
+    return TimedRun(results, time.perf_counter() - start)
+
+
+def default_concurrency(max_batch_size: int, num_requests: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the engine's slots and the number of requests."""
+    limit = min(max_batch_size, num_requests)
+    return tuple(2 ** i for i in range(limit.bit_length()) if 2 ** i <= limit)
+
+
+def _check_concurrency(concurrency: tuple[int, ...], max_batch_size: int, num_requests: int) -> None:
+    for c in concurrency:
+        if c > max_batch_size:
+            raise UserError(f"--concurrency {c}: exceeds the engine's max_batch_size {max_batch_size} (KV-cache "
+                            f"slots); rebuild the engine with a larger max_batch_size.")
+        if c > num_requests:
+            raise UserError(f"--concurrency {c}: more than the {num_requests} requests to run (see --num-requests).")
+
+
+def _same_tokens(a: TimedRun, b: TimedRun) -> bool:
+    tokens = {r.request.id: r.output_token_ids for r in a.results}
+    return all(tokens[r.request.id] == r.output_token_ids for r in b.results)
+
+
+def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
+          progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Run the whole benchmark and return the report (see benchmarks/README.md for its fields)."""
+    dataset = load_dataset(dataset_path)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
+    # Duplicates would only repeat points; AR alone needs one engine at any block size.
+    block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
+    engine = Engine.load(engine_dir, block_size=block_sizes[0])
+    cfg = engine.config
+    requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
+    concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
+    _check_concurrency(concurrency, cfg.max_batch_size, len(requests))
+    warmup = requests[: opts.warmup]
+    context_len = int(sum(len(r.prompt_token_ids) for r in requests) / len(requests) + opts.max_new_tokens / 2)
+
+    points, bounds = [], []
+    ar_runs: dict[int, TimedRun] = {}  # concurrency -> first timed AR run, for the losslessness check
+    for i, block_size in enumerate(block_sizes):
+        if i > 0:
+            engine = Engine.load(engine_dir, block_size=block_size)
+        b = engine.executor.block_size
+        configs: list[tuple[Mode, int | None]] = []
+        if "ar" in opts.modes and i == 0:
+            configs.append(("ar", None))
+        if "dflash" in opts.modes:
+            configs.append(("dflash", b))
+        for mode, _ in configs:
+            if warmup:
+                closed_loop(engine.decoder(mode), warmup, min(len(warmup), max(concurrency)))
+        runs: dict[tuple[Mode, int], list[TimedRun]] = {(m, c): [] for m, _ in configs for c in concurrency}
+        for rep in range(opts.repeats):
+            for c in concurrency:
+                for mode, _ in (configs if rep % 2 == 0 else configs[::-1]):
+                    run = closed_loop(engine.decoder(mode), requests, c)
+                    runs[mode, c].append(run)
+                    progress(f"repeat {rep + 1}/{opts.repeats}: {mode if mode == 'ar' else f'dflash b{b}'} C={c}: "
+                             f"{run.wall_s:.2f} s")
+        for (mode, c), timed in runs.items():
+            point = summarize_runs(mode, b if mode == "dflash" else None, c, timed, dataset.categories)
+            if mode == "ar":
+                ar_runs[c] = timed[0]
+            elif c in ar_runs:
+                ar_point = next(p for p in points if p["mode"] == "ar" and p["concurrency"] == c)
+                point["speedup_vs_ar"] = round(point["performance"]["system_output_throughput_tok_s"]
+                                               / ar_point["performance"]["system_output_throughput_tok_s"], 3)
+                point["outputs_identical_to_ar"] = _same_tokens(ar_runs[c], timed[0])
+            points.append(point)
+            progress(_progress_line(point))
+        if "dflash" in opts.modes:
+            bounds.append(_speedup_bound(engine, context_len, points, b))
+    return {
+        "date": started,
+        "machine": machine,
+        "engine": str(engine_dir),
+        "dataset": str(dataset_path),
+        "dataset_format": dataset.format,
+        "num_requests": len(requests),
+        "max_new_tokens": opts.max_new_tokens,
+        "temperature": 0.0,
+        "warmup": opts.warmup,
+        "repeats": opts.repeats,
+        "concurrency": list(concurrency),
+        "modes": list(opts.modes),
+        "max_batch_size": cfg.max_batch_size,
+        "dtype": cfg.dtype,
+        "points": points,
+        "speedup_bound": bounds,
+    }
+
+
+def _speedup_bound(engine: Engine, context_len: int, points: list[dict], block_size: int) -> dict:
+    """Batch-1 bound AL x t_ar / (t_verify + t_draft) next to the speedup measured at concurrency 1."""
+    costs = step_costs(engine, context_len)
+    dflash = [p for p in points if p["mode"] == "dflash" and p["block_size"] == block_size]
+    al = dflash[0]["decoding_stats"]["acceptance_length"]  # same tokens at every concurrency
+    at_1 = next((p for p in dflash if p["concurrency"] == 1), None)
+    return {
+        "block_size": block_size,
+        "context_len": context_len,
+        "step_costs_ms": {"ar": round(costs.ar_s * 1e3, 3), "verify": round(costs.verify_s * 1e3, 3),
+                          "draft": round(costs.draft_s * 1e3, 3)},
+        "acceptance_length": al,
+        "speedup_bound": None if al is None else round(costs.speedup_bound(al), 3),
+        "measured_speedup": None if at_1 is None else at_1.get("speedup_vs_ar"),
+    }
+
+
+def _progress_line(p: dict) -> str:
+    name = p["mode"] if p["block_size"] is None else f"{p['mode']} b{p['block_size']}"
+    al = (p["decoding_stats"] or {}).get("acceptance_length")
+    return (f"{name:>10} C={p['concurrency']:<3} {p['performance']['system_output_throughput_tok_s']:8.1f} tokens/s, "
+            f"{p['streaming_metrics']['token_output_speed_tok_s'] or 0:7.1f} tps/user"
+            + ("" if al is None else f", AL {al:.2f}"))
