@@ -132,7 +132,7 @@ def main() -> None:
         f"- engine: `{_rel(engine)}` "
         f"(from `{args.engine_config.name}`: the demo pair, {bench_report['dtype']}, "
         f"max_batch_size {bench_report['max_batch_size']})",
-        f"- time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
+        "- time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
         + f"; total {sum(seconds.values()):.0f}",
         "",
         "## 1. Throughput vs concurrency (`trtllm-dflash bench`)",

@@ -35,7 +35,8 @@ from trtllm_dflash.engine.engine_dir import CONFIG, TOKENIZER, write_manifest
 from trtllm_dflash.serve.repository import SERVE_CONFIG
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.serve.scheduler import Event, ServingLoop, TextStream
+from trtllm_dflash.runtime.textstream import TextStream
+from trtllm_dflash.serve.scheduler import Event, ServingLoop
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl"
@@ -92,7 +93,7 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
     ("repo is a file", ["exists and is not a directory"]),
     ("repo not empty", ["is not empty (use --force"]),
     ("bad model name", ["--model-name", "letters, digits"]),
-    ("tp engine", ["tp_size 2", "not yet supported by `serve`"]),
+    ("tp engine", ["tp_size 2", "serve it with `mpirun -n 2 trtllm-dflash serve ... --launch`"]),
     ("block size", ["--block-size 17", "between 2 and the engine's trained block_size 16"]),
     ("max batch", ["--max-batch-size 9", "slots for 8 requests"]),
     ("max new tokens", ["--max-new-tokens 2048", "below the engine's max_seq_len 2048"]),
@@ -170,7 +171,7 @@ def _triton_cli() -> Path:
     bundled = TRITON_VENV.glob("lib/python*/site-packages/pytriton/tritonserver/bin/tritonserver")
     if not (cli.is_file() and list(bundled)):
         reason = (f"no Triton environment at {TRITON_VENV} (nvidia-pytriton needs numpy<2, so it has its own venv: "
-                  f"python3 -m venv .venv-triton && .venv-triton/bin/pip install -e '.[serve]')")
+                  f"python3 -m venv .venv-triton && .venv-triton/bin/pip install -e '.[serve,mpi]')")
     elif importlib.util.find_spec("tritonclient") is None:
         reason = "tritonclient is not installed in the test environment (pip install -e '.[test]')"
     else:
@@ -191,11 +192,11 @@ def _free_ports(n: int) -> list[int]:
 class Server:
     """`trtllm-dflash serve ENGINE --launch` in the Triton environment, on free local ports."""
 
-    def __init__(self, cli: Path, engine_dir: Path, root: Path, *extra: str):
+    def __init__(self, cli: Path, engine_dir: Path, root: Path, *extra: str, launcher: tuple[str, ...] = ()):
         self.http, self.grpc, self.metrics = _free_ports(3)
         self.log = root / "server.log"
         env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout, whatever .venv-triton was installed from
-        cmd = [str(cli), "serve", str(engine_dir), "--model-repo", str(root / "repo"), "--launch", *extra,
+        cmd = [*launcher, str(cli), "serve", str(engine_dir), "--model-repo", str(root / "repo"), "--launch", *extra,
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -359,6 +360,38 @@ def test_plain_infer_over_http_and_grpc_equals_run(servers, expected):
                 result = client.infer(MODEL, _inputs(module, rec["prompt"]))
                 assert _text(result) == rec["text"], (rid, module.__name__)
                 _check_final({k: result.as_numpy(k) for k in FINAL_OUTPUTS}, rec)
+
+
+def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_path_factory):
+    """`mpirun -n 2 trtllm-dflash serve ENGINE_TP2 --launch`: rank 0 serves, rank 1 follows; concurrent requests
+    get `run`'s text (from the unsplit engine); SIGTERM shuts every rank down cleanly."""
+    import tritonclient.http as httpclient
+
+    cli = _triton_cli()
+    mpiexec = cli.parent / "mpiexec"
+    if not mpiexec.is_file():
+        pytest.fail(f"{mpiexec} is missing: install the Triton environment with '.[serve,mpi]'")
+    root = tmp_path_factory.mktemp("tp2")
+    cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=root / "engine")
+    engine = build_engine(cfg.model_copy(update={"tp_size": 2}), progress=False)
+    server = Server(cli, engine, root, "--no-streaming", launcher=(str(mpiexec), "-n", "2"))
+    try:
+        server.wait_ready()
+        texts = {}
+
+        def ask(rid: str) -> None:
+            with closing(httpclient.InferenceServerClient(f"127.0.0.1:{server.http}")) as client:
+                texts[rid] = _text(client.infer(MODEL, _inputs(httpclient, expected[rid]["prompt"])))
+
+        threads = [threading.Thread(target=ask, args=(rid,)) for rid in expected if rid != SAMPLED["id"]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert texts == {rid: rec["text"] for rid, rec in expected.items() if rid != SAMPLED["id"]}
+    finally:
+        code = server.stop()
+    assert code == 0, server.log.read_text()[-3000:]
 
 
 def test_sampling_matches_run_for_the_same_seed_and_id(servers, expected):

@@ -136,12 +136,19 @@ def _port(text: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from trtllm_dflash.serve import Endpoints, ServeConfig, serve
+    from trtllm_dflash.serve.tensor_parallel import check_launch, serve_under_mpi
 
     cfg = ServeConfig(engine_dir=str(args.engine_dir.absolute()), mode=args.mode, block_size=args.block_size,
                       max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
                       threads=args.threads)
     endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
-    return serve(args.model_repo, args.model_name, cfg, not args.no_streaming, args.force, endpoints)
+
+    def serve_here() -> int:
+        return serve(args.model_repo, args.model_name, cfg, not args.no_streaming, args.force, endpoints)
+
+    if check_launch(cfg, args.launch) > 1:  # under `mpirun -n N`: rank 0 serves, the others follow
+        return serve_under_mpi(cfg, serve_here)
+    return serve_here()
 
 
 def _add_serve(sub) -> None:

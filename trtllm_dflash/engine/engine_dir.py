@@ -123,12 +123,17 @@ def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        if final.exists():
-            old = final.parent / f".{final.name}.replaced-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        move_into_place(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete directory `tmp` (a sibling of `final`) to `final`, replacing what is there."""
+    if final.exists():
+        old = final.parent / f".{final.name}.replaced-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)

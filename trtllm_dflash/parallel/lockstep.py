@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from trtllm_dflash.runtime.decoding import Decoder, Request, Result, Update
+from trtllm_dflash.runtime.decoding import Decoder, Request, Result, Update, run_to_completion
 
 
 class LockstepDriver:
@@ -45,12 +45,7 @@ class LockstepDriver:
         return self.decoder.step()
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        for request in requests:
-            self.submit(request)
-        while self.has_work:
-            for update in self.step():
-                if update.result is not None:
-                    yield update.result
+        return run_to_completion(self, requests)
 
     def close(self) -> None:
         """Release the followers (they return from `follow`)."""

@@ -41,7 +41,7 @@ def launched_by_mpi() -> bool:
 class World:
     rank: int = 0
     size: int = 1
-    comm: Any = None  # mpi4py communicator (None in a world of one)
+    comm: Any = None  # mpi4py communicator (None in a world of one, or in a rank that is no MPI process)
 
     @property
     def tp(self) -> TPGroup:
@@ -59,7 +59,8 @@ class World:
             if error is not None:
                 raise UserError(error)
             return value
-        errors = self.comm.allgather(error)
+        errors: list[str | None] = [None] * self.size
+        dist.all_gather_object(errors, error)
         if any(errors):
             first = next(e for e in errors if e)
             ranks = [r for r, e in enumerate(errors) if e == first]
@@ -75,7 +76,7 @@ class World:
     def abort(self, message: str, code: int = 1) -> None:
         """Print this rank's error and end every rank of the job (never returns)."""
         print(f"error (rank {self.rank} of {self.size}): {message}", file=sys.stderr, flush=True)
-        if self.size > 1:
+        if self.comm is not None and self.size > 1:
             self.comm.Abort(code)
         raise SystemExit(code)
 
@@ -90,24 +91,37 @@ class AgreedError(UserError):
 
 def init_world(backend: str = "gloo") -> World:
     """The MPI world this process belongs to, with torch.distributed initialised when it has > 1 rank."""
+    comm = mpi_comm()
+    if comm is None or comm.Get_size() == 1:
+        return World(comm=comm)
+    world = World(comm.Get_rank(), comm.Get_size(), comm)
+    store = rendezvous(comm)
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
+    return world
+
+
+def mpi_comm() -> Any:
+    """mpi4py's COMM_WORLD when started by an MPI launcher, else None (mpi4py is then never imported)."""
     if not launched_by_mpi():
-        return World()
+        return None
     try:
         from mpi4py import MPI
     except ImportError as exc:
         raise UserError(f"running under an MPI launcher needs mpi4py: pip install 'trtllm-dflash[mpi]' ({exc}).") from None
-    comm = MPI.COMM_WORLD
-    world = World(comm.Get_rank(), comm.Get_size(), comm)
-    if world.size == 1:
-        return world
+    return MPI.COMM_WORLD
+
+
+def rendezvous(comm: Any) -> dist.TCPStore:
+    """A torch.distributed TCPStore served by MPI rank 0 on a free port, its address sent to every rank
+    (`store.host`, `store.port`)."""
+    from mpi4py import MPI
+
     hosts = comm.allgather(MPI.Get_processor_name())
     host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
-    store = None
-    if world.rank == 0:
-        store = dist.TCPStore(host, 0, world.size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                               wait_for_workers=False)
-    port = comm.bcast(store.port if store is not None else None, root=0)
-    if store is None:
-        store = dist.TCPStore(host, port, world.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
-    return world
+    size = comm.Get_size()
+    if comm.Get_rank() == 0:
+        store = dist.TCPStore(host, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        comm.bcast((host, store.port), root=0)
+        return store
+    host, port = comm.bcast(None, root=0)
+    return dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)

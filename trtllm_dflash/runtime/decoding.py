@@ -160,12 +160,7 @@ class Decoder:
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Yield each request's result as soon as it finishes (not in input order)."""
-        for request in requests:
-            self.submit(request)
-        while self.has_work:
-            for update in self.step():
-                if update.result is not None:
-                    yield update.result
+        return run_to_completion(self, requests)
 
     def _batch(self, active: list[_Active]):
         ex = self.executor
@@ -221,3 +216,14 @@ class Decoder:
             n = int(accepted[row])
             a.acceptance_lengths.append(n + 1)
             a.commit(block[row, 1 : n + 1].tolist() + [int(bonus[row])], self.stop_ids)
+
+
+def run_to_completion(scheduler, requests: Iterable[Request]) -> Iterator[Result]:
+    """Submit every request to `scheduler` (a Decoder or a tensor-parallel driver) and step it until all
+    are done, yielding each result as its request finishes."""
+    for request in requests:
+        scheduler.submit(request)
+    while scheduler.has_work:
+        for update in scheduler.step():
+            if update.result is not None:
+                yield update.result

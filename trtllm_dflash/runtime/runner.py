@@ -28,6 +28,7 @@ from trtllm_dflash.parallel.world import World
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
+from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
 
 
@@ -260,26 +261,3 @@ def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World = World
         if world.size > 1:
             driver.close()
     return 0
-
-
-class TextStream:
-    """Incremental detokenization whose pieces concatenate to `tokenizer.decode(all ids)`.
-
-    Holds text back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids += new_ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
-
-    def finish(self) -> str:
-        """The text still held back (the request has ended)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        piece, self.sent = text[self.sent:], len(text)
-        return piece

@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trtllm_dflash.config import EngineConfig, describe_validation_error
-from trtllm_dflash.engine.engine_dir import open_engine
+from trtllm_dflash.engine.engine_dir import move_into_place, open_engine
 from trtllm_dflash.errors import UserError
 
 SERVE_CONFIG = "serve.json"
@@ -80,9 +80,6 @@ def read_serve_config(path: Path) -> ServeConfig:
 
 def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
     """Options that only the engine can judge; shared by `serve` (early) and the model (at load)."""
-    if engine.mapping.tp_size != 1:
-        raise UserError(f"{cfg.engine_dir}: tp_size {engine.mapping.tp_size} engines are not yet supported "
-                        f"by `serve` (tensor-parallel serving is planned).")
     if cfg.block_size is not None and not 2 <= cfg.block_size <= engine.dflash.block_size:
         raise UserError(f"--block-size {cfg.block_size}: must be between 2 and the engine's trained block_size "
                         f"{engine.dflash.block_size}.")
@@ -139,13 +136,7 @@ def write_model_repository(repo: Path, name: str, cfg: ServeConfig, decoupled: b
         (version / "model.py").write_text(MODEL_PY)
         (version / SERVE_CONFIG).write_text(cfg.model_dump_json(indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users (e.g. a container's) out
-        if repo.exists():
-            old = repo.parent / f".{repo.name}.replaced-{os.getpid()}"
-            repo.rename(old)
-            tmp.rename(repo)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(repo)
+        move_into_place(tmp, repo)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return repo / name

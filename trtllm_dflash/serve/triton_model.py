@@ -26,6 +26,7 @@ from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.serve.repository import SERVE_CONFIG, ServeConfig, check_serve_config, read_serve_config
 from trtllm_dflash.serve.scheduler import Event, ServingLoop
+from trtllm_dflash.serve.tensor_parallel import join_as_rank0
 from trtllm_dflash.speculative.core import request_seed
 
 
@@ -141,13 +142,18 @@ class TritonPythonModel:
         check_serve_config(cfg, read_engine_config(Path(cfg.engine_dir)))  # Engine.load verifies the files
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size)
+        self.world = None
+        if read_engine_config(Path(cfg.engine_dir)).mapping.tp_size > 1:  # rank 0 of `mpirun -n N ... serve`
+            engine, stepper, self.world = join_as_rank0(cfg)
+        else:
+            engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size)
+            stepper = engine.decoder(cfg.mode)
         self.tokenizer = engine.tokenizer
         self.block_size = engine.executor.block_size
         self.limits = Limits(engine.config.max_seq_len, cfg.max_new_tokens, cfg.seed)
         self.ids = itertools.count()
         max_batch = cfg.max_batch_size or engine.config.max_batch_size
-        self.loop = ServingLoop(engine.decoder(cfg.mode), engine.tokenizer, max_batch,
+        self.loop = ServingLoop(stepper, engine.tokenizer, max_batch,
                                 on_step=_StepMetrics(args["model_name"]))
         self.loop.start()
         pb_utils.Logger.log_info(f"trtllm-dflash: {cfg.engine_dir} loaded, mode {cfg.mode}, block size "
@@ -176,5 +182,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.loop.stop()
+        if self.world is not None:  # release the follower ranks
+            self.loop.decoder.close()
+            self.world.close()
         sizes = dict(sorted(self.loop.stats.batch_sizes.items()))
         pb_utils.Logger.log_info(f"trtllm-dflash: {self.loop.stats.steps} steps; steps per batch size: {sizes}")
