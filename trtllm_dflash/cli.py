@@ -42,7 +42,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     from trtllm_dflash.engine.builder import build_engine
 
     cfg = load_build_config(args.config, output=args.output)
-    out = build_engine(cfg, force=args.force, progress=sys.stderr.isatty(), source=str(args.config))
+    out = build_engine(cfg, force=args.force, progress=sys.stderr.isatty(), source=str(args.config),
+                       report=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"engine written to {out}", file=sys.stderr)
     return 0
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,30 +41,47 @@ def quantization_section(quantization: str, target: dict[str, torch.Tensor], dra
             "drafter": "quantized" if drafter else "unquantized"}
 
 
-def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config") -> Path:
-    """Validate, convert, shard and write the engine; returns its directory. `source` names the config in errors."""
+@contextmanager
+def _stage(report: Callable[[str], None] | None, done: str) -> Iterator[None]:
+    """Report `done` with the stage's duration when the stage has finished."""
+    start = time.perf_counter()
+    yield
+    if report is not None:
+        report(f"{done} ({time.perf_counter() - start:.1f} s)")
+
+
+def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config",
+                 report: Callable[[str], None] | None = None) -> Path:
+    """Validate, convert, shard and write the engine; returns its directory. `source` names the config in errors.
+
+    `progress` shows a bar while weights are written; `report` receives one line per finished stage."""
     if cfg.quantize_drafter and cfg.quantization == "none":
         raise UserError(f"{source}: quantize_drafter: true needs quantization nvfp4 or fp8 (it is none).")
     assert cfg.output is not None
     check_output(cfg.output, force)
-    target, drafter = load_pair(cfg.target, cfg.drafter)
-    if cfg.max_seq_len > target.spec.max_position_embeddings:
-        raise UserError(
-            f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
-            f"{target.spec.max_position_embeddings}."
-        )
-    check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none")
-    check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)
-    tokenizer = load_tokenizer(cfg.target)
+    with _stage(report, "checked the target + drafter pair and the build options"):
+        target, drafter = load_pair(cfg.target, cfg.drafter)
+        if cfg.max_seq_len > target.spec.max_position_embeddings:
+            raise UserError(
+                f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
+                f"{target.spec.max_position_embeddings}."
+            )
+        check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none")
+        check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)
+        tokenizer = load_tokenizer(cfg.target)
+        batches = [] if cfg.quantization == "none" else calibration_batches(
+            tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
     eos = list(target.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     dtype = getattr(torch, cfg.dtype)
 
     quantized: dict[str, dict[str, torch.Tensor]] = {TARGET_PREFIX: {}, DRAFTER_PREFIX: {}}
     if cfg.quantization != "none":
-        batches = calibration_batches(tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
+        fmt = QUANT_ALGOS[cfg.quantization]
         if cfg.quantize_drafter:
-            quantized[DRAFTER_PREFIX] = quantize_drafter(target, drafter, cfg.quantization, batches)
-        quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches)
+            with _stage(report, f"drafter quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
+                quantized[DRAFTER_PREFIX] = quantize_drafter(target, drafter, cfg.quantization, batches)
+        with _stage(report, f"target quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
+            quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches)
 
     def stored(prefix: str, store, name: str) -> list[tuple[str, torch.Tensor]]:
         """One checkpoint tensor as stored in the engine (a quantized linear: in ModelOpt's unified format)."""
@@ -79,7 +99,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
             for rank in range(cfg.tp_size):
                 bar.update(task, description=f"writing {rank_file(rank)}")
                 # Streamed tensor by tensor: memory holds one source tensor at a time, never a whole rank.
-                with SafetensorsWriter(tmp / rank_file(rank), metadata={"format": "pt"}) as out:
+                with _stage(report, f"wrote {rank_file(rank)} of {cfg.tp_size}"), \
+                        SafetensorsWriter(tmp / rank_file(rank), metadata={"format": "pt"}) as out:
                     for prefix, store, names, spec in sources:
                         for name in names:
                             for key, tensor in stored(prefix, store, name):
