@@ -114,3 +114,13 @@ def test_run_argument_errors(qwen3_engine_dir, tmp_path, capsys):
     too_long = ["run", str(qwen3_engine_dir), "--stream", "hi", "--max-new-tokens", "100000"]
     assert main(too_long) == EXIT_USER_ERROR
     assert "exceeds the engine's max_seq_len 512" in capsys.readouterr().err
+
+
+def test_forced_progress_display_leaves_the_results_unchanged(qwen3_engine_dir, tmp_path):
+    """`--progress` drives the live display (rich) on every finished request; the results are the same."""
+    prompts = write_requests(tmp_path / "in.jsonl", 6)
+    plain, shown = tmp_path / "plain.jsonl", tmp_path / "shown.jsonl"
+    assert main(["run", str(qwen3_engine_dir), "--input", str(prompts), "--output", str(plain), "--no-progress"]) == 0
+    assert main(["run", str(qwen3_engine_dir), "--input", str(prompts), "--output", str(shown), "--progress"]) == 0
+    by_id = lambda path: {r["id"]: r["output_token_ids"] for r in records(path)}  # noqa: E731
+    assert by_id(shown) == by_id(plain) and len(by_id(plain)) == 6
