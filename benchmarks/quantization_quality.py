@@ -2,8 +2,8 @@
 
     python benchmarks/quantization_quality.py --num-prompts 16 --max-new-tokens 64
 
-Builds the demo pair with quantization none / fp8 / nvfp4 (ModelOpt on the CPU, calibrated on the
-default stdlib code set), runs greedy DFlash on held-out prompts, and reports for each: the share of
+Builds the demo pair with quantization none / fp8 / nvfp4, each also with the drafter quantized
+(`quantize_drafter`; ModelOpt on the CPU, calibrated on the default stdlib code set), runs greedy DFlash on held-out prompts, and reports for each: the share of
 output tokens equal to the unquantized engine's (position by position until the first difference, and
 overall), the mean acceptance length, and whether DFlash equals AR on that same engine. Writes
 benchmarks/results/quantization_quality.json.
@@ -37,8 +37,10 @@ def main() -> None:
     args = p.parse_args()
     outputs, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        for quant in ("none", "fp8", "nvfp4"):
-            cfg = load_build_config(args.config, output=Path(tmp) / quant).model_copy(update={"quantization": quant})
+        for quant, drafter in (("none", False), ("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)):
+            name = quant + (" + drafter" if drafter else "")
+            cfg = load_build_config(args.config, output=Path(tmp) / name.replace(" + ", "_")).model_copy(
+                update={"quantization": quant, "quantize_drafter": drafter})
             engine = Engine.load(build_engine(cfg, progress=False))
             defaults = Defaults(args.max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
             requests, errors = read_requests(args.prompts, engine.tokenizer, defaults)
@@ -46,16 +48,16 @@ def main() -> None:
             requests = requests[: args.num_prompts]
             dflash = {r.request.id: r for r in engine.decoder("dflash").generate(requests)}
             ar = {r.request.id: r for r in engine.decoder("ar").generate(requests)}
-            outputs[quant] = {i: r.output_token_ids for i, r in dflash.items()}
+            outputs[name] = {i: r.output_token_ids for i, r in dflash.items()}
             steps = [n for r in dflash.values() for n in r.acceptance_lengths]
-            row = {"quantization": quant, "mean_acceptance_length": round(sum(steps) / len(steps), 3),
+            row = {"quantization": name, "mean_acceptance_length": round(sum(steps) / len(steps), 3),
                    "dflash_equals_ar": all(dflash[i].output_token_ids == ar[i].output_token_ids for i in dflash)}
             if quant != "none":
-                ref = outputs["none"]
-                prefix = [next((k for k, (a, b) in enumerate(zip(outputs[quant][i], ref[i])) if a != b),
-                               min(len(ref[i]), len(outputs[quant][i]))) for i in ref]
-                same = sum(sum(a == b for a, b in zip(outputs[quant][i], ref[i])) for i in ref)
-                row |= {"identical_outputs": sum(outputs[quant][i] == ref[i] for i in ref) / len(ref),
+                ref, out = outputs["none"], outputs[name]
+                prefix = [next((k for k, (a, b) in enumerate(zip(out[i], ref[i])) if a != b),
+                               min(len(ref[i]), len(out[i]))) for i in ref]
+                same = sum(sum(a == b for a, b in zip(out[i], ref[i])) for i in ref)
+                row |= {"identical_outputs": sum(out[i] == ref[i] for i in ref) / len(ref),
                         "mean_agreeing_prefix_tokens": round(sum(prefix) / len(prefix), 2),
                         "token_agreement": round(same / sum(len(ref[i]) for i in ref), 3)}
             rows.append(row)

@@ -123,6 +123,8 @@ def test_config_file_problems(pair, capsys):
     build_fails(pair, capsys, "bad.yaml", "not valid YAML", config=bad)
     bad.write_text("- a list\n")
     build_fails(pair, capsys, "bad.yaml", "mapping", config=bad)
+    bad.write_text("target: target\ntp_size: 1\ndrafter: drafter\ntp_size: 2\n")
+    build_fails(pair, capsys, "bad.yaml", "key 'tp_size' appears twice (line 4)", config=bad)
 
 
 def test_output_path_that_is_a_file(pair, capsys):
