@@ -39,6 +39,8 @@ def launched_by_mpi() -> bool:
 
 @dataclass
 class World:
+    """This process's place among the ranks of a tensor-parallel job (a world of one by default)."""
+
     rank: int = 0
     size: int = 1
     comm: Any = None  # mpi4py communicator (None in a world of one, or in a rank that is no MPI process)

@@ -48,11 +48,12 @@ class Engine:
     executor: TorchExecutor
 
     @classmethod
-    def load(cls, root: Path, device: str = "cpu", block_size: int | None = None, world: World = World()) -> "Engine":
+    def load(cls, root: Path, device: str = "cpu", block_size: int | None = None,
+             world: World | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained.
 
-        Under MPI, each rank verifies and reads only its own rank file."""
-        root = Path(root)
+        Under MPI (`world`), each rank verifies and reads only its own rank file."""
+        root, world = Path(root), world or World()
         cfg = open_engine(root, rank=world.rank)
         if block_size is not None and not 2 <= block_size <= cfg.dflash.block_size:
             raise UserError(f"--block-size {block_size}: must be between 2 and the engine's trained block_size "
@@ -149,8 +150,9 @@ def finished_ids(output_path: Path) -> set:
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
-              opts: RunOptions, world: World = World()) -> int:
+              opts: RunOptions, world: World | None = None) -> int:
     """The `run` command: returns the number of bad input lines (reported on stderr). Every rank calls it."""
+    world = world or World()
     engine, decoder = prepare(engine_dir, opts, world, (input_path,))
     if world.rank != 0:
         follow(decoder)
@@ -225,12 +227,12 @@ class RunProgress:
         self._bar.__exit__(*exc)
 
 
-def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World = World(),
+def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World | None = None,
            out: TextIO | None = None) -> int:
     """`run --stream PROMPT`: print each completion's text as its tokens are committed.
 
     PROMPT '-' reads prompts from stdin, one per line, and streams them one after another."""
-    out = out or sys.stdout
+    out, world = out or sys.stdout, world or World()
     engine, decoder = prepare(engine_dir, opts, world)
     if world.rank != 0:
         follow(decoder)
