@@ -42,7 +42,8 @@ def quantize_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoint, fmt: 
     """Calibrate with ModelOpt during DFlash decoding of `batches`; returns the drafter's quantized linears
     in ModelOpt's unified format under z-lab names (`<linear>.weight`, `.weight_scale`, ...)."""
     bf16 = torch.bfloat16
-    target_model = TargetModel.from_state_dict(target.spec, {n: target.tensors.get(n).to(bf16) for n in target.tensors.names()})
+    target_model = TargetModel.from_state_dict(target.spec,
+                                               {n: target.tensors.get(n).to(bf16) for n in target.tensors.names()})
     model = DFlashDrafter.from_state_dict(drafter.spec, drafter.params,
                                           {n: drafter.tensors.get(n).to(bf16) for n in drafter.tensors.names()})
     prompts = [b[0].tolist() for b in batches]
@@ -75,5 +76,5 @@ def quantize_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoint, fmt: 
             else:
                 q = quantize_fp8_weight(w)
                 out |= {f"{name}.weight": q.weight, f"{name}.weight_scale": q.weight_scale,
-                        f"{name}.input_scale": (linears[name].input_quantizer.amax.float().reshape(()) / E4M3_MAX)}
+                        f"{name}.input_scale": input_amax / E4M3_MAX}  # (FP8 groups are single linears)
     return out
