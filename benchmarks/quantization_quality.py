@@ -2,10 +2,11 @@
 
     python benchmarks/quantization_quality.py --num-prompts 16 --max-new-tokens 64
 
-Builds the demo pair with quantization none / fp8 / nvfp4, each also with the drafter quantized
-(`quantize_drafter`; ModelOpt on the CPU, calibrated on the default stdlib code set), runs greedy DFlash on held-out prompts, and reports for each: the share of
-output tokens equal to the unquantized engine's (position by position until the first difference, and
-overall), the mean acceptance length, and whether DFlash equals AR on that same engine. Writes
+Builds the demo pair with quantization none / fp8 / nvfp4, the quantized ones also with the drafter
+quantized (`quantize_drafter`; ModelOpt on the CPU, calibrated on the default stdlib code set), runs
+greedy DFlash on held-out prompts, and reports for each: the share of output tokens equal to the
+unquantized engine's (position by position until the first difference, and overall), the mean
+acceptance length, and whether DFlash equals AR on that same engine. Writes
 benchmarks/results/quantization_quality.json.
 """
 
