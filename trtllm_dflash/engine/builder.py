@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -93,19 +93,20 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
     sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec), target.spec),
                (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params), drafter.spec)]
     with atomic_directory(cfg.output, force) as tmp:
-        total = cfg.tp_size * sum(len(names) for _, _, names, _ in sources)
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("writing weights", total=total)
-            for rank in range(cfg.tp_size):
-                bar.update(task, description=f"writing {rank_file(rank)}")
-                # Streamed tensor by tensor: memory holds one source tensor at a time, never a whole rank.
-                with _stage(report, f"wrote {rank_file(rank)} of {cfg.tp_size}"), \
-                        SafetensorsWriter(tmp / rank_file(rank), metadata={"format": "pt"}) as out:
-                    for prefix, store, names, spec in sources:
-                        for name in names:
-                            for key, tensor in stored(prefix, store, name):
-                                out.add(prefix + key, shard_tensor(tensor, split_for(key, spec, cfg.tp_size, rank)))
-                            bar.advance(task)
+        total = sum(len(names) for _, _, names, _ in sources)
+        with _stage(report, f"wrote {cfg.tp_size} rank file{'s' if cfg.tp_size > 1 else ''}"), \
+                Progress(disable=not progress, transient=True) as bar, ExitStack() as files:
+            task = bar.add_task(f"writing {cfg.tp_size} rank file(s)", total=total)
+            # Streamed: each source tensor is read once, its slices go to every rank's file, and memory holds one
+            # source tensor at a time, never a whole rank.
+            outs = [files.enter_context(SafetensorsWriter(tmp / rank_file(r), metadata={"format": "pt"}))
+                    for r in range(cfg.tp_size)]
+            for prefix, store, names, spec in sources:
+                for name in names:
+                    for key, tensor in stored(prefix, store, name):
+                        for rank, out in enumerate(outs):
+                            out.add(prefix + key, shard_tensor(tensor, split_for(key, spec, cfg.tp_size, rank)))
+                    bar.advance(task)
         tokenizer.save_pretrained(str(tmp / TOKENIZER))
         engine_cfg = EngineConfig(
             trtllm_dflash_version=__version__,
