@@ -144,10 +144,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       threads=args.threads)
     endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
 
-    def serve_here() -> int:
-        return serve(args.model_repo, args.model_name, cfg, not args.no_streaming, args.force, endpoints)
+    engine = check_launch(cfg, args.launch)
 
-    if check_launch(cfg, args.launch) > 1:  # under `mpirun -n N`: rank 0 serves, the others follow
+    def serve_here() -> int:
+        return serve(args.model_repo, args.model_name, cfg, engine, not args.no_streaming, args.force, endpoints)
+
+    if engine.mapping.tp_size > 1:  # under `mpirun -n N`: rank 0 serves, the others follow
         return serve_under_mpi(cfg, serve_here)
     return serve_here()
 

@@ -6,17 +6,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trtllm_dflash.config import EngineConfig
 from trtllm_dflash.serve.launch import Endpoints, NGC_IMAGE, check_endpoints, find_tritonserver, launch
 from trtllm_dflash.serve.repository import ServeConfig, write_model_repository
 
 
-def serve(repo: Path, name: str, cfg: ServeConfig, decoupled: bool, force: bool, endpoints: Endpoints | None) -> int:
-    """The `serve` command: write the repository; with `endpoints`, run tritonserver on it (its exit code)."""
+def serve(repo: Path, name: str, cfg: ServeConfig, engine: EngineConfig, decoupled: bool, force: bool,
+          endpoints: Endpoints | None) -> int:
+    """The `serve` command: write the repository for the verified `engine`; with `endpoints`, run tritonserver on
+    it (its exit code)."""
     install = None
     if endpoints is not None:  # fail before writing anything
         install = find_tritonserver()
         check_endpoints(endpoints)
-    model_dir = write_model_repository(repo, name, cfg, decoupled, force)
+    model_dir = write_model_repository(repo, name, cfg, engine, decoupled, force)
     print(f"model repository written to {Path(repo).absolute()} (model {name!r}: {model_dir})", file=sys.stderr)
     if install is None:
         print(f"start it with: tritonserver --model-repository {Path(repo).absolute()} (in the {NGC_IMAGE} image, "

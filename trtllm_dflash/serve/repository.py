@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trtllm_dflash.config import EngineConfig, describe_validation_error
-from trtllm_dflash.engine.engine_dir import move_into_place, open_engine
+from trtllm_dflash.engine.engine_dir import move_into_place
 from trtllm_dflash.errors import UserError
 
 SERVE_CONFIG = "serve.json"
@@ -111,9 +111,10 @@ def _check_target(repo: Path, force: bool) -> None:
         raise UserError(f"{repo}: --model-repo directory is not empty (use --force to replace it).")
 
 
-def write_model_repository(repo: Path, name: str, cfg: ServeConfig, decoupled: bool = True,
+def write_model_repository(repo: Path, name: str, cfg: ServeConfig, engine: EngineConfig, decoupled: bool = True,
                            force: bool = False) -> Path:
-    """Write MODEL_REPO with the one model NAME; returns the model's directory.
+    """Write MODEL_REPO with the one model NAME for `engine` (the config of the already verified cfg.engine_dir);
+    returns the model's directory.
 
     `decoupled` (Triton's transaction policy): streaming, and gRPC streams / HTTP `generate` endpoints
     only; not decoupled: one response per request, for Triton's plain `infer` (HTTP and gRPC), no
@@ -126,7 +127,7 @@ def write_model_repository(repo: Path, name: str, cfg: ServeConfig, decoupled: b
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
         raise UserError(f"--model-name {name!r}: use letters, digits, '_', '-' and '.' only.")
     _check_target(repo, force)
-    check_serve_config(cfg, open_engine(Path(cfg.engine_dir)))
+    check_serve_config(cfg, engine)
     repo.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.writing-", dir=repo.parent))
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trtllm_dflash.config import EngineConfig
 from trtllm_dflash.engine.engine_dir import open_engine
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
@@ -34,18 +35,20 @@ def _options(cfg: ServeConfig) -> RunOptions:
     return RunOptions(mode=cfg.mode, block_size=cfg.block_size, threads=cfg.threads)
 
 
-def check_launch(cfg: ServeConfig, launching: bool) -> int:
-    """The engine's tp_size N, when this is how it is served: one process for N = 1, `mpirun -n N ... --launch`
-    otherwise. Every MPI rank checks; an error is printed by rank 0 only."""
+def check_launch(cfg: ServeConfig, launching: bool) -> EngineConfig:
+    """The engine's config (its shared files and rank 0's weights verified), when this is how it is served: one
+    process for tp_size 1, `mpirun -n N ... --launch` for N > 1. Every MPI rank checks; an error is printed by
+    rank 0 only."""
     comm = mpi_comm()
     size = comm.Get_size() if comm is not None else 1
     quiet = comm is not None and comm.Get_rank() != 0
     try:
-        tp = open_engine(Path(cfg.engine_dir), rank=0).mapping.tp_size
+        engine = open_engine(Path(cfg.engine_dir), rank=0)
     except UserError as exc:
         raise AgreedError(str(exc), quiet) from None
+    tp = engine.mapping.tp_size
     if tp == size and (tp == 1 or launching):
-        return tp
+        return engine
     message = (f"{cfg.engine_dir}: the engine is split for tp_size {tp}; serve it with "
                f"`mpirun -n {tp} trtllm-dflash serve ... --launch`" +
                (f" (this is {size} process{'es' if size > 1 else ''})." if tp != size else "."))
