@@ -51,16 +51,14 @@ class World:
 
     def agree(self, fn: Callable[[], T]) -> T:
         """Run fn on every rank; if it fails on any, raise on every rank (rank 0's message names the ranks)."""
+        if self.size == 1:
+            return fn()
         try:
             value, error = fn(), None
         except UserError as exc:
             value, error = None, str(exc)
         except Exception as exc:  # noqa: BLE001 - reported below with its type, on every rank
             value, error = None, f"{type(exc).__name__}: {exc}"
-        if self.size == 1:
-            if error is not None:
-                raise UserError(error)
-            return value
         errors: list[str | None] = [None] * self.size
         dist.all_gather_object(errors, error)
         if any(errors):
