@@ -95,7 +95,7 @@ def main() -> None:
 
     cfg = load_build_config(args.engine_config)
     engine = timed("build", seconds, lambda: build_engine(cfg, force=True, progress=False,
-                                                          source=str(args.engine_config)))
+                                                          config_file=Path(args.engine_config)))
 
     def run_bench() -> dict:
         report = bench(engine, PROMPTS, plan["bench"], progress=lambda line: print(line, file=sys.stderr, flush=True))

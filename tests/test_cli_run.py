@@ -20,7 +20,13 @@ BAD = [  # (line, words expected in its report)
     ('{"id": "two", "prompt": "a", "prompt_token_ids": [1]}', ["needs exactly one of"]),
     ('{"id": "k", "prompt": "a", "top_p": 0.9}', ["unknown key 'top_p'"]),
     ('{"id": "m", "prompt": "a", "max_new_tokens": 0}', ["'max_new_tokens' must be a positive integer, got 0"]),
-    ('{"id": "t", "prompt": "a", "temperature": -1}', ["'temperature' must be a number >= 0, got -1"]),
+    ('{"id": "t", "prompt": "a", "temperature": -1}', ["'temperature' must be a number from 0 to 1e+06, got -1"]),
+    ('{"id": "nan", "prompt": "a", "temperature": NaN}', ["NaN is not a number (JSON has no NaN or Infinity)"]),
+    ('{"id": "inf", "prompt": "a", "temperature": -Infinity}', ["-Infinity is not a number"]),
+    ('{"id": "big", "prompt": "a", "temperature": 1e999}', ["the number 1e999 is too large"]),
+    ('{"id": "huge", "prompt": "a", "temperature": ' + "9" * 400 + "}", ["'temperature' must be a number from 0"]),
+    ('{"id": "many", "prompt": "a", "max_new_tokens": ' + "9" * 400 + "}", ["exceeds the engine's max_seq_len"]),
+    (b'{"id": "latin1", "prompt": "caf\xe9"}', ["not valid UTF-8 (byte 0xe9 at byte offset"]),
     ('{"id": "v", "prompt_token_ids": [1, 99999]}', ["99999", "outside the vocabulary 0..511"]),
     ('{"id": "long", "prompt_token_ids": [5], "max_new_tokens": 600}', ["exceeds the engine's max_seq_len 512"]),
     ('{"id": "msg", "messages": [{"role": "user"}]}', ["'messages' must be a non-empty list"]),
@@ -38,7 +44,7 @@ def engine_dir(qwen3_engine_dir, tmp_path):
 
 def run(engine_dir, tmp_path, lines, *extra):
     inp, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "summary.json"
-    inp.write_text("\n".join(lines) + "\n")
+    inp.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
     code = main(["run", str(engine_dir), "--input", str(inp), "--output", str(out), "--summary", str(summary),
                  "--max-new-tokens", "12", *extra])
     records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
@@ -53,7 +59,8 @@ def test_outputs_and_summary(engine_dir, tmp_path, capsys, mode):
     assert set(by_id) == {"plain", 7, "ids"}
     tok = load_tokenizer(engine_dir / "tokenizer")
     for r in records:
-        assert set(r) == {"id", "text", "output_token_ids", "finish_reason", "num_prompt_tokens",
+        assert set(r) == {"id", "mode", "max_new_tokens", "temperature", "seed", "text", "output_token_ids",
+                          "finish_reason", "num_prompt_tokens",
                           "num_output_tokens", "acceptance_lengths", "ttft_ms", "tpot_ms", "e2e_latency_ms"}
         assert 0 < r["ttft_ms"] <= r["e2e_latency_ms"]
         if r["num_output_tokens"] > 1:
@@ -128,7 +135,7 @@ def test_engine_problems(engine_dir, tmp_path, capsys):
 def test_bad_flags_and_missing_input(engine_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["run", str(engine_dir), "--input", "x", "--output", "y", "--temperature", "-1"])
-    assert exc.value.code == 2 and "must be a number >= 0, got -1" in capsys.readouterr().err
+    assert exc.value.code == 2 and "must be a number from 0 to 1e+06, got -1" in capsys.readouterr().err
     code = main(["run", str(engine_dir), "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")])
     assert code == EXIT_USER_ERROR and "missing.jsonl: input file does not exist" in capsys.readouterr().err
 
@@ -149,7 +156,7 @@ def test_stop_token_ids(engine_dir, tmp_path, capsys):
 def test_inspect_summarises_and_verifies(engine_dir, capsys):
     assert main(["inspect", str(engine_dir)]) == 0
     out = capsys.readouterr().out
-    assert "block_size 8" in out and "quantization none" in out and "integrity: all 5 files match manifest.json" in out
+    assert "block_size 8" in out and "quantization none" in out and "integrity: all 6 files match manifest.json" in out
     tok = engine_dir / "tokenizer" / "tokenizer.json"
     tok.write_text(tok.read_text() + " ")
     assert main(["inspect", str(engine_dir)]) == EXIT_USER_ERROR

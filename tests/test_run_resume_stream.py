@@ -84,7 +84,7 @@ def test_stream_prints_the_same_text_as_run(qwen3_engine_dir, tmp_path, capsys, 
     assert captured.out == texts[0] + "\n"
     assert "mean acceptance length" in captured.err
 
-    monkeypatch.setattr(sys, "stdin", io.StringIO("def parse(line):\n\n"))  # '-': prompts from stdin
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def parse(line):\n\n")))  # '-': prompts from stdin
     assert main(["run", str(qwen3_engine_dir), "--stream", "-", "--max-new-tokens", "40"]) == 0
     assert capsys.readouterr().out == texts[0] + "\n"
 

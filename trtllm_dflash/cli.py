@@ -1,40 +1,73 @@
-"""`trtllm-dflash`: each subcommand parses its arguments, then makes one library call."""
+"""`trtllm-dflash`: each subcommand parses its arguments, then makes one library call.
+
+Nothing here imports torch or transformers at module level: `--help` and `--version` answer at once,
+and each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import math
+import os
 import sys
 from pathlib import Path
 
 from trtllm_dflash import __version__
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.parallel.world import AgreedError
-from trtllm_dflash.runtime.runner import RunOptions
+from trtllm_dflash.outputs import user_os_error
+from trtllm_dflash.runtime.options import MAX_TEMPERATURE, RunOptions
 
-EXIT_USER_ERROR = 2  # bad config / checkpoint / engine: nothing was produced
+EXIT_USER_ERROR = 2  # bad config / checkpoint / engine / path: nothing was produced
 EXIT_BAD_LINES = 1  # `run` finished, but some input lines were rejected
+MAX_SEED = 2**63 - 1
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer from {low} to {high}, got {text}" if high is not None
+                else f"must be an integer >= {low}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+_positive_int = _int_in(1)
+_non_negative_int = _int_in(0)
+_seed = _int_in(0, MAX_SEED)
+_port = _int_in(1, 65535)
 
 
-def _non_negative_float(text: str) -> float:
+def _threads(text: str) -> int:
+    """Torch CPU threads: 1 .. the CPUs this process may use (far more threads crash torch's thread pool)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _int_in(1, cpus)(text)
+
+
+def _temperature(text: str) -> float:
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    if not (math.isfinite(value) and 0 <= value <= MAX_TEMPERATURE):
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to {MAX_TEMPERATURE:g}, got {text}")
     return value
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default in one format, `(default: X)`; help strings of options whose
+    default is computed (None) say it in the same words themselves."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("(default:" in text or not action.option_strings or default is None or default is False
+                or default == argparse.SUPPRESS
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".strip()
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -42,14 +75,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     from trtllm_dflash.engine.builder import build_engine
 
     cfg = load_build_config(args.config, output=args.output)
-    out = build_engine(cfg, force=args.force, progress=sys.stderr.isatty(), source=str(args.config),
+    out = build_engine(cfg, force=args.force, progress=sys.stderr.isatty(), config_file=args.config,
                        report=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"engine written to {out}", file=sys.stderr)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from trtllm_dflash.parallel.world import init_world
+    from trtllm_dflash.parallel.world import AgreedError, init_world
     from trtllm_dflash.runtime.runner import run_jsonl, stream
 
     if args.stream is None and (args.input is None or args.output is None):
@@ -61,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
-            code = stream(args.engine_dir, args.stream, opts, world)
+            code = EXIT_BAD_LINES if stream(args.engine_dir, args.stream, opts, world) else 0
         else:
             code = EXIT_BAD_LINES if run_jsonl(args.engine_dir, args.input, args.output, args.summary, opts, world) else 0
         world.close()
@@ -84,22 +117,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_make_random_pair(args: argparse.Namespace) -> int:
+    from trtllm_dflash.outputs import atomic_directory, check_output_dir
     from trtllm_dflash.train.random_pair import write_random_pair
 
-    if args.output.exists() and not args.output.is_dir():
-        raise UserError(f"{args.output}: output path exists and is not a directory.")
-    if args.output.exists() and any(args.output.iterdir()):
-        if not args.force:
-            raise UserError(f"{args.output}: output directory exists and is not empty (use --force to replace it).")
-        for sub in ("target", "drafter"):
-            shutil.rmtree(args.output / sub, ignore_errors=True)
-    target, drafter = write_random_pair(args.output, args.family, block_size=args.block_size, seed=args.seed)
-    print(f"random target written to {target}, drafter to {drafter}", file=sys.stderr)
+    final = check_output_dir(args.output, "random pair", "output directory", force=args.force)
+    with atomic_directory(final, "random pair", args.force) as tmp:
+        write_random_pair(tmp, args.family, block_size=args.block_size, seed=args.seed)
+    print(f"random target written to {args.output / 'target'}, drafter to {args.output / 'drafter'}", file=sys.stderr)
     return 0
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from trtllm_dflash.train.drafter import TrainConfig, train_drafter
+    from trtllm_dflash.train.config import TrainConfig
+    from trtllm_dflash.train.drafter import train_drafter
 
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__}
     fields["target_layer_ids"] = tuple(args.target_layer_ids) if args.target_layer_ids else None
@@ -112,7 +142,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from trtllm_dflash.bench.report import bench_command
-    from trtllm_dflash.bench.runner import BenchOptions
+    from trtllm_dflash.bench.options import BenchOptions
 
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
                         args.warmup, args.repeats, args.threads)
@@ -126,13 +156,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     compare_and_print(args.engine_dir, args.input, args.num_prompts, args.max_new_tokens, args.show,
                       args.repeats, args.threads, args.block_size)
     return 0
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {text}")
-    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -159,31 +182,34 @@ def _add_serve(sub) -> None:
     from trtllm_dflash.serve.repository import ServeConfig
 
     d, e = ServeConfig(engine_dir=""), Endpoints()
-    s = sub.add_parser("serve", help="write a Triton model repository for an engine (and start tritonserver on it)",
+    s = sub.add_parser("serve", formatter_class=_HelpFormatter,
+                       help="write a Triton model repository for an engine (and start tritonserver on it)",
                        description="Writes MODEL_REPO/NAME (config.pbtxt, 1/model.py for Triton's Python backend, "
                                    "1/serve.json); with --launch, starts tritonserver on it and runs until stopped.")
     s.add_argument("engine_dir", type=Path)
-    s.add_argument("--model-repo", type=Path, required=True, help="Triton model repository directory to write")
-    s.add_argument("--model-name", default="trtllm_dflash", help="model name in the repository (default: %(default)s)")
-    s.add_argument("--force", action="store_true", help="replace a non-empty --model-repo")
+    s.add_argument("--model-repo", type=Path, required=True,
+                   help="Triton model repository directory to write (new, empty, or written by serve before)")
+    s.add_argument("--model-name", default="trtllm_dflash", help="model name in the repository")
+    s.add_argument("--force", action="store_true", help="replace a --model-repo that trtllm-dflash serve wrote")
     s.add_argument("--no-streaming", action="store_true",
                    help="a non-decoupled model: one response per request, for Triton's plain infer over HTTP and "
                         "gRPC (default: decoupled, streaming over gRPC streams and HTTP generate_stream)")
-    s.add_argument("--mode", choices=("dflash", "ar"), default=d.mode, help=f"decoding mode (default: {d.mode})")
+    s.add_argument("--mode", choices=("dflash", "ar"), default=d.mode, help="decoding mode")
     s.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
     s.add_argument("--max-batch-size", type=_positive_int,
                    help="requests decoded together, up to the engine's (default: the engine's)")
     s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
-                   help=f"when a request has no sampling_param_max_tokens (default: {d.max_new_tokens})")
-    s.add_argument("--seed", type=_non_negative_int, default=d.seed,
-                   help=f"when a request has no sampling_param_seed (default: {d.seed})")
-    s.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+                   help="when a request has no sampling_param_max_tokens")
+    s.add_argument("--seed", type=_seed, default=d.seed, help="when a request has no sampling_param_seed")
+    s.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
-    s.add_argument("--host", default=e.host, help=f"address the endpoints bind to (default: {e.host})")
-    s.add_argument("--http-port", type=_port, default=e.http_port, help=f"default: {e.http_port}")
-    s.add_argument("--grpc-port", type=_port, default=e.grpc_port, help=f"default: {e.grpc_port}")
-    s.add_argument("--metrics-port", type=_port, default=e.metrics_port, help=f"default: {e.metrics_port}")
+    s.add_argument("--host", default=e.host, help="address the endpoints bind to")
+    s.add_argument("--http-port", type=_port, default=e.http_port, help="HTTP endpoint")
+    s.add_argument("--grpc-port", type=_port, default=e.grpc_port, help="gRPC endpoint")
+    s.add_argument("--metrics-port", type=_port, default=e.metrics_port, help="Prometheus metrics endpoint")
     s.set_defaults(func=cmd_serve)
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
@@ -203,10 +229,11 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def _add_bench(sub) -> None:
-    from trtllm_dflash.bench.runner import BenchOptions
+    from trtllm_dflash.bench.options import BenchOptions
 
     d = BenchOptions()
-    b = sub.add_parser("bench", help="throughput / latency / acceptance benchmark with trtllm-bench's metrics",
+    b = sub.add_parser("bench", formatter_class=_HelpFormatter,
+                       help="throughput / latency / acceptance benchmark with trtllm-bench's metrics",
                        description="Closed-loop benchmark of an engine on a dataset (SPEED-Bench JSONL, "
                                    "{id, prompt} or {prompt} JSONL): for every mode, block size and concurrency, "
                                    "warm-up, then repeated timed runs; prints markdown tables of the medians.")
@@ -215,47 +242,54 @@ def _add_bench(sub) -> None:
     b.add_argument("--concurrency", type=_int_list, metavar="C,C,...",
                    help="requests in flight (closed loop), each <= the engine's max_batch_size "
                         "(default: 1,2,4,... up to max_batch_size)")
-    b.add_argument("--modes", type=_modes, default=d.modes, metavar="ar,dflash", help="default: ar,dflash")
+    b.add_argument("--modes", type=_modes, default=d.modes, metavar="ar,dflash", help="decoding modes to run")
     b.add_argument("--block-sizes", type=_int_list, metavar="B,B,...",
                    help="DFlash block sizes, 2 .. the engine's (default: the engine's)")
-    b.add_argument("--num-requests", type=_positive_int, help="the first N prompts of the dataset (default: all)")
-    b.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
-                   help=f"per request (default {d.max_new_tokens})")
-    b.add_argument("--warmup", type=_non_negative_int, default=d.warmup,
-                   help=f"warm-up requests per mode (default {d.warmup})")
+    b.add_argument("--num-requests", type=_positive_int,
+                   help="the first N prompts of the dataset (default: all)")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, help="per request")
+    b.add_argument("--warmup", type=_non_negative_int, default=d.warmup, help="warm-up requests per mode")
     b.add_argument("--repeats", type=_positive_int, default=d.repeats,
-                   help=f"timed runs per point; medians are reported (default {d.repeats})")
-    b.add_argument("--report-json", type=Path, help="write the full report (trtllm-bench field names) here")
-    b.add_argument("--plot", type=Path, help="write a PNG: per-user vs total throughput, acceptance per position")
-    b.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+                   help="timed runs per point; medians are reported")
+    b.add_argument("--report-json", type=Path,
+                   help="write the full report (trtllm-bench field names) here (default: not written)")
+    b.add_argument("--plot", type=Path,
+                   help="write a PNG: per-user vs total throughput, acceptance per position (default: not written)")
+    b.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
     b.set_defaults(func=cmd_bench)
 
 
 def _add_train_drafter(sub) -> None:
-    from trtllm_dflash.train.drafter import TrainConfig
+    from trtllm_dflash.train.config import TrainConfig
 
     d = TrainConfig()
-    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target on your own prompts",
+    t = sub.add_parser("train-drafter", formatter_class=_HelpFormatter,
+                       help="train a DFlash drafter for a target on your own prompts",
                        description="Train a DFlash drafter (published recipe) on the target's own responses to "
                                    "DATA's prompts; resumes from OUTPUT/checkpoint if present.")
     t.add_argument("--target", type=Path, required=True, help="HF target directory (needs a <|MASK|> token)")
     t.add_argument("--data", type=Path, required=True, help="JSONL prompts, as for `run`")
-    t.add_argument("--output", type=Path, required=True, help="drafter directory (z-lab format) + checkpoint/")
-    t.add_argument("--block-size", type=int, default=d.block_size)
-    t.add_argument("--num-layers", type=_positive_int, default=d.num_layers)
-    t.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference's spacing")
-    t.add_argument("--steps", type=_positive_int, default=d.steps)
+    t.add_argument("--output", type=Path, required=True,
+                   help="drafter directory (z-lab format) + checkpoint/: new, empty, or an earlier run's to resume")
+    t.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
+    t.add_argument("--num-layers", type=_positive_int, default=d.num_layers, help="drafter layers")
+    t.add_argument("--target-layer-ids", type=int, nargs="+",
+                   help="target layers whose hidden states condition the drafter (default: the reference's spacing)")
+    t.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
     t.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="sequences per step")
     t.add_argument("--anchors", type=_positive_int, default=d.anchors, help="blocks per sequence per step")
-    t.add_argument("--lr", type=float, default=d.lr)
-    t.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
-    t.add_argument("--gamma", type=float, default=d.gamma, help="loss decay (default 7 for block 16)")
-    t.add_argument("--response-tokens", type=_positive_int, default=d.response_tokens)
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, in (0, 1]")
+    t.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="share of steps warming up, in [0, 1]")
+    t.add_argument("--gamma", type=float, help="loss decay over block positions, > 0 (default: 7 for block 16, "
+                                               "block_size / 2 - 1 in general)")
+    t.add_argument("--response-tokens", type=_positive_int, default=d.response_tokens,
+                   help="length of the target's own responses")
     t.add_argument("--held-out", type=_positive_int, default=d.held_out, help="prompts for the acceptance estimate")
-    t.add_argument("--eval-every", type=_positive_int, default=d.eval_every)
-    t.add_argument("--save-every", type=_positive_int, default=d.save_every)
-    t.add_argument("--seed", type=int, default=d.seed)
-    t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
+    t.add_argument("--eval-every", type=_positive_int, default=d.eval_every, help="steps between acceptance estimates")
+    t.add_argument("--save-every", type=_positive_int, default=d.save_every, help="steps between checkpoints")
+    t.add_argument("--seed", type=_seed, default=d.seed, help="sampling seed")
+    t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype,
+                   help="dtype of the written drafter")
     t.set_defaults(func=cmd_train_drafter)
 
 
@@ -264,55 +298,61 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trtllm-dflash {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("build", help="build an engine directory from a target + DFlash drafter pair")
+    b = sub.add_parser("build", formatter_class=_HelpFormatter,
+                       help="build an engine directory from a target + DFlash drafter pair")
     b.add_argument("config", type=Path, help="build config YAML (see build_configs/)")
-    b.add_argument("--output", type=Path, help="engine directory (overrides the config's `output`)")
-    b.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    b.add_argument("--output", type=Path, help="engine directory (default: the config's `output`)")
+    b.add_argument("--force", action="store_true", help="replace an engine directory that trtllm-dflash built")
     b.set_defaults(func=cmd_build)
 
-    i = sub.add_parser("inspect", help="summarise an engine directory and verify every file against its manifest")
+    i = sub.add_parser("inspect", formatter_class=_HelpFormatter,
+                       help="summarise an engine directory and verify every file against its manifest")
     i.add_argument("engine_dir", type=Path)
     i.set_defaults(func=cmd_inspect)
 
     ro = RunOptions()
-    r = sub.add_parser("run", help="batch inference over a JSONL file of requests")
+    r = sub.add_parser("run", formatter_class=_HelpFormatter, help="batch inference over a JSONL file of requests")
     r.add_argument("engine_dir", type=Path)
-    r.add_argument("--input", type=Path, help="JSONL: {id, prompt | messages | prompt_token_ids}")
-    r.add_argument("--output", type=Path, help="JSONL results, one line per finished request, flushed as it finishes")
+    r.add_argument("--input", type=Path, help="JSONL: {id, prompt | messages | prompt_token_ids} (default: none; "
+                                              "needed unless --stream)")
+    r.add_argument("--output", type=Path,
+                   help="JSONL results, one line per finished request, flushed as it finishes; an existing file "
+                        "is replaced when the run completes (default: none; needed unless --stream)")
     r.add_argument("--resume", action="store_true",
                    help="keep the requests already in --output (from an interrupted run) and run only the others")
     r.add_argument("--stream", metavar="PROMPT",
                    help="interactive: print the completion of PROMPT as tokens are committed ('-': prompts from "
-                        "stdin, one per line)")
+                        "stdin, one per line) (default: off)")
     r.add_argument("--mode", choices=("dflash", "ar"), default=ro.mode,
-                   help=f"dflash: speculative decoding; ar: plain autoregressive decoding (default: {ro.mode})")
+                   help="dflash: speculative decoding; ar: plain autoregressive decoding")
     r.add_argument("--max-new-tokens", type=_positive_int, default=ro.max_new_tokens,
-                   help=f"default per request ({ro.max_new_tokens})")
-    r.add_argument("--temperature", type=_non_negative_float, default=ro.temperature,
-                   help=f"default per request ({ro.temperature}: greedy)")
-    r.add_argument("--seed", type=int, default=ro.seed, help=f"sampling seed ({ro.seed})")
+                   help="per request, unless its line sets max_new_tokens")
+    r.add_argument("--temperature", type=_temperature, default=ro.temperature,
+                   help="per request, unless its line sets temperature; 0 is greedy")
+    r.add_argument("--seed", type=_seed, default=ro.seed, help="sampling seed")
     r.add_argument("--stop-token-ids", type=int, nargs="+", default=[], metavar="ID",
-                   help="token ids that end a request, in addition to the engine's EOS ids")
-    r.add_argument("--summary", type=Path, help="write the run summary JSON here")
-    r.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+                   help="token ids that end a request, in addition to the engine's EOS ids (default: none)")
+    r.add_argument("--summary", type=Path, help="write the run summary JSON here (default: not written)")
+    r.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
     r.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
     r.add_argument("--device", choices=("cpu", "cuda"), default=ro.device,
-                   help="cuda: rank r runs on GPU r %% device_count, collectives over nccl (default: cpu)")
+                   help="cuda: rank r runs on GPU r %% device_count, collectives over nccl")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress on stderr (default: only when stderr is a terminal)")
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("compare", help="DFlash vs autoregressive on the same engine: completions, acceptance, speedup",
+    c = sub.add_parser("compare", formatter_class=_HelpFormatter,
+                       help="DFlash vs autoregressive on the same engine: completions, acceptance, speedup",
                        description="Runs the first prompts of INPUT one at a time (batch size 1, greedy) in both "
                                    "modes, side by side, and prints completions, the mean acceptance length, the "
                                    "DFlash/AR speedup and whether the outputs are identical.")
     c.add_argument("engine_dir", type=Path)
     c.add_argument("--input", type=Path, required=True, help="JSONL prompts, as for `run`")
-    c.add_argument("--num-prompts", type=_positive_int, default=8)
-    c.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    c.add_argument("--show", type=int, default=3, help="completions to print")
+    c.add_argument("--num-prompts", type=_positive_int, default=8, help="prompts to run")
+    c.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per prompt")
+    c.add_argument("--show", type=_non_negative_int, default=3, help="completions to print")
     c.add_argument("--repeats", type=_positive_int, default=1, help="timed repetitions (medians)")
-    c.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    c.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
     c.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
     c.set_defaults(func=cmd_compare)
 
@@ -320,13 +360,13 @@ def parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_train_drafter(sub)
 
-    m = sub.add_parser("make-random-pair",
+    m = sub.add_parser("make-random-pair", formatter_class=_HelpFormatter,
                        help="write a tiny random target (HF) + drafter (z-lab) pair, for pipeline smoke tests")
     m.add_argument("output", type=Path)
-    m.add_argument("--family", choices=("qwen3", "llama"), default="qwen3")
-    m.add_argument("--block-size", type=int, default=8)
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--force", action="store_true", help="replace target/ and drafter/ in OUTPUT")
+    m.add_argument("--family", choices=("qwen3", "llama"), default="qwen3", help="target architecture")
+    m.add_argument("--block-size", type=_int_in(2, 64), default=8, help="the drafter's block size")
+    m.add_argument("--seed", type=_seed, default=0, help="weight seed")
+    m.add_argument("--force", action="store_true", help="replace an OUTPUT that make-random-pair wrote")
     m.set_defaults(func=cmd_make_random_pair)
     return p
 
@@ -338,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if not getattr(exc, "quiet", False):  # an error all MPI ranks share is printed by rank 0 only
             print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as exc:  # the file system's answer (permissions, space, ...) is the user's to fix, not a bug
+        error = user_os_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

@@ -12,9 +12,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_text
 
 DTYPES = ("bfloat16", "float16", "float32")
 Dtype = Literal["bfloat16", "float16", "float32"]
+MAX_BATCH_SIZE = 4096  # TensorRT-LLM's largest max_batch_size default is 2048; more KV-cache slots are a typo
 
 
 def describe_validation_error(source: str, exc: ValidationError) -> str:
@@ -39,11 +41,11 @@ class BuildConfig(BaseModel):
     dtype: Dtype = "bfloat16"  # compute / storage dtype of the engine's weights
     quantization: Literal["none", "fp8", "nvfp4"] = "none"
     tp_size: Literal[1, 2, 4, 8] = 1  # tensor-parallel ranks (MPI processes at run time)
-    max_batch_size: int = Field(8, ge=1)  # requests decoded together (KV cache slots)
-    max_seq_len: int = Field(4096, ge=2)  # prompt + generated tokens per request
+    max_batch_size: int = Field(8, ge=1, le=MAX_BATCH_SIZE)  # requests decoded together (KV cache slots)
+    max_seq_len: int = Field(4096, ge=2)  # prompt + generated tokens per request (<= the target's positions)
     calibration: Path | None = None  # JSONL prompts for quantization (default: stdlib code)
-    calibration_samples: int = Field(64, ge=1)  # calibration prompts used
-    calibration_max_tokens: int = Field(256, ge=1)  # tokens per calibration prompt
+    calibration_samples: int = Field(64, ge=1, le=100_000)  # calibration prompts used
+    calibration_max_tokens: int = Field(256, ge=1, le=1_000_000)  # tokens per calibration prompt
     quantize_drafter: bool = False  # also quantize the drafter's linears (needs quantization nvfp4 | fp8)
 
 
@@ -63,10 +65,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: build config file does not exist.")
+    text = read_text(path, "build config file")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}).") from None
     if not isinstance(raw, dict):

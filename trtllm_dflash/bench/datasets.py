@@ -22,6 +22,7 @@ from typing import Literal
 from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import loads, strict_lines
 from trtllm_dflash.runtime.decoding import Request
 
 Format = Literal["speed-bench", "prompt"]
@@ -85,20 +86,18 @@ def _record(obj: dict, fmt: Format, lineno: int, where: str) -> BenchPrompt:
 def load_dataset(path: Path) -> Dataset:
     """Read and check every line of a benchmark dataset (no tokenizer needed)."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: dataset file does not exist.")
     fmt: Format | None = None
     first_line = 0
     prompts: list[BenchPrompt] = []
     seen: set[str | int] = set()
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for lineno, line in strict_lines(path, "dataset file"):
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(line)
+            obj = loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: not valid JSON ({exc.msg}).") from None
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}.") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: a record must be a JSON object, got {type(obj).__name__}.")
         shape = _detect(obj)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.outputs import atomic_file
 
 
 def require_matplotlib():
@@ -70,6 +71,6 @@ def plot_report(report: dict, path: Path) -> None:
     fig.suptitle(f"{Path(report['engine']).name} on {Path(report['dataset']).name}, "
                  f"{report['num_requests']} requests, {report['max_new_tokens']} new tokens", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as out:
+        fig.savefig(out, format="png", dpi=120)
     plt.close(fig)

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 from trtllm_dflash.bench.machine import describe
-from trtllm_dflash.bench.runner import BenchOptions, bench
+from trtllm_dflash.bench.options import BenchOptions
+from trtllm_dflash.bench.runner import bench
+from trtllm_dflash.outputs import check_distinct, check_output_file, write_text_atomic
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -111,6 +113,11 @@ def markdown(report: dict) -> str:
 def bench_command(engine_dir: Path, dataset: Path, opts: BenchOptions, report_json: Path | None,
                   plot: Path | None) -> dict:
     """`trtllm-dflash bench`: progress on stderr, markdown on stdout, optional JSON report and PNG."""
+    outputs = {"--report-json": report_json, "--plot": plot}
+    check_distinct(outputs)
+    for what, path in outputs.items():
+        if path is not None:
+            check_output_file(path, what, inputs=(engine_dir, dataset))
     if plot is not None:
         from trtllm_dflash.bench.plot import require_matplotlib
 
@@ -118,8 +125,7 @@ def bench_command(engine_dir: Path, dataset: Path, opts: BenchOptions, report_js
     report = bench(engine_dir, dataset, opts, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(markdown(report))
     if report_json is not None:
-        Path(report_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(report_json).write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(Path(report_json), json.dumps(report, indent=2) + "\n")
     if plot is not None:
         from trtllm_dflash.bench.plot import plot_report
 

@@ -23,22 +23,11 @@ import torch
 from trtllm_dflash.bench.datasets import load_dataset, to_requests
 from trtllm_dflash.bench.machine import machine_info
 from trtllm_dflash.bench.metrics import TimedRun, summarize_runs
+from trtllm_dflash.bench.options import BenchOptions
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.compare import step_costs
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request
 from trtllm_dflash.runtime.runner import Engine
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    concurrency: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_batch_size and the request count
-    modes: tuple[Mode, ...] = ("ar", "dflash")
-    block_sizes: tuple[int, ...] | None = None  # DFlash block sizes (None: the engine's trained one)
-    num_requests: int | None = None  # the first N prompts of the dataset (None: all)
-    max_new_tokens: int = 128
-    warmup: int = 2  # requests run through every configuration before timing, not measured
-    repeats: int = 3  # timed runs per point; the report gives medians
-    threads: int | None = None  # torch CPU threads (None: torch's default)
 
 
 def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> TimedRun:
@@ -87,7 +76,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     # Duplicates would only repeat points; AR alone needs one engine at any block size.
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
-    engine = Engine.load(engine_dir, block_size=block_sizes[0])
+    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench")
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -99,7 +88,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     ar_runs: dict[int, TimedRun] = {}  # concurrency -> first timed AR run, for the losslessness check
     for i, block_size in enumerate(block_sizes):
         if i > 0:
-            engine = Engine.load(engine_dir, block_size=block_size)
+            engine = Engine.load(engine_dir, block_size=block_size, command="bench")
         b = engine.executor.block_size
         configs: list[tuple[Mode, int | None]] = []
         if "ar" in opts.modes and i == 0:

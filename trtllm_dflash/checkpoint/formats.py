@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors, read_json
+from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_json_object, require_dir
 from trtllm_dflash.models.spec import (
     DecoderSpec, DFlashParams, build_target_layer_ids, hf_config_from_dict,
 )
@@ -118,14 +119,13 @@ def _eos_ids(*values) -> tuple[int, ...]:
 def load_target(directory: Path) -> TargetCheckpoint:
     """Read config.json, generation_config.json and the safetensors headers (tensors: `load_pair`)."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise UserError(f"{directory}: target checkpoint directory does not exist.")
+    require_dir(directory, "target checkpoint directory")
     config_path = directory / "config.json"
-    raw = read_json(config_path, "target config.json")
+    raw = read_json_object(config_path, "target config.json")
     spec = _spec_from(raw, config_path)
     tensors = SafetensorsDir(directory)
     gen_path = directory / "generation_config.json"
-    gen = read_json(gen_path, "generation_config.json") if gen_path.exists() else {}
+    gen = read_json_object(gen_path, "generation_config.json") if gen_path.exists() else {}
     eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id"))
     return TargetCheckpoint(directory, raw, spec, tensors, eos)
 
@@ -171,10 +171,9 @@ def parse_drafter_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFl
 
 def load_drafter(directory: Path) -> DrafterCheckpoint:
     directory = Path(directory)
-    if not directory.is_dir():
-        raise UserError(f"{directory}: drafter checkpoint directory does not exist.")
+    require_dir(directory, "drafter checkpoint directory")
     config_path = directory / "config.json"
-    raw = read_json(config_path, "drafter config.json")
+    raw = read_json_object(config_path, "drafter config.json")
     spec, params, num_target_layers = parse_drafter_config(raw, config_path)
     tensors = SafetensorsDir(directory)
     return DrafterCheckpoint(directory, raw, spec, params, num_target_layers, tensors)

@@ -7,27 +7,15 @@ read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise UserError(f"{path}: {what} is missing.")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: {what} is not valid JSON ({exc}).") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: {what} must be a JSON object, got {type(data).__name__}.")
-    return data
 
 
 class SafetensorsDir:
@@ -38,7 +26,7 @@ class SafetensorsDir:
         self.files: dict[str, Path] = {}  # tensor name -> file
         index = directory / INDEX_FILE
         if index.exists():
-            weight_map = read_json(index, "safetensors index").get("weight_map")
+            weight_map = read_json_object(index, "safetensors index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UserError(f"{index}: field 'weight_map' is missing or not an object.")
             files = sorted({directory / f for f in weight_map.values()})

@@ -17,14 +17,14 @@ from trtllm_dflash.checkpoint.formats import (
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import BuildConfig, DFlashSection, EngineConfig, Mapping
 from trtllm_dflash.engine.engine_dir import (
-    CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, atomic_directory, check_output, rank_file,
-    write_manifest,
+    CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, rank_file, write_manifest,
 )
 from trtllm_dflash.engine.quantize_drafter import quantize_drafter
 from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.quantized import SCALE_SUFFIXES
+from trtllm_dflash.outputs import atomic_directory, check_output_dir
 from trtllm_dflash.parallel.shard import check_tp, shard_tensor, split_for
 
 
@@ -50,15 +50,18 @@ def _stage(report: Callable[[str], None] | None, done: str) -> Iterator[None]:
         report(f"{done} ({time.perf_counter() - start:.1f} s)")
 
 
-def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, source: str = "build config",
+def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, config_file: Path | None = None,
                  report: Callable[[str], None] | None = None) -> Path:
-    """Validate, convert, shard and write the engine; returns its directory. `source` names the config in errors.
+    """Validate, convert, shard and write the engine; returns its directory. `config_file` (the YAML the
+    config came from) is named in errors and is one of the inputs the output must keep clear of.
 
     `progress` shows a bar while weights are written; `report` receives one line per finished stage."""
+    source = str(config_file) if config_file is not None else "build config"
     if cfg.quantize_drafter and cfg.quantization == "none":
         raise UserError(f"{source}: quantize_drafter: true needs quantization nvfp4 or fp8 (it is none).")
     assert cfg.output is not None
-    check_output(cfg.output, force)
+    check_output_dir(cfg.output, "engine", "output directory", force=force,
+                     inputs=(cfg.target, cfg.drafter, cfg.calibration, config_file))
     with _stage(report, "checked the target + drafter pair and the build options"):
         target, drafter = load_pair(cfg.target, cfg.drafter)
         if cfg.max_seq_len > target.spec.max_position_embeddings:
@@ -92,7 +95,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, s
 
     sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec), target.spec),
                (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params), drafter.spec)]
-    with atomic_directory(cfg.output, force) as tmp:
+    with atomic_directory(cfg.output, "engine", force) as tmp:
         total = sum(len(names) for _, _, names, _ in sources)
         with _stage(report, f"wrote {cfg.tp_size} rank file{'s' if cfg.tp_size > 1 else ''}"), \
                 Progress(disable=not progress, transient=True) as bar, ExitStack() as files:

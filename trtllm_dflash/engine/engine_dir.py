@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from trtllm_dflash.config import EngineConfig, describe_validation_error
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_json, read_text, require_dir
 
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
@@ -58,8 +55,10 @@ def verify_manifest(root: Path, rank: int | None = None) -> None:
     if not manifest.is_file():
         raise UserError(f"{root}: not an engine directory ({MANIFEST} is missing; was the build interrupted?).")
     try:
-        entries = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        entries = read_json(manifest, "manifest")["files"]
+        if not isinstance(entries, dict):
+            raise TypeError
+    except (KeyError, TypeError):
         raise UserError(f"{manifest}: unreadable manifest.") from None
     for rel, meta in entries.items():
         if rank is not None and re.fullmatch(r"rank\d+\.safetensors", rel) and rel != rank_file(rank):
@@ -77,63 +76,13 @@ def verify_manifest(root: Path, rank: int | None = None) -> None:
 def read_engine_config(root: Path) -> EngineConfig:
     path = root / CONFIG
     try:
-        return EngineConfig.model_validate_json(path.read_text())
+        return EngineConfig.model_validate_json(read_text(path, "engine config"))
     except ValidationError as exc:
         raise UserError(describe_validation_error(str(path), exc)) from None
 
 
 def open_engine(root: Path, rank: int | None = None) -> EngineConfig:
     """Verify an engine directory (with `rank`: only that rank's weights) and return its config."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UserError(f"{root}: engine directory does not exist.")
+    root = require_dir(root, "engine directory")
     verify_manifest(root, rank)
     return read_engine_config(root)
-
-
-def check_output(final: Path, force: bool) -> None:
-    """Fail early (before any long work) if `final` cannot become the output directory."""
-    if final.exists() and not final.is_dir():
-        raise UserError(f"{final}: output path exists and is not a directory.")
-    if final.exists() and not force:
-        raise UserError(f"{final}: output directory already exists (use --force to replace it).")
-
-
-def _remove_stale_builds(final: Path) -> None:
-    """Remove temporary directories of earlier builds of `final` whose process is gone (killed builds)."""
-    for tmp in final.parent.glob(f".{final.name}.building-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextmanager
-def atomic_directory(final: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `final`; on success, rename it into place (replacing only if `force`).
-
-    A crash or an exception leaves `final` untouched and removes the temporary directory, so a
-    directory at `final` is always complete.
-    """
-    final = Path(final)
-    check_output(final, force)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(final)
-    tmp = final.parent / f".{final.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        move_into_place(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def move_into_place(tmp: Path, final: Path) -> None:
-    """Rename the complete directory `tmp` (a sibling of `final`) to `final`, replacing what is there."""
-    if final.exists():
-        old = final.parent / f".{final.name}.replaced-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file
 
-from trtllm_dflash.checkpoint.tensors import read_json
+from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
@@ -57,7 +57,7 @@ def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: lis
         tensors = {}
         for f in sorted(Path(tmp).glob("*.safetensors")):
             tensors |= load_file(str(f))
-        quant = read_json(Path(tmp) / "hf_quant_config.json", "hf_quant_config.json")["quantization"]
+        quant = read_json_object(Path(tmp) / "hf_quant_config.json", "hf_quant_config.json")["quantization"]
     if quant.get("quant_algo") != QUANT_ALGOS[fmt]:
         raise RuntimeError(f"ModelOpt exported quant_algo {quant.get('quant_algo')!r}, expected {QUANT_ALGOS[fmt]!r}")
     return tensors

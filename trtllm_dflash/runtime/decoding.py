@@ -23,9 +23,8 @@ from typing import Literal
 import torch
 
 from trtllm_dflash.runtime.executor import Executor
+from trtllm_dflash.runtime.options import Mode
 from trtllm_dflash.speculative.core import accepted_lengths, bonus_tokens, sample_tokens
-
-Mode = Literal["dflash", "ar"]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import loads, read_lines
 from trtllm_dflash.runtime.decoding import Request, Result
+from trtllm_dflash.runtime.options import MAX_TEMPERATURE
 from trtllm_dflash.speculative.core import request_seed
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -74,8 +76,8 @@ def _parse(obj, lineno: int, tokenizer, d: Defaults) -> Request:
     if type(max_new) is not int or max_new < 1:
         raise ValueError(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
     temperature = obj.get("temperature", d.temperature)
-    if type(temperature) not in (int, float) or temperature < 0:
-        raise ValueError(f"'temperature' must be a number >= 0, got {temperature!r}")
+    if type(temperature) not in (int, float) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}")
     ids = _prompt_ids(obj, tokenizer, d.vocab_size)
     if len(ids) + max_new > d.max_seq_len:
         raise ValueError(
@@ -87,16 +89,19 @@ def _parse(obj, lineno: int, tokenizer, d: Defaults) -> Request:
 
 def read_requests(path: Path, tokenizer: PreTrainedTokenizerBase,
                   defaults: Defaults) -> tuple[list[Request], list[InputError]]:
-    """Parse every line; a bad line becomes an InputError and the others still run."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: input file does not exist.")
+    """Parse every line; a bad line (bad bytes, bad JSON, bad fields) becomes an InputError and the
+    others still run. A file without any request is an error."""
     requests, errors, seen = [], [], set()
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
+    lines = list(read_lines(path, "input file"))
+    if not lines:
+        raise UserError(f"{path}: the input file has no requests (it is empty).")
+    for line in lines:
+        lineno = line.number
+        if line.text is None:
+            errors.append(InputError(lineno, line.error))
             continue
         try:
-            req = _parse(json.loads(line), lineno, tokenizer, defaults)
+            req = _parse(loads(line.text), lineno, tokenizer, defaults)
             if req.id in seen:
                 raise ValueError(f"duplicate id {req.id!r}")
             seen.add(req.id)
@@ -108,9 +113,15 @@ def read_requests(path: Path, tokenizer: PreTrainedTokenizerBase,
     return requests, errors
 
 
-def result_record(result: Result, tokenizer: PreTrainedTokenizerBase) -> dict:
+def result_record(result: Result, tokenizer: PreTrainedTokenizerBase, mode: str) -> dict:
+    """One line of `run`'s output. The request's settings are repeated so that `--resume` can tell
+    whether a line was made by the same run (RESUME_KEYS)."""
     return {
         "id": result.request.id,
+        "mode": mode,
+        "max_new_tokens": result.request.max_new_tokens,
+        "temperature": result.request.temperature,
+        "seed": result.request.seed,
         "text": tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
         "output_token_ids": result.output_token_ids,
         "finish_reason": result.finish_reason,

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -19,17 +21,23 @@ from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import EngineConfig
 from trtllm_dflash.engine.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, open_engine, rank_file
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import decode_lines, loads, require_file
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.outputs import atomic_file, check_distinct, check_output_file, write_text_atomic
 from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
 from trtllm_dflash.parallel.world import World
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
+from trtllm_dflash.runtime.options import RunOptions
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
+
+
+TP_COMMANDS = ("run", "serve")  # the commands that run tensor-parallel engines under mpirun
 
 
 def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
@@ -49,16 +57,20 @@ class Engine:
 
     @classmethod
     def load(cls, root: Path, device: str = "cpu", block_size: int | None = None,
-             world: World | None = None) -> "Engine":
+             world: World | None = None, command: str = "run") -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained.
 
-        Under MPI (`world`), each rank verifies and reads only its own rank file."""
+        Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
+        CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
         root, world = Path(root), world or World()
         cfg = open_engine(root, rank=world.rank)
         if block_size is not None and not 2 <= block_size <= cfg.dflash.block_size:
             raise UserError(f"--block-size {block_size}: must be between 2 and the engine's trained block_size "
                             f"{cfg.dflash.block_size}.")
         tp = cfg.mapping.tp_size
+        if tp > 1 and command not in TP_COMMANDS:
+            raise UserError(f"{root}: `{command}` runs in one process and this engine is split for tp_size {tp}; "
+                            f"build it with tp_size 1 for {command}, or use `mpirun -n {tp} trtllm-dflash run`.")
         if tp != world.size:
             how = f"mpirun -n {tp} trtllm-dflash run ..." if tp > 1 else "trtllm-dflash run ... (without mpirun)"
             raise UserError(f"{root}: the engine is split for tp_size {tp} but this run has {world.size} "
@@ -82,22 +94,6 @@ class Engine:
         return Decoder(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids])
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """`run`'s options; per-line `max_new_tokens` / `temperature` override the defaults here."""
-
-    mode: Mode = "dflash"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
-    threads: int | None = None  # torch CPU threads per rank (None: torch's choice, shared out among ranks)
-    block_size: int | None = None  # tokens per block, <= the engine's trained block_size (None: trained)
-    device: str = "cpu"  # "cpu" or "cuda" (rank r uses GPU r % device_count)
-    resume: bool = False  # keep the output file's finished requests and run only the others
-    progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
-
-
 def _set_threads(opts: RunOptions, world: World) -> None:
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -113,14 +109,19 @@ def _device(opts: RunOptions, world: World) -> str:
     return f"cuda:{world.rank % torch.cuda.device_count()}"
 
 
-def prepare(engine_dir: Path, opts: RunOptions, world: World,
-            inputs: tuple[Path, ...] = ()) -> tuple[Engine, Decoder]:
-    """Every rank: load its shard and check the options (errors agreed on by all ranks)."""
+def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path | None = None,
+            outputs: dict[str, Path | None] | None = None) -> tuple[Engine, Decoder]:
+    """Every rank: load its shard and check the options; rank 0 also checks the input file and the
+    `outputs` (option -> path) before anything is loaded. Errors are agreed on by all ranks."""
 
     def load() -> tuple[Engine, Decoder]:
-        for path in inputs:
-            if not Path(path).is_file():
-                raise UserError(f"{path}: input file does not exist.")
+        if world.rank == 0:
+            if input_path is not None:
+                require_file(input_path, "input file")
+            check_distinct(outputs or {})
+            for what, path in (outputs or {}).items():
+                if path is not None:
+                    check_output_file(path, what, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
@@ -131,29 +132,78 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World,
     return world.agree(load)
 
 
-def finished_ids(output_path: Path) -> set:
-    """Ids already in a previous run's output; a last line cut off by a crash is removed from the file."""
+# What a result line must share with this run's request of the same id for --resume to keep it.
+RESUME_KEYS = ("mode", "max_new_tokens", "temperature", "seed", "num_prompt_tokens")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    done: frozenset  # ids whose results are already in the file
+    complete_bytes: int  # length of the file up to its last complete line (a crash can cut the last one short)
+
+
+def resumable(output_path: Path, requests: list[Request], mode: str) -> Resumed:
+    """Check, without changing it, that `output_path` holds only lines this very run would have written.
+
+    Every complete line must be a result of one of `requests` made with the same settings (RESUME_KEYS),
+    each id at most once; anything else is refused, so results of different runs never mix."""
     path = Path(output_path)
     if not path.is_file():
-        return set()
+        return Resumed(frozenset(), 0)
     raw = path.read_bytes()
-    keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
-    if len(keep) != len(raw):
-        path.write_bytes(keep)
-    ids = set()
-    for lineno, line in enumerate(keep.decode().splitlines(), start=1):
+    complete = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
+    expected = {r.id: {"mode": mode, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
+                       "seed": r.seed, "num_prompt_tokens": len(r.prompt_token_ids)} for r in requests}
+    done = set()
+    for line in decode_lines(complete):
+        where = f"{path}:{line.number}"
+        if line.text is None:
+            raise UserError(f"{where}: {line.error}; cannot --resume from this file.")
         try:
-            ids.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{path}:{lineno}: not a result line of `run`; cannot --resume from this file.") from None
-    return ids
+            record = loads(line.text)
+            rid = record["id"]
+            settings = {k: record[k] for k in RESUME_KEYS}
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{where}: not a result line of `run`; cannot --resume from this file.") from None
+        if rid not in expected:
+            raise UserError(f"{where}: id {rid!r} is not a request of this input; cannot --resume from this file.")
+        if rid in done:
+            raise UserError(f"{where}: id {rid!r} appears twice; cannot --resume from this file.")
+        changed = [k for k in RESUME_KEYS if settings[k] != expected[rid][k]]
+        if changed:
+            raise UserError(f"{where}: written with another {changed[0]} ({settings[changed[0]]!r}, this run: "
+                            f"{expected[rid][changed[0]]!r}); resume with the same options, or use another --output.")
+        done.add(rid)
+    return Resumed(frozenset(done), len(complete))
+
+
+@contextmanager
+def open_results(output_path: Path, resumed: Resumed | None) -> Iterator[TextIO]:
+    """Where results are written line by line, flushed as they finish.
+
+    A new file is written in place (an interrupted run leaves its finished lines for --resume); an
+    existing file is appended to when resuming (after dropping a line cut short), and otherwise replaced
+    atomically when the run ends, so a failed run never destroys the previous results."""
+    path = Path(output_path)
+    if resumed is not None and path.exists():
+        if path.stat().st_size != resumed.complete_bytes:
+            os.truncate(path, resumed.complete_bytes)
+        with path.open("a", encoding="utf-8") as out:
+            yield out
+    elif path.exists():
+        with atomic_file(path) as out:
+            yield out
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as out:
+            yield out
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
               opts: RunOptions, world: World | None = None) -> int:
     """The `run` command: returns the number of bad input lines (reported on stderr). Every rank calls it."""
     world = world or World()
-    engine, decoder = prepare(engine_dir, opts, world, (input_path,))
+    engine, decoder = prepare(engine_dir, opts, world, input_path, {"--output": output_path, "--summary": summary_path})
     if world.rank != 0:
         follow(decoder)
         return 0
@@ -173,8 +223,8 @@ def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summ
     for err in errors:
         print(f"{input_path}:{err.line}: {err.message}; line skipped.", file=sys.stderr)
     output_path = Path(output_path)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    done = finished_ids(output_path) if opts.resume else set()
+    resumed = resumable(output_path, requests, opts.mode) if opts.resume else None
+    done = resumed.done if resumed else frozenset()
     todo = [r for r in requests if r.id not in done]
     if done:
         print(f"--resume: {len(requests) - len(todo)} of {len(requests)} requests already in {output_path}; "
@@ -182,10 +232,10 @@ def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summ
     results: list[Result] = []
     show = sys.stderr.isatty() if opts.progress is None else opts.progress
     start = time.perf_counter()
-    with output_path.open("a" if opts.resume else "w") as out, RunProgress(len(todo), show) as progress:
+    with open_results(output_path, resumed) as out, RunProgress(len(todo), show) as progress:
         for result in driver.generate(todo):
             results.append(result)
-            out.write(json.dumps(result_record(result, engine.tokenizer)) + "\n")
+            out.write(json.dumps(result_record(result, engine.tokenizer, opts.mode)) + "\n")
             out.flush()
             progress.update(result, time.perf_counter() - start)
     wall = time.perf_counter() - start
@@ -194,7 +244,7 @@ def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summ
     summary["num_failed"] = len(errors)
     summary["num_skipped_resumed"] = len(requests) - len(todo)
     if summary_path is not None:
-        Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(Path(summary_path), json.dumps(summary, indent=2) + "\n")
     al = summary["mean_acceptance_length"]
     print(f"{mode}: {summary['num_requests']} requests, {summary['num_output_tokens']} output tokens in "
           f"{wall:.2f} s ({summary['output_tokens_per_s']} tokens/s), mean acceptance length "
@@ -231,7 +281,8 @@ def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World | None 
            out: TextIO | None = None) -> int:
     """`run --stream PROMPT`: print each completion's text as its tokens are committed.
 
-    PROMPT '-' reads prompts from stdin, one per line, and streams them one after another."""
+    PROMPT '-' reads prompts from stdin, one per line, and streams them one after another; a line that
+    is not valid UTF-8 is reported and skipped. Returns the number of skipped lines."""
     out, world = out or sys.stdout, world or World()
     engine, decoder = prepare(engine_dir, opts, world)
     if world.rank != 0:
@@ -239,7 +290,18 @@ def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World | None 
         return 0
     driver = LockstepDriver(decoder) if world.size > 1 else decoder
     tok = engine.tokenizer
-    prompts = (line.rstrip("\n") for line in sys.stdin) if prompt == "-" else iter([prompt])
+    bad_lines = []
+
+    def stdin_prompts() -> Iterator[str]:
+        for number, raw in enumerate(sys.stdin.buffer, start=1):  # line by line: prompts are typed as we go
+            for line in decode_lines(raw.removesuffix(b"\n")):
+                if line.text is None:
+                    print(f"<stdin>:{number}: {line.error}; line skipped.", file=sys.stderr, flush=True)
+                    bad_lines.append(number)
+                else:
+                    yield line.text
+
+    prompts = stdin_prompts() if prompt == "-" else iter([prompt])
     try:
         for n, text in enumerate(p for p in prompts if p.strip()):
             ids = tok(text)["input_ids"]
@@ -262,4 +324,4 @@ def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World | None 
     finally:
         if world.size > 1:
             driver.close()
-    return 0
+    return len(bad_lines)

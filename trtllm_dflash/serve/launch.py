@@ -12,6 +12,7 @@ Where the server comes from, first found:
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import importlib.util
 import os
@@ -78,11 +79,17 @@ def check_endpoints(ep: Endpoints) -> None:
     ports = {"--http-port": ep.http_port, "--grpc-port": ep.grpc_port, "--metrics-port": ep.metrics_port}
     if len(set(ports.values())) != len(ports):
         raise UserError(f"--http-port, --grpc-port and --metrics-port must differ, got {sorted(ports.values())}.")
+    try:
+        socket.getaddrinfo(ep.host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UserError(f"--host {ep.host!r}: not a known address or host name ({getattr(exc, 'strerror', exc)}).") from None
     for flag, port in ports.items():
         try:
             with socket.create_server((ep.host, port)):
                 pass
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise UserError(f"--host {ep.host}: not an address of this machine ({exc.strerror}).") from None
             raise UserError(f"{flag} {port}: cannot listen on {ep.host}:{port} ({exc.strerror}).") from None
 
 

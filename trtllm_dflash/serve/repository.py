@@ -13,18 +13,16 @@ outputs. `max_batch_size: 0` turns off Triton's own batching: requests are batch
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trtllm_dflash.config import EngineConfig, describe_validation_error
-from trtllm_dflash.engine.engine_dir import move_into_place
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_text
+from trtllm_dflash.outputs import atomic_directory, check_output_dir
 
 SERVE_CONFIG = "serve.json"
 MODEL_VERSION = "1"
@@ -73,7 +71,7 @@ class ServeConfig(BaseModel):
 
 def read_serve_config(path: Path) -> ServeConfig:
     try:
-        return ServeConfig.model_validate_json(Path(path).read_text())
+        return ServeConfig.model_validate_json(read_text(Path(path), "serve config"))
     except ValidationError as exc:
         raise UserError(describe_validation_error(str(path), exc)) from None
 
@@ -104,13 +102,6 @@ def config_pbtxt(name: str, decoupled: bool) -> str:
             f'input [\n{inputs}\n]\noutput [\n{outputs}\n]\n')
 
 
-def _check_target(repo: Path, force: bool) -> None:
-    if repo.exists() and not repo.is_dir():
-        raise UserError(f"{repo}: --model-repo exists and is not a directory.")
-    if repo.is_dir() and any(repo.iterdir()) and not force:
-        raise UserError(f"{repo}: --model-repo directory is not empty (use --force to replace it).")
-
-
 def write_model_repository(repo: Path, name: str, cfg: ServeConfig, engine: EngineConfig, decoupled: bool = True,
                            force: bool = False) -> Path:
     """Write MODEL_REPO with the one model NAME for `engine` (the config of the already verified cfg.engine_dir);
@@ -121,23 +112,16 @@ def write_model_repository(repo: Path, name: str, cfg: ServeConfig, engine: Engi
     streaming. The same choice as TensorRT-LLM's `triton_config.decoupled`.
 
     Everything is written into a temporary sibling and renamed into place, so MODEL_REPO is either
-    untouched or complete. `force` replaces a non-empty MODEL_REPO (all of it).
+    untouched or complete. `force` replaces a MODEL_REPO that trtllm-dflash wrote (all of it), nothing else.
     """
-    repo = Path(repo).absolute()
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
         raise UserError(f"--model-name {name!r}: use letters, digits, '_', '-' and '.' only.")
-    _check_target(repo, force)
+    repo = check_output_dir(repo, "model repository", "--model-repo", inputs=(Path(cfg.engine_dir),), force=force)
     check_serve_config(cfg, engine)
-    repo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.writing-", dir=repo.parent))
-    try:
+    with atomic_directory(repo, "model repository", force) as tmp:
         version = tmp / name / MODEL_VERSION
         version.mkdir(parents=True)
         (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, decoupled))
         (version / "model.py").write_text(MODEL_PY)
         (version / SERVE_CONFIG).write_text(cfg.model_dump_json(indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users (e.g. a container's) out
-        move_into_place(tmp, repo)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return repo / name

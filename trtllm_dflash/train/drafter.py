@@ -35,40 +35,18 @@ from trtllm_dflash.checkpoint.formats import load_target, save_drafter, target_t
 from trtllm_dflash.checkpoint.tensors import check_tensors
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import require_file
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, build_target_layer_ids
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.outputs import check_output_dir, marker_kind, write_marker
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
+from trtllm_dflash.train.config import TrainConfig
 
 CHECKPOINT = "checkpoint"
 DATA_FILE = "train_data.jsonl"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a run; a resumed run must have the same values."""
-
-    block_size: int = 16
-    num_layers: int = 3
-    target_layer_ids: tuple[int, ...] | None = None  # default: the reference's spacing for num_layers
-    steps: int = 500
-    batch_size: int = 8  # sequences per step
-    anchors: int = 32  # blocks per sequence per step
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    gamma: float | None = None  # loss decay; default 7 for block 16, 4 for block 8 (block_size / 2 - 1)
-    response_tokens: int = 128  # length of the target's own responses
-    held_out: int = 16  # prompts kept aside for the acceptance estimate
-    eval_every: int = 50
-    save_every: int = 50
-    seed: int = 0
-    dtype: str = "float32"  # dtype of the written drafter
-
-    @property
-    def decay(self) -> float:
-        return self.gamma if self.gamma is not None else max(1.0, self.block_size / 2 - 1)
 
 
 @dataclass
@@ -208,12 +186,12 @@ def _load_checkpoint(out: Path, drafter, opt, cfg: TrainConfig, rng: torch.Gener
 
 
 def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, progress: bool = True) -> TrainState:
-    """Train (or resume) and write OUTPUT/config.json + OUTPUT/model.safetensors (z-lab format)."""
-    output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise UserError(f"{output}: output path exists and is not a directory.")
-    if cfg.block_size < 2:
-        raise UserError(f"--block-size {cfg.block_size}: a DFlash block needs at least 2 tokens.")
+    """Train (or resume) and write OUTPUT/config.json + OUTPUT/model.safetensors (z-lab format).
+
+    OUTPUT is checked before any work: it must be new, empty, or a drafter directory of an earlier run
+    (which is resumed). A run whose loss stops being finite raises and writes no drafter."""
+    require_file(data, "--data file")
+    output = check_output_dir(output, "drafter", "--output", inputs=(target_dir, data), reuse=True)
     target, tokenizer, eos = load_frozen_target(Path(target_dir))
     tspec = target.spec
     mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>") if "<|MASK|>" in tokenizer.get_vocab() else None
@@ -229,6 +207,8 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
         raise UserError(f"--target-layer-ids {list(layer_ids)}: {bad} outside the target's layers 0..{tspec.num_layers - 1}.")
     params = DFlashParams(cfg.block_size, mask_id, tuple(layer_ids))
     output.mkdir(parents=True, exist_ok=True)
+    if marker_kind(output) is None:
+        write_marker(output, "drafter")
 
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("loss {task.fields[loss]:.3f}  AL {task.fields[al]:.2f}"), TimeRemainingColumn()]
@@ -277,6 +257,9 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
                 embeds = target.embed(block_ids)
             hidden = drafter.forward_blocks(feats.clone(), embeds.clone(), block_pos, mask)
             loss = block_loss(F.linear(hidden, lm_head), labels, cfg.block_size, cfg.decay)
+            if not torch.isfinite(loss):
+                raise UserError(f"training diverged at step {state.step + 1} of {cfg.steps} (loss {loss.item()}); "
+                                f"no drafter was written. Lower --lr (it is {cfg.lr}) and use a new --output.")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -1,0 +1,19 @@
+"""`bench`'s options (torch-free, so that `trtllm-dflash --help` starts at once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trtllm_dflash.runtime.options import Mode
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    concurrency: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_batch_size and the request count
+    modes: tuple[Mode, ...] = ("ar", "dflash")
+    block_sizes: tuple[int, ...] | None = None  # DFlash block sizes (None: the engine's trained one)
+    num_requests: int | None = None  # the first N prompts of the dataset (None: all)
+    max_new_tokens: int = 128
+    warmup: int = 2  # requests run through every configuration before timing, not measured
+    repeats: int = 3  # timed runs per point; the report gives medians
+    threads: int | None = None  # torch CPU threads (None: torch's default)

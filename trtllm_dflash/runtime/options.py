@@ -1,0 +1,26 @@
+"""`run`'s options and the decoding modes (torch-free, so that `trtllm-dflash --help` starts at once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["dflash", "ar"]  # dflash: speculative decoding; ar: plain autoregressive decoding
+# Above this, softmax(logits / T) is uniform to float32 precision: a larger value is a typo, not a choice.
+MAX_TEMPERATURE = 1e6
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """`run`'s options; per-line `max_new_tokens` / `temperature` override the defaults here."""
+
+    mode: Mode = "dflash"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
+    threads: int | None = None  # torch CPU threads per rank (None: torch's choice, shared out among ranks)
+    block_size: int | None = None  # tokens per block, <= the engine's trained block_size (None: trained)
+    device: str = "cpu"  # "cpu" or "cuda" (rank r uses GPU r % device_count)
+    resume: bool = False  # keep the output file's finished requests and run only the others
+    progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
