@@ -68,7 +68,8 @@ def build_fails(pair, capsys, *words, config=None, extra=()):
 def test_build_writes_a_verified_engine_directory(pair, capsys):
     assert main(["build", str(write_config(pair))]) == 0
     engine = pair / "engine"
-    assert sorted(p.name for p in engine.iterdir()) == ["config.json", "manifest.json", "rank0.safetensors", "tokenizer"]
+    assert sorted(p.name for p in engine.iterdir()) == [".trtllm-dflash", "config.json", "manifest.json",
+                                                        "rank0.safetensors", "tokenizer"]
     cfg = json.loads((engine / "config.json").read_text())
     drafter = json.loads((pair / "drafter" / "config.json").read_text())
     assert cfg["dflash"] == {"block_size": drafter["block_size"],
@@ -76,7 +77,7 @@ def test_build_writes_a_verified_engine_directory(pair, capsys):
                              "target_layer_ids": drafter["dflash_config"]["target_layer_ids"]}
     assert cfg["mapping"] == {"world_size": 1, "tp_size": 1} and cfg["dtype"] == "float32"
     manifest = json.loads((engine / "manifest.json").read_text())["files"]
-    assert set(manifest) == {"config.json", "rank0.safetensors", "tokenizer/tokenizer.json",
+    assert set(manifest) == {".trtllm-dflash", "config.json", "rank0.safetensors", "tokenizer/tokenizer.json",
                              "tokenizer/tokenizer_config.json", "tokenizer/chat_template.jinja"}
     weights = load_file(str(engine / "rank0.safetensors"))
     assert all(k.startswith(("target.", "drafter.")) for k in weights)
@@ -95,7 +96,7 @@ def test_output_flag_and_force(pair, capsys):
     assert main(["build", str(config), "--output", str(out)]) == 0
     assert (out / "manifest.json").exists()
     capsys.readouterr()
-    build_fails(pair, capsys, str(out), "already exists", "--force", extra=("--output", str(out)))
+    build_fails(pair, capsys, str(out), "already holds an engine", "--force", extra=("--output", str(out)))
     assert main(["build", str(config), "--output", str(out), "--force"]) == 0
 
 

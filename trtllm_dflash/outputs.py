@@ -57,10 +57,8 @@ def _describe(path: Path) -> str:
     return "directory" if path.is_dir() else "file"
 
 
-def check_placement(path: Path, what: str, inputs: Iterable[Path | None] = ()) -> Path:
-    """The checks every output shares: not an input, not around an input or the current directory,
-    in a writable place. `what` names the output in messages ("output directory", "--summary").
-    Returns the absolute path."""
+def _check_overlap(path: Path, what: str, inputs: Iterable[Path | None]) -> Path:
+    """Not an input, not inside one, not around one or around the current directory. Returns the absolute path."""
     final = _absolute(path)
     cwd = _absolute(Path.cwd())
     for given in inputs:
@@ -76,8 +74,11 @@ def check_placement(path: Path, what: str, inputs: Iterable[Path | None] = ()) -
     if final == cwd or final in cwd.parents:
         raise UserError(f"{what} {path} contains the current directory; choose another path.")
     _check_names(final, what, path)
-    _probe_write(_nearest_existing(final.parent, what, path), what, path)
     return final
+
+
+def _check_writable(final: Path, what: str, given: Path) -> None:
+    _probe_write(_nearest_existing(final.parent, what, given), what, given)
 
 
 def _check_names(final: Path, what: str, given: Path) -> None:
@@ -126,35 +127,37 @@ def write_marker(directory: Path, kind: Kind) -> None:
 def check_output_dir(path: Path, kind: Kind, what: str, inputs: Iterable[Path | None] = (), force: bool = False,
                      reuse: bool = False) -> Path:
     """Fail now, before any work, if `path` cannot become (or, with `reuse`, be continued as) a `kind`
-    directory. Returns the absolute path."""
-    final = check_placement(path, what, inputs)
-    if not final.exists():
-        return final
-    if not final.is_dir():
+    directory. `what` names the output in messages ("output directory", "--model-repo"). Returns the
+    absolute path."""
+    final = _check_overlap(path, what, inputs)
+    if final.exists() and not final.is_dir():
         raise UserError(f"{what} {path} is a file, not a directory.")
-    if not any(final.iterdir()):
-        return final
-    found = marker_kind(final)
-    if found == kind and (force or reuse):
-        return final
-    if found == kind:
-        raise UserError(f"{what} {path} already holds a {kind} (use --force to replace it).")
-    holds = f"holds a trtllm-dflash {found}, not a {kind}" if found else "is not empty and was not written by trtllm-dflash"
-    return _refuse_dir(path, what, holds, force)
+    if final.exists() and any(final.iterdir()):
+        found = marker_kind(final)
+        if found == kind and not (force or reuse):
+            raise UserError(f"{what} {path} already holds {_a(kind)} (use --force to replace it).")
+        if found != kind:
+            holds = (f"holds a trtllm-dflash {found}, not {_a(kind)}" if found
+                     else "is not empty and was not written by trtllm-dflash")
+            hint = "--force only replaces a directory that trtllm-dflash wrote" if force else "choose another path"
+            raise UserError(f"{what} {path} {holds}; {hint}, or remove it yourself.")
+    _check_writable(final, what, path)
+    return final
 
 
-def _refuse_dir(path: Path, what: str, holds: str, force: bool) -> Path:
-    hint = ("--force only replaces a directory that trtllm-dflash wrote" if force else "choose another path")
-    raise UserError(f"{what} {path} {holds}; {hint}, or remove it yourself.")
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
 
 
 def check_output_file(path: Path, what: str, inputs: Iterable[Path | None] = ()) -> Path:
-    """Fail now if `path` cannot be written as a regular file. Returns the absolute path."""
-    final = check_placement(path, what, inputs)
+    """Fail now if `path` cannot be written as a regular file. `what` names it in messages ("--summary").
+    Returns the absolute path."""
+    final = _check_overlap(path, what, inputs)
     if final.is_dir():
         raise UserError(f"{what} {path} is a directory, not a file.")
     if final.exists() and not final.is_file():
         raise UserError(f"{what} {path} exists and is not a regular file (a device or a pipe); name a file.")
+    _check_writable(final, what, path)
     return final
 
 
@@ -168,6 +171,14 @@ def check_distinct(outputs: dict[str, Path | None]) -> None:
         if final in seen:
             raise UserError(f"{what} and {seen[final]} are the same file {path}; give each its own path.")
         seen[final] = what
+
+
+def _while_writing(exc: OSError, final: Path, tmp: Path) -> OSError | UserError:
+    """A file-system error while writing `final` (through `tmp`) as a sentence naming `final`; other errors,
+    and errors about other files (an input that went away), unchanged."""
+    if exc.errno not in USER_ERRNOS or not (exc.filename is None or str(exc.filename).startswith(str(tmp))):
+        return exc
+    return UserError(f"{final}: {os.strerror(exc.errno).lower()} while writing it; nothing there was changed.")
 
 
 def _temporary_sibling(final: Path, tag: str) -> Path:
@@ -196,8 +207,10 @@ def atomic_directory(final: Path, kind: Kind, force: bool = False) -> Iterator[P
     try:
         write_marker(tmp, kind)
         yield tmp
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)  # a temporary directory's 0700 would keep other users (e.g. a container's) out
         _move_into_place(tmp, final)
+    except OSError as exc:
+        raise _while_writing(exc, final, tmp) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -228,6 +241,8 @@ def atomic_file(final: Path, mode: Literal["w", "wb"] = "w") -> Iterator[IO]:
             out.flush()
             os.fsync(out.fileno())
         tmp.replace(final)
+    except OSError as exc:
+        raise _while_writing(exc, final, tmp) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -4,6 +4,8 @@
       config.json          EngineConfig
       rank{r}.safetensors  target tensors under `target.`, drafter tensors under `drafter.`
       tokenizer/           tokenizer files + chat template
+      .trtllm-dflash       the marker of a directory trtllm-dflash wrote (outputs.py): `build --force` replaces
+                           only such a directory
       manifest.json        sha256 and size of every file above
 """
 

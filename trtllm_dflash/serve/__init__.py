@@ -17,8 +17,8 @@ def serve(repo: Path, name: str, cfg: ServeConfig, engine: EngineConfig, decoupl
     it (its exit code)."""
     install = None
     if endpoints is not None:  # fail before writing anything
-        install = find_tritonserver()
         check_endpoints(endpoints)
+        install = find_tritonserver()
     model_dir = write_model_repository(repo, name, cfg, engine, decoupled, force)
     print(f"model repository written to {Path(repo).absolute()} (model {name!r}: {model_dir})", file=sys.stderr)
     if install is None:

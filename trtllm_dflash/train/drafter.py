@@ -206,6 +206,7 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     if bad:
         raise UserError(f"--target-layer-ids {list(layer_ids)}: {bad} outside the target's layers 0..{tspec.num_layers - 1}.")
     params = DFlashParams(cfg.block_size, mask_id, tuple(layer_ids))
+    prompts = None if (output / DATA_FILE).exists() else _training_prompts(target, tokenizer, Path(data), cfg)
     output.mkdir(parents=True, exist_ok=True)
     if marker_kind(output) is None:
         write_marker(output, "drafter")
@@ -214,7 +215,7 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
                TextColumn("loss {task.fields[loss]:.3f}  AL {task.fields[al]:.2f}"), TimeRemainingColumn()]
     log = Console(stderr=True)
     with Progress(*columns, disable=not progress, console=log) as bar:
-        rows = _training_data(target, tokenizer, eos, Path(data), output, cfg, bar)
+        rows = _training_data(target, eos, prompts, output, cfg, bar)
         held, train_rows = rows[: cfg.held_out], rows[cfg.held_out:]
         if not train_rows:
             raise UserError(f"{data}: needs more than {cfg.held_out} usable prompts (held out for evaluation).")
@@ -281,11 +282,8 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     return state
 
 
-def _training_data(target, tokenizer, eos, data: Path, output: Path, cfg: TrainConfig, bar: Progress) -> list[dict]:
-    """Prompts of DATA with the target's own responses; cached in OUTPUT so a resumed run reuses them."""
-    cached = output / DATA_FILE
-    if cached.exists():
-        return [json.loads(line) for line in cached.read_text().splitlines()]
+def _training_prompts(target: TargetModel, tokenizer, data: Path, cfg: TrainConfig) -> list[Request]:
+    """DATA's prompts, every line checked (before the output directory is made)."""
     limit = target.spec.max_position_embeddings
     defaults = Defaults(cfg.response_tokens, 0.0, cfg.seed, limit, target.spec.vocab_size)
     requests, errors = read_requests(data, tokenizer, defaults)
@@ -295,6 +293,16 @@ def _training_data(target, tokenizer, eos, data: Path, output: Path, cfg: TrainC
                 for r in requests]
     if not requests:
         raise UserError(f"{data}: no prompts.")
+    return requests
+
+
+def _training_data(target, eos, requests: list[Request] | None, output: Path, cfg: TrainConfig,
+                   bar: Progress) -> list[dict]:
+    """The prompts with the target's own responses; cached in OUTPUT so a resumed run reuses them (then
+    `requests` is None)."""
+    cached = output / DATA_FILE
+    if requests is None:
+        return [json.loads(line) for line in cached.read_text().splitlines()]
     max_len = max(len(r.prompt_token_ids) for r in requests) + cfg.response_tokens
     bar.console.print(f"generating the target's responses to {len(requests)} prompts ({cfg.response_tokens} tokens each)")
     rows = generate_responses(target, eos, requests, max_len, bar)
