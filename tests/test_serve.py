@@ -61,7 +61,7 @@ def test_writes_a_triton_model_repository(engine_dir, tmp_path):
     assert main(["serve", str(engine_dir), "--model-repo", str(repo), "--model-name", "code", "--mode", "ar",
                  "--block-size", "8", "--max-new-tokens", "64"]) == 0
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file()) == \
-        ["code/1/model.py", f"code/1/{SERVE_CONFIG}", "code/config.pbtxt"]
+        [".trtllm-dflash", "code/1/model.py", f"code/1/{SERVE_CONFIG}", "code/config.pbtxt"]
     pbtxt = (repo / "code" / "config.pbtxt").read_text()
     for line in ('name: "code"', 'backend: "python"', "max_batch_size: 0", "decoupled: true", 'name: "text_input"',
                  'name: "sampling_param_max_tokens"', 'name: "acceptance_rate"', 'name: "batch_size_max"'):
@@ -73,7 +73,7 @@ def test_writes_a_triton_model_repository(engine_dir, tmp_path):
 
     # --force replaces the whole repository; --no-streaming writes a non-decoupled model.
     assert main(["serve", str(engine_dir), "--model-repo", str(repo), "--force", "--no-streaming"]) == 0
-    assert [p.name for p in repo.iterdir()] == [MODEL]
+    assert sorted(p.name for p in repo.iterdir()) == [".trtllm-dflash", MODEL]
     assert "decoupled: false" in (repo / MODEL / "config.pbtxt").read_text()
     assert not list(tmp_path.glob(".repo*"))  # no temporary directories left behind
 
@@ -90,8 +90,8 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("case, words", [
     ("missing engine", ["engine directory does not exist"]),
-    ("repo is a file", ["exists and is not a directory"]),
-    ("repo not empty", ["is not empty (use --force"]),
+    ("repo is a file", ["--model-repo", "is a file, not a directory"]),
+    ("repo not empty", ["is not empty and was not written by trtllm-dflash"]),
     ("bad model name", ["--model-name", "letters, digits"]),
     ("tp engine", ["tp_size 2", "serve it with `mpirun -n 2 trtllm-dflash serve ... --launch`"]),
     ("block size", ["--block-size 17", "between 2 and the engine's trained block_size 16"]),
