@@ -214,21 +214,25 @@ def _mount_tmpfs(path: Path, size: str) -> None:
 
 @pytest.fixture(scope="module")
 def filesystems(tmp_path_factory):
-    """`ro`: a read-only file system; `full`: one with no space left; `small`: 1 MiB, too small for an engine."""
+    """`ro`: a read-only file system; `full`: one with no space left; `small`: 1 MiB, too small for an engine;
+    `nearly`: one page (4 KiB) left, enough for the space check and a few result lines."""
     if os.geteuid() != 0:
         pytest.skip("mounting file systems needs root (CI runs as root)")
     root = tmp_path_factory.mktemp("filesystems")
-    fs = {name: root / name for name in ("ro", "full", "small")}
+    fs = {name: root / name for name in ("ro", "full", "small", "nearly")}
     try:
         _mount_tmpfs(fs["ro"], "1m")
         subprocess.run(["mount", "-o", "remount,ro", str(fs["ro"])], check=True)
-        _mount_tmpfs(fs["full"], "256k")
-        with open(fs["full"] / "filler", "wb", buffering=0) as f:
-            try:
-                while True:
-                    f.write(b"\0" * 4096)
-            except OSError:
-                pass
+        for name in ("full", "nearly"):
+            _mount_tmpfs(fs[name], "256k")
+            with open(fs[name] / "filler", "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 4096)
+                except OSError:
+                    pass
+        filler = fs["nearly"] / "filler"
+        os.truncate(filler, filler.stat().st_size - 4096)
         _mount_tmpfs(fs["small"], "1m")
         yield fs
     finally:
@@ -295,6 +299,26 @@ def test_disk_full_during_a_build_leaves_nothing(pair, tmp_path, filesystems, ca
     assert list(filesystems["small"].iterdir()) == []
 
 
+def test_disk_full_during_a_run_keeps_the_finished_lines(engine, tmp_path, filesystems, capsys):
+    """Results fill the last page of the disk: one sentence; the lines already written stay, and once
+    there is space again `--resume` finishes the job with every id exactly once."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"def g{i}(y):"} for i in range(16)])
+    out = filesystems["nearly"] / "out.jsonl"
+    argv = ["run", str(engine), "--input", str(prompts), "--output", str(out), "--max-new-tokens", "48"]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR and "Traceback" not in err
+    assert err.splitlines()[-1] == (f"error: {out}: no space left on device while writing results; the lines written "
+                                    "so far are kept (fix it, then run again with --resume).")
+    kept = out.read_bytes()
+    assert 0 < kept.count(b"\n") < 16
+    (filesystems["nearly"] / "filler").unlink()
+    assert main([*argv, "--resume"]) == 0
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(16))
+    out.unlink()
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3. Text is decoded on purpose
 # ----------------------------------------------------------------------------------------------------
@@ -326,7 +350,8 @@ def test_invalid_utf8_lines_are_skipped_per_line(engine, tmp_path, capsys, monke
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(json.dumps(PROMPTS[0]).encode() + b"\n" + LATIN1 + json.dumps(PROMPTS[1]).encode() + b"\n")
     out = tmp_path / "out.jsonl"
-    assert main(["run", str(engine), "--input", str(inp), "--output", str(out), "--max-new-tokens", "4"]) == EXIT_BAD_LINES
+    code = main(["run", str(engine), "--input", str(inp), "--output", str(out), "--max-new-tokens", "4"])
+    assert code == EXIT_BAD_LINES
     assert f"{inp}:2: not valid UTF-8 (byte 0xe9 at byte offset " in capsys.readouterr().err
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1]
     # --stream -: a bad line on stdin is reported and skipped, the others stream.
@@ -376,7 +401,8 @@ def test_non_finite_and_huge_yaml_values(pair, tmp_path, capsys, field, value, w
 @pytest.mark.parametrize("argv, words", [
     (["run", "E", "--input", "i", "--output", "o", "--temperature", "nan"], ["--temperature", "got nan"]),
     (["run", "E", "--input", "i", "--output", "o", "--temperature", "inf"], ["--temperature", "got inf"]),
-    (["run", "E", "--input", "i", "--output", "o", "--threads", "100000000"], ["--threads", "must be an integer from 1"]),
+    (["run", "E", "--input", "i", "--output", "o", "--threads", "100000000"],
+     ["--threads", "must be an integer from 1"]),
     (["run", "E", "--input", "i", "--output", "o", "--seed", str(2**64)], ["--seed"]),
     (["run", "E", "--input", "i", "--output", "o", "--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["compare", "E", "--input", "i", "--show", "-1"], ["--show", "must be an integer >= 0, got -1"]),

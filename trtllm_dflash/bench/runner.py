@@ -15,7 +15,6 @@ import datetime
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

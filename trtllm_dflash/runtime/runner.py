@@ -26,7 +26,7 @@ from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.outputs import atomic_file, check_distinct, check_output_file, write_text_atomic
+from trtllm_dflash.outputs import USER_ERRNOS, atomic_file, check_distinct, check_output_file, write_text_atomic
 from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
 from trtllm_dflash.parallel.world import World
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
@@ -185,18 +185,25 @@ def open_results(output_path: Path, resumed: Resumed | None) -> Iterator[TextIO]
     existing file is appended to when resuming (after dropping a line cut short), and otherwise replaced
     atomically when the run ends, so a failed run never destroys the previous results."""
     path = Path(output_path)
-    if resumed is not None and path.exists():
-        if path.stat().st_size != resumed.complete_bytes:
-            os.truncate(path, resumed.complete_bytes)
-        with path.open("a", encoding="utf-8") as out:
-            yield out
-    elif path.exists():
+    if resumed is None and path.exists():
         with atomic_file(path) as out:
             yield out
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as out:
+        return
+    try:
+        if resumed is not None and path.exists():
+            if path.stat().st_size != resumed.complete_bytes:
+                os.truncate(path, resumed.complete_bytes)
+            mode = "a"
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            mode = "w"
+        with path.open(mode, encoding="utf-8") as out:
             yield out
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        raise UserError(f"{path}: {os.strerror(exc.errno).lower()} while writing results; the lines written so far "
+                        "are kept (fix it, then run again with --resume).") from None
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,

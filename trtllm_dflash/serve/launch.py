@@ -82,7 +82,8 @@ def check_endpoints(ep: Endpoints) -> None:
     try:
         socket.getaddrinfo(ep.host, None)
     except (socket.gaierror, UnicodeError) as exc:
-        raise UserError(f"--host {ep.host!r}: not a known address or host name ({getattr(exc, 'strerror', exc)}).") from None
+        reason = getattr(exc, "strerror", None) or exc
+        raise UserError(f"--host {ep.host!r}: not a known address or host name ({reason}).") from None
     for flag, port in ports.items():
         try:
             with socket.create_server((ep.host, port)):

@@ -25,7 +25,8 @@ from trtllm_dflash.engine.engine_dir import open_engine
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
 from trtllm_dflash.parallel.world import COLLECTIVE_TIMEOUT, AgreedError, World, mpi_comm, rendezvous
-from trtllm_dflash.runtime.runner import Engine, RunOptions, prepare
+from trtllm_dflash.runtime.options import RunOptions
+from trtllm_dflash.runtime.runner import Engine, prepare
 from trtllm_dflash.serve.repository import ServeConfig
 
 STORE_ENV = "TRTLLM_DFLASH_TP_STORE"  # "host:port:world_size", set for tritonserver by MPI rank 0
