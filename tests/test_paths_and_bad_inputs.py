@@ -427,9 +427,12 @@ def test_cli_numbers_are_bounded(capsys, argv, words):
     ("--warmup-ratio", "1.5", ["--warmup-ratio 1.5: must be a number from 0 to 1"]),
     ("--warmup-ratio", "-0.1", ["--warmup-ratio"]),
     ("--block-size", "1", ["--block-size 1: a DFlash block has 2 to 64 tokens"]),
+    ("--anchors", "1000000000", ["--anchors 1000000000: more blocks per sequence than --response-tokens 128"]),
+    ("--num-layers", "100000", ["--num-layers 100000: a drafter deeper than its 4-layer target"]),
 ])
 def test_training_options_that_cannot_train(pair, tmp_path, capsys, option, value, words):
-    """Refused before the target is even loaded: the output directory is never created."""
+    """Refused before any work (the target's shape is read, no response is generated): the output
+    directory is never created."""
     data = write_jsonl(tmp_path / "data.jsonl")
     out = tmp_path / "drafter"
     refused(capsys, ["train-drafter", "--target", str(pair / "target"), "--data", str(data), "--output", str(out),

@@ -41,6 +41,9 @@ class TrainConfig:
             raise UserError(f"--warmup-ratio {self.warmup_ratio}: must be a number from 0 to 1.")
         if self.gamma is not None and not (math.isfinite(self.gamma) and self.gamma > 0):
             raise UserError(f"--gamma {self.gamma}: the loss decay must be a finite number > 0.")
+        if self.anchors > self.response_tokens:
+            raise UserError(f"--anchors {self.anchors}: more blocks per sequence than --response-tokens "
+                            f"{self.response_tokens} has positions to anchor them.")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed {self.seed}: must be from 0 to {MAX_SEED}.")
 

@@ -198,6 +198,9 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     if mask_id is None or not 0 <= mask_id < tspec.vocab_size:
         raise UserError(f"{target_dir}: the tokenizer has no '<|MASK|>' token inside the embedding "
                         f"(vocab_size {tspec.vocab_size}); add one to train a DFlash drafter.")
+    if cfg.num_layers > tspec.num_layers:
+        raise UserError(f"--num-layers {cfg.num_layers}: a drafter deeper than its {tspec.num_layers}-layer target "
+                        "would cost more per draft than the target's own step.")
     layer_ids = cfg.target_layer_ids or tuple(build_target_layer_ids(tspec.num_layers, cfg.num_layers))
     if len(set(layer_ids)) != len(layer_ids):
         raise UserError(f"target_layer_ids {list(layer_ids)} repeat a layer (the default spacing for a "
