@@ -1,0 +1,176 @@
+/*
+ * CUDA kernel of the DFlash acceptance step: one thread block per request.
+ *
+ * Per request, rows j = 0, 1, ... of the verify logits are reduced to t_j (a parallel argmax over the
+ * vocabulary with torch's first-index tie-break), stopping at the first row whose token does not match the
+ * next draft: rows after it cannot change the result, so a request costs (accepted + 1) rows, not K + 1.
+ * Then the block writes the request's outputs with the shared per-request logic (dflash_accept_logic.h).
+ */
+#include "dflash_accept_kernel.h"
+#include "dflash_accept_logic.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace trtllm_dflash
+{
+namespace
+{
+
+constexpr int32_t kThreadsPerBlock = 512;
+constexpr int32_t kWarpSize = 32;
+constexpr uint32_t kFullWarp = 0xffffffffu;
+
+// Logits are widened to float32 before any arithmetic (exact for fp16/bf16), as torch would do after
+// `.float()`: the scores of fp16/bf16 logits equal the fp32 reference's on the widened values.
+__device__ inline float toFloat(float x)
+{
+    return x;
+}
+
+__device__ inline float toFloat(__half x)
+{
+    return __half2float(x);
+}
+
+__device__ inline float toFloat(__nv_bfloat16 x)
+{
+    return __bfloat162float(x);
+}
+
+__device__ inline void keepBetter(float& bestValue, int32_t& bestIndex, float value, int32_t index)
+{
+    if (dflash_prefer(value, index, bestValue, bestIndex))
+    {
+        bestValue = value;
+        bestIndex = index;
+    }
+}
+
+__device__ inline void warpArgmax(float& bestValue, int32_t& bestIndex)
+{
+    for (int32_t offset = kWarpSize / 2; offset > 0; offset /= 2)
+    {
+        float const value = __shfl_down_sync(kFullWarp, bestValue, offset);
+        int32_t const index = __shfl_down_sync(kFullWarp, bestIndex, offset);
+        keepBetter(bestValue, bestIndex, value, index);
+    }
+}
+
+// t_j of one row, returned to every thread of the block. Must be called by all threads (it synchronizes).
+template <typename T>
+__device__ int32_t blockRowArgmax(T const* __restrict__ logits, float const* __restrict__ noise, int32_t vocabSize,
+    float temperature, float* warpValues, int32_t* warpIndices, int32_t* result)
+{
+    bool const sampled = dflash_is_sampled(temperature);
+    float bestValue = 0.0f;
+    int32_t bestIndex = kDFlashNoIndex;
+    // Each thread visits increasing indices, so strict preference inside a thread already keeps the first
+    // maximum; across threads dflash_prefer compares indices explicitly.
+    for (int32_t v = threadIdx.x; v < vocabSize; v += kThreadsPerBlock)
+    {
+        float const n = sampled ? noise[v] : 0.0f;
+        keepBetter(bestValue, bestIndex, dflash_score(toFloat(logits[v]), temperature, n), v);
+    }
+    warpArgmax(bestValue, bestIndex);
+
+    int32_t const lane = threadIdx.x % kWarpSize;
+    int32_t const warp = threadIdx.x / kWarpSize;
+    if (lane == 0)
+    {
+        warpValues[warp] = bestValue;
+        warpIndices[warp] = bestIndex;
+    }
+    __syncthreads();
+    if (warp == 0)
+    {
+        constexpr int32_t kWarps = kThreadsPerBlock / kWarpSize;
+        bestValue = lane < kWarps ? warpValues[lane] : 0.0f;
+        bestIndex = lane < kWarps ? warpIndices[lane] : kDFlashNoIndex;
+        warpArgmax(bestValue, bestIndex);
+        if (lane == 0)
+        {
+            *result = bestIndex;
+        }
+    }
+    // Also orders this row's reads of warpValues before the next row's writes.
+    __syncthreads();
+    return *result;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreadsPerBlock) dflashAcceptKernel(DFlashAcceptParams p)
+{
+    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
+    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
+    extern __shared__ int32_t target[]; // [blockSize]: t_0..t_K; rows past the first mismatch stay unset
+
+    int32_t const b = blockIdx.x;
+    int32_t const numDrafts = p.blockSize - 1;
+    float const temperature = p.temperature[b];
+    int32_t const* draft = p.draftTokens + static_cast<int64_t>(b) * numDrafts;
+    T const* logits = static_cast<T const*>(p.targetLogits);
+
+    for (int32_t j = 0; j <= numDrafts; ++j)
+    {
+        int64_t const row = (static_cast<int64_t>(b) * p.blockSize + j) * p.vocabSize;
+        int32_t const targetJ = blockRowArgmax(
+            logits + row, p.gumbelNoise + row, p.vocabSize, temperature, warpValues, warpIndices, &target[j]);
+        // Every thread read the same targetJ, so the whole block leaves the loop together.
+        if (!dflash_draft_continues(draft, numDrafts, j, targetJ))
+        {
+            break;
+        }
+    }
+
+    // dflash_accepted_length stops at the row where the loop stopped, so it reads only computed rows.
+    int32_t const accepted = dflash_accepted_length(draft, target, numDrafts);
+    int32_t const start = p.contextLengths[b];
+    int32_t const bonus = target[accepted];
+    int64_t const out = static_cast<int64_t>(b) * p.blockSize;
+    for (int32_t j = threadIdx.x; j < p.blockSize; j += kThreadsPerBlock)
+    {
+        p.committedTokens[out + j] = dflash_committed_token(target, accepted, j);
+        p.nextBlock[out + j] = dflash_next_block_token(bonus, p.maskTokenId, j);
+        p.nextPositions[out + j] = dflash_next_position(start, accepted, j);
+    }
+    if (threadIdx.x == 0)
+    {
+        p.accepted[b] = accepted;
+        p.newContextLengths[b] = dflash_next_start(start, accepted);
+    }
+}
+
+template <typename T>
+cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
+{
+    size_t const sharedBytes = static_cast<size_t>(p.blockSize) * sizeof(int32_t);
+    dflashAcceptKernel<T><<<p.batchSize, kThreadsPerBlock, sharedBytes, stream>>>(p);
+    return cudaGetLastError();
+}
+
+} // namespace
+
+cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream)
+{
+    // The strided vocabulary loop must not overflow int32 (v + kThreadsPerBlock), nor the dynamic shared
+    // memory for t_0..t_K exceed the 48 KiB available without an opt-in.
+    if (params.batchSize < 0 || params.blockSize < 2 || params.blockSize > 4096 || params.vocabSize < 1
+        || params.vocabSize > INT32_MAX - kThreadsPerBlock)
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (params.batchSize == 0)
+    {
+        return cudaSuccess;
+    }
+    switch (params.logitsType)
+    {
+    case DFlashLogitsType::kFLOAT32: return launch<float>(params, stream);
+    case DFlashLogitsType::kFLOAT16: return launch<__half>(params, stream);
+    case DFlashLogitsType::kBFLOAT16: return launch<__nv_bfloat16>(params, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+} // namespace trtllm_dflash

@@ -1,0 +1,48 @@
+/*
+ * Launcher of the DFlash acceptance kernel. No TensorRT dependency: the plugin (dflash_accept_plugin.cpp)
+ * and a future torch custom op both call launchDFlashAccept.
+ */
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace trtllm_dflash
+{
+
+enum class DFlashLogitsType : int32_t
+{
+    kFLOAT32 = 0,
+    kFLOAT16 = 1,
+    kBFLOAT16 = 2,
+};
+
+// Device pointers, all row-major and contiguous. B = batchSize, K = blockSize - 1, V = vocabSize.
+struct DFlashAcceptParams
+{
+    // Inputs.
+    int32_t const* draftTokens;    // [B, K]
+    void const* targetLogits;      // [B, K+1, V], float32 / float16 / bfloat16 (see logitsType)
+    float const* temperature;      // [B]; <= 0 is greedy
+    float const* gumbelNoise;      // [B, K+1, V]; read only for rows with temperature > 0
+    int32_t const* contextLengths; // [B]; the anchor's position (start)
+
+    // Outputs.
+    int32_t* accepted;          // [B], 0..K
+    int32_t* committedTokens;   // [B, K+1]: t_0..t_a, then -1
+    int32_t* nextBlock;         // [B, blockSize]: [bonus, maskTokenId x K]
+    int32_t* nextPositions;     // [B, blockSize]: new start + 0..blockSize-1
+    int32_t* newContextLengths; // [B]: start + a + 1
+
+    int32_t batchSize;
+    int32_t blockSize;
+    int32_t vocabSize;
+    int32_t maskTokenId;
+    DFlashLogitsType logitsType;
+};
+
+// Enqueues the whole step on `stream` (one CUDA block per request). Returns cudaErrorInvalidValue for
+// shapes it cannot run (blockSize outside 2..4096, vocabSize < 1, batchSize < 0), else the launch's error.
+cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream);
+
+} // namespace trtllm_dflash
