@@ -153,10 +153,10 @@ cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
 
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream)
 {
-    // The strided vocabulary loop must not overflow int32 (v + kThreadsPerBlock), nor the dynamic shared
-    // memory for t_0..t_K exceed the 48 KiB available without an opt-in.
-    if (params.batchSize < 0 || params.blockSize < 2 || params.blockSize > 4096 || params.vocabSize < 1
-        || params.vocabSize > INT32_MAX - kThreadsPerBlock)
+    static_assert(kDFlashMaxVocabSize <= INT32_MAX - kThreadsPerBlock, "the vocabulary loop would overflow");
+    static_assert(kDFlashMaxBlockSize * sizeof(int32_t) <= 48 * 1024, "t_0..t_K need an opt-in shared size");
+    if (params.batchSize < 0 || params.blockSize < 2 || params.blockSize > kDFlashMaxBlockSize
+        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize)
     {
         return cudaErrorInvalidValue;
     }

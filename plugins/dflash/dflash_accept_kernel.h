@@ -10,6 +10,11 @@
 namespace trtllm_dflash
 {
 
+// What the kernel can run: t_0..t_K live in shared memory (one int32 per block row), and the vocabulary
+// loop steps an int32 index by the block's 512 threads without overflowing.
+constexpr int32_t kDFlashMaxBlockSize = 4096;
+constexpr int32_t kDFlashMaxVocabSize = INT32_MAX - 512;
+
 enum class DFlashLogitsType : int32_t
 {
     kFLOAT32 = 0,
@@ -42,7 +47,8 @@ struct DFlashAcceptParams
 };
 
 // Enqueues the whole step on `stream` (one CUDA block per request). Returns cudaErrorInvalidValue for
-// shapes it cannot run (blockSize outside 2..4096, vocabSize < 1, batchSize < 0), else the launch's error.
+// shapes it cannot run (blockSize outside 2..kDFlashMaxBlockSize, vocabSize outside 1..kDFlashMaxVocabSize,
+// batchSize < 0), else the launch's error.
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream);
 
 } // namespace trtllm_dflash

@@ -33,8 +33,8 @@ DFLASH_HD inline bool dflash_is_sampled(float temperature)
 
 // The value a row's argmax runs over: the raw logit (greedy) or `logit / T + noise` (Gumbel-max sampling),
 // rounded to float32 after each operation like torch's `logits / temperature + noise` on float32 tensors.
-// The explicit _rn intrinsics keep nvcc from contracting or approximating (also under --use_fast_math);
-// the host build relies on -ffp-contract=off and no -ffast-math.
+// The explicit _rn intrinsics keep nvcc from contracting or approximating the division (--use_fast_math
+// would still flush subnormals to zero: don't use it); the host build uses -ffp-contract=off, no -ffast-math.
 DFLASH_HD inline float dflash_score(float logit, float temperature, float noise)
 {
     if (!dflash_is_sampled(temperature))
@@ -82,7 +82,8 @@ DFLASH_HD inline bool dflash_prefer(float value, int32_t index, float bestValue,
 
 // t_j for one row: argmax over the vocabulary, serially. The kernel computes the same value with a
 // parallel reduction over dflash_prefer; this is the host path. noise may be null when greedy.
-DFLASH_HD inline int32_t dflash_row_argmax(float const* logits, float const* noise, int32_t vocabSize, float temperature)
+DFLASH_HD inline int32_t dflash_row_argmax(
+    float const* logits, float const* noise, int32_t vocabSize, float temperature)
 {
     bool const sampled = dflash_is_sampled(temperature);
     float bestValue = 0.0f;

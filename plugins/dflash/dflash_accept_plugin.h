@@ -13,6 +13,15 @@
 namespace trtllm_dflash
 {
 
+constexpr char const* kPluginName = "DFlashAccept";
+constexpr char const* kPluginVersion = "1";
+constexpr char const* kPluginNamespace = "trtllm_dflash";
+constexpr char const* kBlockSizeField = "block_size";
+constexpr char const* kMaskTokenIdField = "mask_token_id";
+
+// Reports an error of a noexcept TensorRT method, which TensorRT only sees as a status code.
+void logPluginError(std::string const& message) noexcept;
+
 class DFlashAcceptPlugin : public nvinfer1::IPluginV3,
                            public nvinfer1::IPluginV3OneCore,
                            public nvinfer1::IPluginV3OneBuild,
@@ -57,8 +66,14 @@ public:
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
-    // Checks ranks and the dimensions shared between tensors; -1 (a wildcard at build time) matches anything.
-    bool validShapes(nvinfer1::Dims const* inputDims, int32_t nbInputs) const;
+    // Why these 5 input shapes are wrong (empty when they fit): ranks, K = block_size - 1, one batch size and
+    // one vocabulary. A negative dimension (a wildcard while building) matches anything.
+    std::string shapeError(nvinfer1::Dims const* inputDims) const;
+
+    // configurePlugin's and onShapeChange's check: logs why and returns -1 when the shapes are wrong.
+    // inputDims(i) gives input i's Dims.
+    template <typename InputDims>
+    int32_t checkShapes(InputDims inputDims, int32_t nbInputs, int32_t nbOutputs) const noexcept;
 
     int32_t mBlockSize;
     int32_t mMaskTokenId;
@@ -88,10 +103,18 @@ private:
 
 } // namespace trtllm_dflash
 
+// The library is built with hidden visibility (CMakeLists.txt); only TensorRT's entry points are exported.
+// (NvInfer.h's TENSORRTAPI exports only inside TensorRT's own build.)
+#if defined(_WIN32)
+#define DFLASH_PLUGIN_EXPORT __declspec(dllexport)
+#else
+#define DFLASH_PLUGIN_EXPORT __attribute__((visibility("default")))
+#endif
+
 extern "C"
 {
     // Entry points TensorRT looks up in a plugin library (IPluginRegistry::loadLibrary, trtexec
     // --dynamicPlugins, and version-compatible engines that embed the library).
-    nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
-    void setLoggerFinder(nvinfer1::ILoggerFinder* finder);
+    DFLASH_PLUGIN_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
+    DFLASH_PLUGIN_EXPORT void setLoggerFinder(nvinfer1::ILoggerFinder* finder);
 }

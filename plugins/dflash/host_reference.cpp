@@ -98,3 +98,14 @@ extern "C" int32_t dflash_row_argmax_tree_host(
     foldWarp(warpValue.data(), warpIndex.data());
     return warpIndex[0];
 }
+
+// dflash_score elementwise: out[i] = the value row argmaxes run over. Tests compare it bit for bit with
+// torch's float32 `logits / temperature + noise`.
+extern "C" void dflash_scores_host(
+    float const* logits, float const* noise, int64_t count, float temperature, float* out)
+{
+    for (int64_t i = 0; i < count; ++i)
+    {
+        out[i] = dflash_score(logits[i], temperature, noise[i]);
+    }
+}
