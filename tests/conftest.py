@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trtllm_dflash.train.random_pair import write_random_pair
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.train.random_pair import write_random_pair
 
 BIAS_TOKEN = 100
 

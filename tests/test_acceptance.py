@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from trtllm_dflash.speculative.core import (
-    accepted_lengths, block_input, bonus_tokens, gumbel_noise, request_seed, sample_tokens,
+    accepted_lengths,
+    block_input,
+    bonus_tokens,
+    gumbel_noise,
+    request_seed,
+    sample_tokens,
 )
 
 K = 4  # drafts per block (block_size 5)

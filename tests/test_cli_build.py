@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
-from trtllm_dflash.engine.engine_dir import open_engine
+from trtllm_dflash.engine_dir import open_engine
 
 
 @pytest.fixture

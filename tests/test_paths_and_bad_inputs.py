@@ -450,7 +450,7 @@ def test_training_that_diverges_writes_no_drafter(pair, tmp_path, capsys):
     data = write_jsonl(tmp_path / "data.jsonl", [{"id": i, "prompt": f"x = {i}"} for i in range(8)])
     out = tmp_path / "drafter"
     refused(capsys, ["train-drafter", "--target", str(pair / "target"), "--data", str(data), "--output", str(out),
-                     "--steps", "3", "--held-out", "2", "--response-tokens", "8", "--block-size", "4",
+                     "--steps", "3", "--held-out", "2", "--response-tokens", "8", "--anchors", "4", "--block-size", "4",
                      "--num-layers", "1", "--target-layer-ids", "1"],
             "training diverged at step 1 of 3 (loss ", "no drafter was written")
     assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()

@@ -27,15 +27,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.config import load_build_config
 from trtllm_dflash.engine.builder import build_engine
-from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
-from trtllm_dflash.engine.engine_dir import CONFIG, TOKENIZER, write_manifest
-from trtllm_dflash.serve.repository import SERVE_CONFIG
+from trtllm_dflash.engine_dir import CONFIG, TOKENIZER, write_manifest
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.runtime.textstream import TextStream
+from trtllm_dflash.serve.repository import SERVE_CONFIG
 from trtllm_dflash.serve.scheduler import Event, ServingLoop
 
 ROOT = Path(__file__).resolve().parents[1]

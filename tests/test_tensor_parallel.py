@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
-from trtllm_dflash.engine.engine_dir import rank_file
+from trtllm_dflash.engine_dir import rank_file
 from trtllm_dflash.train.random_pair import write_random_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,8 +246,8 @@ def test_published_models_split_eight_ways_quantized(name, dims):
     """The real targets of build_configs/ pass the TP checks at tp_size 8 with NVFP4 (no checkpoint needed)."""
     from dataclasses import replace
 
+    from trtllm_dflash.models.shard import check_tp, kv_heads, padded_vocab, query_heads
     from trtllm_dflash.models.spec import DecoderSpec
-    from trtllm_dflash.parallel.shard import check_tp, kv_heads, padded_vocab, query_heads
 
     base = DecoderSpec("qwen3", 0, 4096, 0, 36, 0, 0, 0, 1e-6, True, False, False, False, "silu", {}, 40960)
     spec = replace(base, **dims)

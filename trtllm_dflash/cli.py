@@ -141,8 +141,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from trtllm_dflash.bench.report import bench_command
     from trtllm_dflash.bench.options import BenchOptions
+    from trtllm_dflash.bench.report import bench_command
 
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
                         args.warmup, args.repeats, args.threads)

@@ -1,4 +1,4 @@
-"""Typed configurations: the build config (YAML, user-written) and the engine config (engine config.json).
+"""The build config (YAML, user-written), typed; the engine's own config.json is `engine_dir.EngineConfig`.
 
 Unknown keys and wrong types are errors that name the file, the key and the value.
 """
@@ -85,35 +85,3 @@ def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
                 if getattr(cfg, k) is not None}
     resolved["output"] = (Path.cwd() if output is not None else path.parent).joinpath(cfg.output).resolve()
     return cfg.model_copy(update=resolved)
-
-
-class DFlashSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-
-
-class Mapping(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    world_size: int = 1
-    tp_size: int = 1
-
-
-class EngineConfig(BaseModel):
-    """ENGINE_DIR/config.json."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format_version: Literal[1] = 1
-    trtllm_dflash_version: str
-    dtype: Dtype
-    target: dict  # target architecture, HF config.json fields
-    drafter: dict  # drafter architecture, HF config.json fields (Qwen3 layers)
-    dflash: DFlashSection
-    quantization: dict = Field(default_factory=lambda: {"quant_algo": None})
-    mapping: Mapping = Field(default_factory=Mapping)
-    max_batch_size: int
-    max_seq_len: int
-    eos_token_ids: list[int]
-    build: dict  # the build config that produced this engine (for provenance)

@@ -1,4 +1,5 @@
-"""The engine directory (ARCHITECTURE.md §3): written atomically, verified on load.
+"""The engine directory (ARCHITECTURE.md §3): its config, its files, its manifest. Written by `build`
+(atomically, engine/builder.py), read and verified by every command that runs an engine.
 
     ENGINE_DIR/
       config.json          EngineConfig
@@ -15,10 +16,11 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trtllm_dflash.config import EngineConfig, describe_validation_error
+from trtllm_dflash.config import Dtype, describe_validation_error
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json, read_text, require_dir
 
@@ -26,6 +28,38 @@ CONFIG = "config.json"
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer"
 TARGET_PREFIX, DRAFTER_PREFIX = "target.", "drafter."
+
+
+class DFlashSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+
+
+class Mapping(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    world_size: int = 1
+    tp_size: int = 1
+
+
+class EngineConfig(BaseModel):
+    """ENGINE_DIR/config.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: Literal[1] = 1
+    trtllm_dflash_version: str
+    dtype: Dtype
+    target: dict  # target architecture, HF config.json fields
+    drafter: dict  # drafter architecture, HF config.json fields (Qwen3 layers)
+    dflash: DFlashSection
+    quantization: dict = Field(default_factory=lambda: {"quant_algo": None})
+    mapping: Mapping = Field(default_factory=Mapping)
+    max_batch_size: int
+    max_seq_len: int
+    eos_token_ids: list[int]
+    build: dict  # the build config that produced this engine (for provenance)
 
 
 def rank_file(rank: int) -> str:

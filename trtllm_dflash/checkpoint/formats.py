@@ -18,7 +18,10 @@ from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object, require_dir
 from trtllm_dflash.models.spec import (
-    DecoderSpec, DFlashParams, build_target_layer_ids, hf_config_from_dict,
+    DecoderSpec,
+    DFlashParams,
+    build_target_layer_ids,
+    hf_config_from_dict,
 )
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"

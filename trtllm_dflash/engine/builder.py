@@ -12,20 +12,30 @@ from rich.progress import Progress
 
 from trtllm_dflash import __version__
 from trtllm_dflash.checkpoint.formats import (
-    drafter_tensor_shapes, load_pair, target_tensor_shapes,
+    drafter_tensor_shapes,
+    load_pair,
+    target_tensor_shapes,
 )
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
-from trtllm_dflash.config import BuildConfig, DFlashSection, EngineConfig, Mapping
-from trtllm_dflash.engine.engine_dir import (
-    CONFIG, DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, rank_file, write_manifest,
-)
+from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.quantize_drafter import quantize_drafter
 from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
+from trtllm_dflash.engine_dir import (
+    CONFIG,
+    DRAFTER_PREFIX,
+    TARGET_PREFIX,
+    TOKENIZER,
+    DFlashSection,
+    EngineConfig,
+    Mapping,
+    rank_file,
+    write_manifest,
+)
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.quantized import SCALE_SUFFIXES
+from trtllm_dflash.models.shard import check_tp, shard_tensor, split_for
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
-from trtllm_dflash.parallel.shard import check_tp, shard_tensor, split_for
 
 
 def quantization_section(quantization: str, target: dict[str, torch.Tensor], drafter: dict[str, torch.Tensor]) -> dict:

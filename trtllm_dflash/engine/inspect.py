@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 
-from trtllm_dflash.engine.engine_dir import DRAFTER_PREFIX, MANIFEST, TARGET_PREFIX, open_engine, rank_file
+from trtllm_dflash.engine_dir import DRAFTER_PREFIX, MANIFEST, TARGET_PREFIX, open_engine, rank_file
 
 
 def _count(shape: list[int]) -> int:

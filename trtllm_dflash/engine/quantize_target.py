@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file
 
-from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
 

@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from trtllm_dflash.models.layers import (
-    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, apply_rotary, attend, drop_replicated_biases,
+    MLP,
+    AttentionProjections,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    attend,
+    drop_replicated_biases,
 )
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
 from trtllm_dflash.parallel.group import SINGLE, TPGroup

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trtllm_dflash.models.shard import kv_heads, o_proj_columns, padded_vocab, query_heads
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
-from trtllm_dflash.parallel.shard import kv_heads, o_proj_columns, padded_vocab, query_heads
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +74,7 @@ class MLP(nn.Module):
 class AttentionProjections(nn.Module):
     """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints.
 
-    Under tensor parallelism (parallel/shard.py) this rank holds its query and KV heads, and the o_proj
+    Under tensor parallelism (models/shard.py) this rank holds its query and KV heads, and the o_proj
     input columns it multiplies (`o_columns`, a slice of its attention output); `output` all-reduces.
     """
 

@@ -14,12 +14,19 @@ import torch
 from torch import nn
 
 from trtllm_dflash.models.layers import (
-    MLP, AttentionProjections, KVCache, RMSNorm, Rotary, VocabParallelEmbedding, apply_rotary, attend,
+    MLP,
+    AttentionProjections,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    VocabParallelEmbedding,
+    apply_rotary,
+    attend,
     drop_replicated_biases,
 )
+from trtllm_dflash.models.shard import padded_vocab
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
-from trtllm_dflash.parallel.shard import padded_vocab
 
 
 @dataclass

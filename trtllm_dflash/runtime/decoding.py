@@ -151,6 +151,7 @@ class Decoder:
             result = None
             if a.finish_reason is not None:
                 self._active.remove(a)
+                self.executor.release(a.slot)
                 self._free.append(a.slot)
                 result = a.result()
             if new or result:
@@ -162,8 +163,7 @@ class Decoder:
         return run_to_completion(self, requests)
 
     def _batch(self, active: list[_Active]):
-        ex = self.executor
-        dev = getattr(ex, "device", "cpu")
+        dev = self.executor.device
         slots = torch.tensor([a.slot for a in active], device=dev)
         starts = torch.tensor([a.start for a in active], device=dev)
         temps = torch.tensor([a.request.temperature for a in active], dtype=torch.float32, device=dev)

@@ -8,30 +8,89 @@ same tensors to an engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors.torch import load_file
 
+from trtllm_dflash.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, EngineConfig, rank_file
 from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.target import TargetModel, TargetOutput
+from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
+from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.parallel.group import TPGroup
 from trtllm_dflash.speculative.core import block_input
 
 
+def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
+    """The target, drafter and DFlash parameters an engine config describes."""
+    target = DecoderSpec.from_hf(hf_config_from_dict(cfg.target, "engine target"))
+    drafter = DecoderSpec.from_hf(hf_config_from_dict(cfg.drafter, "engine drafter"))
+    d = cfg.dflash
+    return target, drafter, DFlashParams(d.block_size, d.mask_token_id, tuple(d.target_layer_ids))
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a target pass returns, whatever runs it."""
+
+    logits: torch.Tensor  # [B, T, vocab] float32 (T = 1 with `last_index`)
+    hidden: torch.Tensor | None  # [B, T, len(target_layer_ids) * hidden_size] with `capture`, else None
+
+
 class Executor(Protocol):
-    num_slots: int
+    """Runs the target and the drafter over per-slot KV caches; everything the Decoder relies on.
+
+    Token ids, starts and slots are int64 tensors on `device`. A slot's caches hold positions
+    0 .. max_seq_len + block_size - 1; positions at or after a slot's current start are garbage until
+    written and are never attended to, so rejected drafts need no clean-up.
+    """
+
+    device: torch.device
+    num_slots: int  # KV-cache slots: requests decoded at once
     vocab_size: int
     max_seq_len: int  # prompt + output tokens a slot holds
+    block_size: int  # tokens per DFlash block at run time (1 without a drafter)
 
     def target_forward(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-                       capture: bool, last_index: torch.Tensor | None = None) -> TargetOutput: ...
+                       capture: bool, last_index: torch.Tensor | None = None) -> StepOutput:
+        """token_ids [B, T] at positions starts[:, None] + arange(T), written into the slots' caches."""
+        ...
 
-    def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor: ...
+    def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [B, block_size - 1] for the block [anchor, MASK...] at positions starts + arange."""
+        ...
 
-    def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None: ...
+    def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
+        """Give the drafter captured target features hidden [B, C, F] at positions starts + arange(C)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` is done; the slot will be reused from position 0."""
+        ...
 
 
 class TorchExecutor:
     """Target + drafter as torch modules, with static per-slot KV caches for both."""
+
+    @classmethod
+    def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
+                    block_size: int | None) -> "TorchExecutor":
+        """This rank's shard of a verified engine directory, dequantized for the torch modules."""
+        target_spec, drafter_spec, params = engine_specs(cfg)
+        weights = load_file(str(Path(root) / rank_file(rank)), device=device)
+        split = {p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
+                 for p in (TARGET_PREFIX, DRAFTER_PREFIX)}
+        dtype = getattr(torch, cfg.dtype)
+        target_state, quantized_inputs = dequantize_state_dict(split[TARGET_PREFIX], dtype)
+        target = TargetModel.from_state_dict(target_spec, target_state, tp)
+        quantize_inputs(target, quantized_inputs)
+        drafter_state, drafter_inputs = dequantize_state_dict(split[DRAFTER_PREFIX], dtype)
+        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, tp)
+        quantize_inputs(drafter, drafter_inputs)
+        return cls(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
                  block_size: int | None = None):
@@ -46,14 +105,15 @@ class TorchExecutor:
         self.device = target.lm_head.weight.device
 
     @torch.inference_mode()
-    def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> TargetOutput:
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
         """Run the target on token_ids [B, T] at positions starts[:, None] + arange(T).
 
         With `capture`, also return the outputs of the drafter's target_layer_ids [B, T, n_feat * H].
         """
         positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
         layers = self.drafter.params.target_layer_ids if capture else ()
-        return self.target(token_ids, positions, slots, self.target_cache, layers, last_index)
+        out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index)
+        return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
     def draft(self, anchors, starts, slots) -> torch.Tensor:
@@ -71,3 +131,6 @@ class TorchExecutor:
         assert self.drafter is not None
         positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
         self.drafter.append_context(hidden, positions, slots, self.draft_cache)
+
+    def release(self, slot: int) -> None:
+        """Nothing to do: stale cache rows past a slot's start are masked, and overwritten when it is reused."""

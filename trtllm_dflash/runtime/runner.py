@@ -15,36 +15,22 @@ from typing import TextIO
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors.torch import load_file
 
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
-from trtllm_dflash.config import EngineConfig
-from trtllm_dflash.engine.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, open_engine, rank_file
+from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import decode_lines, loads, require_file
-from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
-from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
-from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.outputs import USER_ERRNOS, atomic_file, check_distinct, check_output_file, write_text_atomic
-from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
 from trtllm_dflash.parallel.world import World
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
-from trtllm_dflash.runtime.options import RunOptions
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
+from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
+from trtllm_dflash.runtime.options import RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
 
-
 TP_COMMANDS = ("run", "serve")  # the commands that run tensor-parallel engines under mpirun
-
-
-def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
-    target = DecoderSpec.from_hf(hf_config_from_dict(cfg.target, "engine target"))
-    drafter = DecoderSpec.from_hf(hf_config_from_dict(cfg.drafter, "engine drafter"))
-    d = cfg.dflash
-    return target, drafter, DFlashParams(d.block_size, d.mask_token_id, tuple(d.target_layer_ids))
 
 
 @dataclass
@@ -75,18 +61,7 @@ class Engine:
             how = f"mpirun -n {tp} trtllm-dflash run ..." if tp > 1 else "trtllm-dflash run ... (without mpirun)"
             raise UserError(f"{root}: the engine is split for tp_size {tp} but this run has {world.size} "
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
-        target_spec, drafter_spec, params = engine_specs(cfg)
-        weights = load_file(str(root / rank_file(world.rank)), device=device)
-        split = {p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
-                 for p in (TARGET_PREFIX, DRAFTER_PREFIX)}
-        dtype = getattr(torch, cfg.dtype)
-        target_state, quantized_inputs = dequantize_state_dict(split[TARGET_PREFIX], dtype)
-        target = TargetModel.from_state_dict(target_spec, target_state, world.tp)
-        quantize_inputs(target, quantized_inputs)
-        drafter_state, drafter_inputs = dequantize_state_dict(split[DRAFTER_PREFIX], dtype)
-        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, world.tp)
-        quantize_inputs(drafter, drafter_inputs)
-        executor = TorchExecutor(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
+        executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trtllm_dflash.config import EngineConfig
-from trtllm_dflash.serve.launch import Endpoints, NGC_IMAGE, check_endpoints, find_tritonserver, launch
+from trtllm_dflash.engine_dir import EngineConfig
+from trtllm_dflash.serve.launch import NGC_IMAGE, Endpoints, check_endpoints, find_tritonserver, launch
 from trtllm_dflash.serve.repository import ServeConfig, write_model_repository
 
 

@@ -19,7 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trtllm_dflash.config import EngineConfig, describe_validation_error
+from trtllm_dflash.config import describe_validation_error
+from trtllm_dflash.engine_dir import EngineConfig
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_text
 from trtllm_dflash.outputs import atomic_directory, check_output_dir

@@ -6,7 +6,7 @@ As in TensorRT-LLM's Triton model, rank 0 serves and the other ranks follow:
   with the store's address in TRTLLM_DFLASH_TP_STORE;
 - the Triton model (in the Python-backend stub: a child of tritonserver, not an MPI process) joins
   the process group as rank 0, loads rank 0's shard and drives the Decoder in lockstep
-  (parallel/lockstep.py) from its serving loop;
+  (runtime/lockstep.py) from its serving loop;
 - MPI ranks 1..N-1 load their shards and follow every step until the model is unloaded.
 
 If tritonserver ends with an error, MPI rank 0 aborts the job, so no follower is left waiting.
@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trtllm_dflash.config import EngineConfig
-from trtllm_dflash.engine.engine_dir import open_engine
+from trtllm_dflash.engine_dir import EngineConfig, open_engine
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.parallel.lockstep import LockstepDriver, follow
 from trtllm_dflash.parallel.world import COLLECTIVE_TIMEOUT, AgreedError, World, mpi_comm, rendezvous
+from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
 from trtllm_dflash.runtime.options import RunOptions
 from trtllm_dflash.runtime.runner import Engine, prepare
 from trtllm_dflash.serve.repository import ServeConfig

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.engine.engine_dir import read_engine_config
+from trtllm_dflash.engine_dir import read_engine_config
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.serve.repository import SERVE_CONFIG, ServeConfig, check_serve_config, read_serve_config
