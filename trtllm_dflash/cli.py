@@ -117,11 +117,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_make_random_pair(args: argparse.Namespace) -> int:
-    from trtllm_dflash.outputs import atomic_directory, check_output_dir
+    from trtllm_dflash.outputs import atomic_directory
     from trtllm_dflash.train.random_pair import write_random_pair
 
-    final = check_output_dir(args.output, "random pair", "output directory", force=args.force)
-    with atomic_directory(final, "random pair", args.force) as tmp:
+    with atomic_directory(args.output, "random pair", args.force) as tmp:
         write_random_pair(tmp, args.family, block_size=args.block_size, seed=args.seed)
     print(f"random target written to {args.output / 'target'}, drafter to {args.output / 'drafter'}", file=sys.stderr)
     return 0

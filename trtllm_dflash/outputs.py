@@ -39,13 +39,21 @@ USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUO
                errno.EXDEV, errno.EIO}
 
 
+def is_user_os_error(exc: OSError) -> bool:
+    return exc.errno in USER_ERRNOS
+
+
+def reason(exc: OSError) -> str:
+    """"no space left on device": the error's reason, without the path or the errno."""
+    return os.strerror(exc.errno).lower() if exc.errno is not None else str(exc)
+
+
 def user_os_error(exc: OSError) -> UserError | None:
     """`exc` as one sentence naming the path, when it is the file system's answer rather than a bug."""
-    if exc.errno not in USER_ERRNOS:
+    if not is_user_os_error(exc):
         return None
     where = exc.filename if exc.filename is not None else "a file"
-    reason = os.strerror(exc.errno).lower()
-    return UserError(f"{where}: {reason}.")
+    return UserError(f"{where}: {reason(exc)}.")
 
 
 def _absolute(path: Path) -> Path:
@@ -109,7 +117,7 @@ def _probe_write(directory: Path, what: str, given: Path) -> None:
             probe.flush()
             os.fsync(probe.fileno())
     except OSError as exc:
-        raise UserError(f"{what} {given}: cannot write in {directory} ({os.strerror(exc.errno).lower()}).") from None
+        raise UserError(f"{what} {given}: cannot write in {directory} ({reason(exc)}).") from None
 
 
 def marker_kind(directory: Path) -> str | None:
@@ -161,24 +169,26 @@ def check_output_file(path: Path, what: str, inputs: Iterable[Path | None] = ())
     return final
 
 
-def check_distinct(outputs: dict[str, Path | None]) -> None:
-    """Two outputs of one command must not be the same file."""
+def check_output_files(outputs: dict[str, Path | None], inputs: Iterable[Path | None] = ()) -> None:
+    """`check_output_file` for each output given (option -> path, None: not asked for), and no two the same."""
+    given = {what: path for what, path in outputs.items() if path is not None}
     seen: dict[Path, str] = {}
-    for what, path in outputs.items():
-        if path is None:
-            continue
+    for what, path in given.items():
         final = _absolute(path)
         if final in seen:
             raise UserError(f"{what} and {seen[final]} are the same file {path}; give each its own path.")
         seen[final] = what
+    inputs = tuple(inputs)
+    for what, path in given.items():
+        check_output_file(path, what, inputs)
 
 
 def _while_writing(exc: OSError, final: Path, tmp: Path) -> OSError | UserError:
     """A file-system error while writing `final` (through `tmp`) as a sentence naming `final`; other errors,
     and errors about other files (an input that went away), unchanged."""
-    if exc.errno not in USER_ERRNOS or not (exc.filename is None or str(exc.filename).startswith(str(tmp))):
+    if not is_user_os_error(exc) or not (exc.filename is None or str(exc.filename).startswith(str(tmp))):
         return exc
-    return UserError(f"{final}: {os.strerror(exc.errno).lower()} while writing it; nothing there was changed.")
+    return UserError(f"{final}: {reason(exc)} while writing it; nothing there was changed.")
 
 
 def _temporary_sibling(final: Path, tag: str) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 from trtllm_dflash.bench.machine import describe
 from trtllm_dflash.bench.options import BenchOptions
 from trtllm_dflash.bench.runner import bench
-from trtllm_dflash.outputs import check_distinct, check_output_file, write_text_atomic
+from trtllm_dflash.outputs import check_output_files, write_text_atomic
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -113,11 +113,7 @@ def markdown(report: dict) -> str:
 def bench_command(engine_dir: Path, dataset: Path, opts: BenchOptions, report_json: Path | None,
                   plot: Path | None) -> dict:
     """`trtllm-dflash bench`: progress on stderr, markdown on stdout, optional JSON report and PNG."""
-    outputs = {"--report-json": report_json, "--plot": plot}
-    check_distinct(outputs)
-    for what, path in outputs.items():
-        if path is not None:
-            check_output_file(path, what, inputs=(engine_dir, dataset))
+    check_output_files({"--report-json": report_json, "--plot": plot}, inputs=(engine_dir, dataset))
     if plot is not None:
         from trtllm_dflash.bench.plot import require_matplotlib
 

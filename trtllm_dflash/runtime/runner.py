@@ -20,7 +20,7 @@ from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import decode_lines, loads, require_file
-from trtllm_dflash.outputs import USER_ERRNOS, atomic_file, check_distinct, check_output_file, write_text_atomic
+from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
 from trtllm_dflash.parallel.world import World
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
@@ -93,10 +93,7 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
         if world.rank == 0:
             if input_path is not None:
                 require_file(input_path, "input file")
-            check_distinct(outputs or {})
-            for what, path in (outputs or {}).items():
-                if path is not None:
-                    check_output_file(path, what, inputs=(engine_dir, input_path))
+            check_output_files(outputs or {}, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
@@ -175,10 +172,10 @@ def open_results(output_path: Path, resumed: Resumed | None) -> Iterator[TextIO]
         with path.open(mode, encoding="utf-8") as out:
             yield out
     except OSError as exc:
-        if exc.errno not in USER_ERRNOS:
+        if not is_user_os_error(exc):
             raise
-        raise UserError(f"{path}: {os.strerror(exc.errno).lower()} while writing results; the lines written so far "
-                        "are kept (fix it, then run again with --resume).") from None
+        raise UserError(f"{path}: {reason(exc)} while writing results; the lines written so far are kept (fix it, "
+                        "then run again with --resume).") from None
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
