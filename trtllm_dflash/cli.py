@@ -90,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stream is not None and (args.input or args.output or args.resume):
         raise UserError("--stream prints to the terminal; it does not take --input, --output or --resume.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
-                      args.threads, args.block_size, args.device, args.resume, args.progress)
+                      args.threads, args.block_size, args.device, args.resume, args.progress, args.backend)
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
@@ -144,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from trtllm_dflash.bench.report import bench_command
 
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
-                        args.warmup, args.repeats, args.threads)
+                        args.warmup, args.repeats, args.threads, args.backend)
     bench_command(args.engine_dir, args.dataset, opts, args.report_json, args.plot)
     return 0
 
@@ -153,7 +153,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from trtllm_dflash.runtime.report import compare_and_print
 
     compare_and_print(args.engine_dir, args.input, args.num_prompts, args.max_new_tokens, args.show,
-                      args.repeats, args.threads, args.block_size)
+                      args.repeats, args.threads, args.block_size, args.backend)
     return 0
 
 
@@ -163,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = ServeConfig(engine_dir=str(args.engine_dir.absolute()), mode=args.mode, block_size=args.block_size,
                       max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                      threads=args.threads)
+                      threads=args.threads, backend=args.backend)
     endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
 
     engine = check_launch(cfg, args.launch)
@@ -201,12 +201,19 @@ def _add_serve(sub) -> None:
                    help="when a request has no sampling_param_max_tokens")
     s.add_argument("--seed", type=_seed, default=d.seed, help="when a request has no sampling_param_seed")
     s.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
+    _add_backend(s)
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
     s.add_argument("--host", default=e.host, help="address the endpoints bind to")
     s.add_argument("--http-port", type=_port, default=e.http_port, help="HTTP endpoint")
     s.add_argument("--grpc-port", type=_port, default=e.grpc_port, help="gRPC endpoint")
     s.add_argument("--metrics-port", type=_port, default=e.metrics_port, help="Prometheus metrics endpoint")
     s.set_defaults(func=cmd_serve)
+
+
+def _add_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("torch", "onnxruntime"),
+                   help="executor: torch (any engine) or onnxruntime (engines built with backend: onnxruntime) "
+                        "(default: what the engine was built for)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -255,6 +262,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--plot", type=Path,
                    help="write a PNG: per-user vs total throughput, acceptance per position (default: not written)")
     b.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
+    _add_backend(b)
     b.set_defaults(func=cmd_bench)
 
 
@@ -338,6 +346,7 @@ def parser() -> argparse.ArgumentParser:
                    help="cuda: rank r runs on GPU r %% device_count, collectives over nccl")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress on stderr (default: only when stderr is a terminal)")
+    _add_backend(r)
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("compare", formatter_class=_HelpFormatter,
@@ -353,6 +362,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=_positive_int, default=1, help="timed repetitions (medians)")
     c.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
     c.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
+    _add_backend(c)
     c.set_defaults(func=cmd_compare)
 
     _add_serve(sub)

@@ -16,6 +16,7 @@ from trtllm_dflash.inputs import read_text
 
 DTYPES = ("bfloat16", "float16", "float32")
 Dtype = Literal["bfloat16", "float16", "float32"]
+Backend = Literal["torch", "onnxruntime"]  # the executors; an engine is compiled for one (README "Backends")
 MAX_BATCH_SIZE = 4096  # TensorRT-LLM's largest max_batch_size default is 2048; more KV-cache slots are a typo
 
 
@@ -47,6 +48,7 @@ class BuildConfig(BaseModel):
     calibration_samples: int = Field(64, ge=1, le=100_000)  # calibration prompts used
     calibration_max_tokens: int = Field(256, ge=1, le=1_000_000)  # tokens per calibration prompt
     quantize_drafter: bool = False  # also quantize the drafter's linears (needs quantization nvfp4 | fp8)
+    backend: Backend = "torch"  # what the engine is compiled for
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -5,6 +5,7 @@
       config.json          EngineConfig
       rank{r}.safetensors  target tensors under `target.`, drafter tensors under `drafter.`
       tokenizer/           tokenizer files + chat template
+      onnx/rank{r}/        backend onnxruntime: the ONNX graphs of the DFlash step and their weights
       .trtllm-dflash       the marker of a directory trtllm-dflash wrote (outputs.py): `build --force` replaces
                            only such a directory
       manifest.json        sha256 and size of every file above
@@ -20,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trtllm_dflash.config import Dtype, describe_validation_error
+from trtllm_dflash.config import Backend, Dtype, describe_validation_error
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json, read_text, require_dir
 
@@ -60,10 +61,18 @@ class EngineConfig(BaseModel):
     max_seq_len: int
     eos_token_ids: list[int]
     build: dict  # the build config that produced this engine (for provenance)
+    # What the engine was compiled for, and so what `run` uses by default. The torch weights are always
+    # there (`--backend torch` runs any engine); onnxruntime and tensorrt engines also hold ONNX graphs.
+    backend: Backend = "torch"
 
 
 def rank_file(rank: int) -> str:
     return f"rank{rank}.safetensors"
+
+
+def graph_dir(root: Path, rank: int) -> Path:
+    """Where rank `rank`'s ONNX graphs live (compile/onnx_export.py writes them)."""
+    return Path(root) / "onnx" / f"rank{rank}"
 
 
 def _sha256(path: Path) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtllm_dflash.config import Backend
 from trtllm_dflash.runtime.options import Mode
 
 
@@ -17,3 +18,4 @@ class BenchOptions:
     warmup: int = 2  # requests run through every configuration before timing, not measured
     repeats: int = 3  # timed runs per point; the report gives medians
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    backend: Backend | None = None  # the executor (None: what the engine was compiled for)

@@ -75,7 +75,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     # Duplicates would only repeat points; AR alone needs one engine at any block size.
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
-    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench")
+    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench", backend=opts.backend)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -87,7 +87,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     ar_runs: dict[int, TimedRun] = {}  # concurrency -> first timed AR run, for the losslessness check
     for i, block_size in enumerate(block_sizes):
         if i > 0:
-            engine = Engine.load(engine_dir, block_size=block_size, command="bench")
+            engine = Engine.load(engine_dir, block_size=block_size, command="bench", backend=opts.backend)
         b = engine.executor.block_size
         configs: list[tuple[Mode, int | None]] = []
         if "ar" in opts.modes and i == 0:

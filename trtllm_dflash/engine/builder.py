@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -29,6 +31,7 @@ from trtllm_dflash.engine_dir import (
     DFlashSection,
     EngineConfig,
     Mapping,
+    graph_dir,
     rank_file,
     write_manifest,
 )
@@ -36,6 +39,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.quantized import SCALE_SUFFIXES
 from trtllm_dflash.models.shard import check_tp, shard_tensor, split_for
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
+from trtllm_dflash.parallel.group import SINGLE
 
 
 def quantization_section(quantization: str, target: dict[str, torch.Tensor], drafter: dict[str, torch.Tensor]) -> dict:
@@ -49,6 +53,36 @@ def quantization_section(quantization: str, target: dict[str, torch.Tensor], dra
     return {"quant_algo": QUANT_ALGOS[quantization], "group_size": 16 if quantization == "nvfp4" else None,
             "quantized_modules": modules(TARGET_PREFIX, target) + modules(DRAFTER_PREFIX, drafter),
             "drafter": "quantized" if drafter else "unquantized"}
+
+
+def check_backend(cfg: BuildConfig, source: str) -> None:
+    """What `backend: onnxruntime` can build today (see README "Backends")."""
+    if cfg.backend == "torch":
+        return
+    limits = [("tp_size", cfg.tp_size, 1), ("quantization", cfg.quantization, "none"), ("dtype", cfg.dtype, "float32")]
+    for key, value, supported in limits:
+        if value != supported:
+            raise UserError(f"{source}: backend {cfg.backend} builds {key} {supported} engines for now, not {value}; "
+                            "use backend: torch for this engine.")
+    try:
+        import onnxruntime  # noqa: F401 - the graphs are checked in it after export
+        import onnxscript  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"{source}: backend {cfg.backend} needs the onnx extra: pip install "
+                        f"'trtllm-dflash[onnx]' ({exc}).") from None
+
+
+def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
+    """Export rank `rank`'s graphs from the very torch modules the torch executor builds from ROOT's weights."""
+    from trtllm_dflash.compile.onnx_export import export_engine_graphs
+    from trtllm_dflash.runtime.executor import TorchExecutor
+
+    modules = TorchExecutor.from_engine(root, cfg, rank, SINGLE, "cpu", None)
+    # torch.export's deprecation warnings and its "torchvision is not installed" log line say nothing to a user.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank))
 
 
 @contextmanager
@@ -69,6 +103,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
     source = str(config_file) if config_file is not None else "build config"
     if cfg.quantize_drafter and cfg.quantization == "none":
         raise UserError(f"{source}: quantize_drafter: true needs quantization nvfp4 or fp8 (it is none).")
+    check_backend(cfg, source)
     assert cfg.output is not None
     check_output_dir(cfg.output, "engine", "output directory", force=force,
                      inputs=(cfg.target, cfg.drafter, cfg.calibration, config_file))
@@ -135,7 +170,11 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             max_seq_len=cfg.max_seq_len,
             eos_token_ids=eos,
             build=cfg.model_dump(mode="json"),
+            backend=cfg.backend,
         )
+        if cfg.backend == "onnxruntime":
+            with _stage(report, "exported the ONNX graphs of the target and drafter steps"):
+                export_rank_graphs(tmp, engine_cfg, rank=0)
         (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")
         write_manifest(tmp)
     return cfg.output

@@ -2,6 +2,9 @@
 
 Numerics follow transformers' Llama / Qwen3 modules exactly (RMSNorm in fp32, RoPE tables in fp32,
 neox-style rotate_half), so the equality tests against HF can use tight tolerances.
+
+Under `torch.export` (compile/onnx_export.py) RoPE and attention become ONNX's own RotaryEmbedding and
+Attention nodes (opset 23), which TensorRT maps to its native layers; eager code never takes those branches.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ from torch import nn
 from trtllm_dflash.models.shard import kv_heads, o_proj_columns, padded_vocab, query_heads
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
+
+
+def exporting() -> bool:
+    """True while torch.export traces the models (compile/onnx_export.py, which registers `torch.ops.onnx`).
+
+    The export traces with dynamo (the models' `int(positions.max())` needs it), and dynamo reads
+    torch.onnx.is_in_onnx_export() as False and does not trace the torch.onnx.ops wrappers: hence this test
+    and the registered ops themselves below."""
+    return torch.compiler.is_exporting()
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +53,8 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> cos, sin: [B, T, 1, head_dim] (broadcast over heads)
         freqs = positions.float()[..., None] * self.inv_freq
+        if exporting():  # RotaryEmbedding's half-width tables: [B, T, head_dim / 2]
+            return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.scaling).to(dtype)
         sin = (emb.sin() * self.scaling).to(dtype)
@@ -49,6 +63,8 @@ class Rotary(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, T, heads, head_dim]
+    if exporting():  # cos, sin: [B, T, head_dim / 2]; the op takes [B, heads, T, head_dim]
+        return torch.ops.onnx.RotaryEmbedding.opset23(x.transpose(1, 2), cos, sin).transpose(1, 2)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -146,6 +162,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     q: [B, Tq, heads, hd]; k, v: [B, Tk, kv_heads, hd]; mask: [B, Tq, Tk] bool (True = may attend).
     Returns [B, Tq, heads * hd].
     """
+    if exporting():  # ONNX Attention: grouped KV heads from the shapes, same default scale
+        out = torch.ops.onnx.Attention.opset23(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask[:, None])[0]
+        return out.transpose(1, 2).flatten(2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2],

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trtllm_dflash.config import Backend
+
 Mode = Literal["dflash", "ar"]  # dflash: speculative decoding; ar: plain autoregressive decoding
 # Above this, softmax(logits / T) is uniform to float32 precision: a larger value is a typo, not a choice.
 MAX_TEMPERATURE = 1e6
@@ -24,3 +26,4 @@ class RunOptions:
     device: str = "cpu"  # "cpu" or "cuda" (rank r uses GPU r % device_count)
     resume: bool = False  # keep the output file's finished requests and run only the others
     progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
+    backend: Backend | None = None  # "torch" or "onnxruntime" (None: what the engine was compiled for)

@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from trtllm_dflash.config import Backend
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import require_file
 from trtllm_dflash.runtime.compare import side_by_side
@@ -16,12 +17,13 @@ from trtllm_dflash.runtime.runner import Engine
 
 
 def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_new_tokens: int, show: int,
-                      repeats: int, threads: int | None, block_size: int | None = None) -> None:
+                      repeats: int, threads: int | None, block_size: int | None = None,
+                      backend: Backend | None = None) -> None:
     require_file(input_path, "input file")
     if threads:
         torch.set_num_threads(threads)
     console = Console()
-    engine = Engine.load(engine_dir, block_size=block_size, command="compare")
+    engine = Engine.load(engine_dir, block_size=block_size, command="compare", backend=backend)
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)

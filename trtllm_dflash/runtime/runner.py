@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
+from trtllm_dflash.config import Backend
 from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import decode_lines, loads, require_file
@@ -43,8 +44,9 @@ class Engine:
 
     @classmethod
     def load(cls, root: Path, device: str = "cpu", block_size: int | None = None,
-             world: World | None = None, command: str = "run") -> "Engine":
+             world: World | None = None, command: str = "run", backend: Backend | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained.
+        `backend`: the executor (default: what the engine was compiled for).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -61,7 +63,15 @@ class Engine:
             how = f"mpirun -n {tp} trtllm-dflash run ..." if tp > 1 else "trtllm-dflash run ... (without mpirun)"
             raise UserError(f"{root}: the engine is split for tp_size {tp} but this run has {world.size} "
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
-        executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
+        backend = backend or cfg.backend
+        if backend == "onnxruntime":
+            from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
+
+            if device != "cpu":
+                raise UserError("--backend onnxruntime runs on the CPU for now; use --device cpu or --backend torch.")
+            executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None)
+        else:
+            executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:
@@ -94,7 +104,7 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
             if input_path is not None:
                 require_file(input_path, "input file")
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
-        engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world)
+        engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")

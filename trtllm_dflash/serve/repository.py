@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trtllm_dflash.config import describe_validation_error
+from trtllm_dflash.config import Backend, describe_validation_error
 from trtllm_dflash.engine_dir import EngineConfig
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_text
@@ -68,6 +68,7 @@ class ServeConfig(BaseModel):
     max_new_tokens: int = Field(256, ge=1)  # when a request has no sampling_param_max_tokens
     seed: int = Field(0, ge=0)  # when a request has no sampling_param_seed
     threads: int | None = Field(None, ge=1)  # torch CPU threads (None: torch's default)
+    backend: Backend | None = None  # the executor (None: what the engine was compiled for)
 
 
 def read_serve_config(path: Path) -> ServeConfig:

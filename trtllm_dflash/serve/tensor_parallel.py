@@ -32,7 +32,7 @@ STORE_ENV = "TRTLLM_DFLASH_TP_STORE"  # "host:port:world_size", set for tritonse
 
 
 def _options(cfg: ServeConfig) -> RunOptions:
-    return RunOptions(mode=cfg.mode, block_size=cfg.block_size, threads=cfg.threads)
+    return RunOptions(mode=cfg.mode, block_size=cfg.block_size, threads=cfg.threads, backend=cfg.backend)
 
 
 def check_launch(cfg: ServeConfig, launching: bool) -> EngineConfig:

@@ -146,7 +146,7 @@ class TritonPythonModel:
         if read_engine_config(Path(cfg.engine_dir)).mapping.tp_size > 1:  # rank 0 of `mpirun -n N ... serve`
             engine, stepper, self.world = join_as_rank0(cfg)
         else:
-            engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size, command="serve")
+            engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size, command="serve", backend=cfg.backend)
             stepper = engine.decoder(cfg.mode)
         self.tokenizer = engine.tokenizer
         self.block_size = engine.executor.block_size

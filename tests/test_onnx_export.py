@@ -1,0 +1,230 @@
+"""ONNX graphs of the DFlash step (trtllm_dflash.compile) against the torch executor they were exported from.
+
+Each family's graphs are exported once; onnxruntime (CPU EP) then replays a continuous-batching history on
+its own per-slot caches, bound in place with IOBinding as an executor would bind them (a run of rows of
+[num_slots, kv_heads, max_len, head_dim] buffers), and every result must equal the TorchExecutor's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from tests.conftest import build
+from trtllm_dflash.compile.onnx_export import (
+    DRAFTER_CONTEXT,
+    DRAFTER_DRAFT,
+    TARGET_STEP,
+    WEIGHTS_FILE,
+    cache_names,
+    export_engine_graphs,
+)
+from trtllm_dflash.compile.onnx_ops import tensor_scatter
+from trtllm_dflash.models.quantized import quantize_inputs
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.parallel.group import TPGroup
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.speculative.core import block_input
+
+NUM_SLOTS = 3
+# torch.export's own deprecation warning (torch 2.13)
+pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning")
+
+
+class OrtGraphs:
+    """The exported graphs in onnxruntime with per-slot caches [num_slots, kv_heads, max_len, head_dim] per
+    layer; a call runs the rows r0 .. r0 + batch - 1 (a test helper, not an executor)."""
+
+    def __init__(self, graph_dir: Path, engine: Engine):
+        ex = engine.executor
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.sessions = {name: ort.InferenceSession(str(graph_dir / f"{name}.onnx"), options,
+                                                    providers=["CPUExecutionProvider"])
+                         for name in (TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT)}
+        max_len = ex.target_cache.capacity
+        self.target_cache = [torch.zeros(NUM_SLOTS, kv, max_len, hd) for kv, hd in [_kv_shape(ex.target)]
+                             for _ in range(2 * ex.target.spec.num_layers)]
+        self.draft_cache = [torch.zeros(NUM_SLOTS, kv, max_len, hd) for kv, hd in [_kv_shape(ex.drafter)]
+                            for _ in range(2 * ex.drafter.spec.num_layers)]
+
+    def _run(self, name: str, inputs: dict[str, torch.Tensor], caches: list[torch.Tensor], r0: int,
+             outputs: list[str], write: bool) -> list[torch.Tensor]:
+        io = self.sessions[name].io_binding()
+        for key, value in inputs.items():
+            io.bind_cpu_input(key, value.contiguous().numpy())
+        for key in outputs:
+            io.bind_output(key)
+        batch = next(iter(inputs.values())).shape[0]
+        layers = len(caches) // 2
+        for cache, past, present in zip(caches, cache_names(layers, "past"), cache_names(layers, "present")):
+            rows = cache[r0 : r0 + batch]  # contiguous: axis 0 is outermost
+            args = ("cpu", 0, np.float32, list(rows.shape), rows.data_ptr())
+            io.bind_input(past, *args)
+            if write:  # present_* aliases past_*: the cache is updated in place
+                io.bind_output(present, *args)
+        self.sessions[name].run_with_iobinding(io)
+        return [torch.from_numpy(a) for a in io.copy_outputs_to_cpu()[: len(outputs)]]
+
+    def target(self, token_ids, starts, r0):
+        positions = starts[:, None] + torch.arange(token_ids.shape[1])
+        return self._run(TARGET_STEP, {"token_ids": token_ids, "positions": positions}, self.target_cache, r0,
+                         ["logits", "hidden"], write=True)
+
+    def append_context(self, hidden, starts, r0):
+        positions = starts[:, None] + torch.arange(hidden.shape[1])
+        self._run(DRAFTER_CONTEXT, {"target_hidden": hidden, "positions": positions}, self.draft_cache, r0, [],
+                  write=True)
+
+    def draft(self, block_ids, starts, r0):
+        positions = starts[:, None] + torch.arange(block_ids.shape[1])
+        return self._run(DRAFTER_DRAFT, {"block_ids": block_ids, "positions": positions}, self.draft_cache, r0,
+                         ["draft_tokens"], write=False)[0]
+
+
+def _kv_shape(model) -> tuple[int, int]:
+    attn = (model.model.layers if hasattr(model, "model") else model.layers)[0].self_attn
+    return attn.num_kv_heads, attn.head_dim
+
+
+@pytest.fixture(scope="module")
+def export_family(request, tmp_path_factory):
+    """family -> (engine, graph dir, written files), each family exported once: the tiny random qwen3 pair, or
+    the llama one (llama3 RoPE, tied embeddings)."""
+    done = {}
+
+    def export(family: str):
+        if family not in done:
+            if family == "qwen3":
+                engine_dir = request.getfixturevalue("qwen3_engine_dir")
+            else:
+                engine_dir = build(request.getfixturevalue("llama_pair"), tmp_path_factory.mktemp("llama_engine") / "e")
+            engine = Engine.load(engine_dir)
+            out = tmp_path_factory.mktemp(f"onnx_{family}")
+            files = export_engine_graphs(engine.executor.target, engine.executor.drafter, out)
+            # A fresh executor: its caches start empty, like the onnxruntime ones.
+            done[family] = Engine.load(engine_dir), out, files
+        return done[family]
+
+    return export
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def exported(request, export_family):
+    return export_family(request.param)
+
+
+def test_tensor_scatter_writes_each_row_at_its_index():
+    cache = torch.zeros(2, 1, 5, 1)  # [batch, heads, max_len, head_dim]
+    update = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).view(2, 1, 2, 1)
+    out = tensor_scatter(cache, update, torch.tensor([0, 3]))
+    assert out.flatten(1).tolist() == [[1, 2, 0, 0, 0], [0, 0, 0, 3, 4]]
+    assert cache.abs().sum() == 0  # functional: the input is untouched
+
+
+def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
+    engine, out, files = exported
+    assert [f.name for f in files] == [f"{TARGET_STEP}.onnx", f"{DRAFTER_CONTEXT}.onnx", f"{DRAFTER_DRAFT}.onnx",
+                                       WEIGHTS_FILE]
+    layers, draft_layers = engine.executor.target.spec.num_layers, engine.executor.drafter.spec.num_layers
+    ops = {}
+    for f in files[:3]:
+        onnx.checker.check_model(str(f), full_check=True)
+        ops[f.stem] = Counter(n.op_type for n in onnx.load(str(f), load_external_data=False).graph.node)
+    # ONNX's own attention, RoPE (q and k) and KV-cache write: TensorRT parses each into its native layer
+    # (IAttention, IRotaryEmbeddingLayer, IKVCacheUpdateLayer), so no plugin is needed.
+    assert (ops[TARGET_STEP]["Attention"], ops[TARGET_STEP]["RotaryEmbedding"], ops[TARGET_STEP]["TensorScatter"]) \
+        == (layers, 2 * layers, 2 * layers)
+    # The context pass only writes K/V: no attention.
+    assert (ops[DRAFTER_CONTEXT]["Attention"], ops[DRAFTER_CONTEXT]["RotaryEmbedding"],
+            ops[DRAFTER_CONTEXT]["TensorScatter"]) == (0, draft_layers, 2 * draft_layers)
+    # The draft reads the context cache without writing it, and ends in the greedy ArgMax.
+    assert (ops[DRAFTER_DRAFT]["Attention"], ops[DRAFTER_DRAFT]["RotaryEmbedding"], ops[DRAFTER_DRAFT]["TensorScatter"],
+            ops[DRAFTER_DRAFT]["ArgMax"]) == (draft_layers, 2 * draft_layers, 0, 1)
+    # Embedding and lm_head are in both target_step and drafter_draft, stored once in the shared file.
+    external = {f.stem: {t.name: {e.key: e.value for e in t.external_data}
+                         for t in onnx.load(str(f), load_external_data=False).graph.initializer if t.external_data}
+                for f in files[:3]}
+    embed = "target.model.embed_tokens.weight"
+    assert external[DRAFTER_DRAFT][embed] == external[TARGET_STEP][embed]
+    assert {e["location"] for graph in external.values() for e in graph.values()} == {WEIGHTS_FILE}
+    stored = sum(int(e["length"]) for graph in external.values() for e in graph.values())
+    assert (out / WEIGHTS_FILE).stat().st_size < stored
+
+
+def test_onnxruntime_equals_the_torch_executor(exported):
+    """Prefill (two prompt lengths, then a third request alone in row 2), verify of an 8-token block over all
+    rows, AR steps over rows 1..2 on the caches written so far; drafter context appends and drafts in between."""
+    engine, out, _ = exported
+    ex = engine.executor
+    graphs = OrtGraphs(out, engine)
+    g = torch.Generator().manual_seed(0)
+    vocab, block_size, mask_id = ex.vocab_size, ex.block_size, ex.drafter.params.mask_token_id
+
+    def target(token_ids, starts, r0):
+        ref = ex.target_forward(token_ids, starts, torch.arange(r0, r0 + len(starts)), capture=True)
+        logits, hidden = graphs.target(token_ids, starts, r0)
+        torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
+        assert torch.equal(logits.argmax(-1), ref.logits.argmax(-1))
+        torch.testing.assert_close(hidden, ref.hidden, atol=1e-4, rtol=0)
+        return ref
+
+    def context_and_draft(hidden, starts, r0, draft_starts):
+        slots = torch.arange(r0, r0 + len(starts))
+        ex.append_context(hidden, starts, slots)
+        graphs.append_context(hidden, starts, r0)
+        anchors = torch.randint(0, vocab, (len(starts),), generator=g)
+        assert torch.equal(graphs.draft(block_input(anchors, mask_id, block_size), draft_starts, r0),
+                           ex.draft(anchors, draft_starts, slots))
+        # A shorter run-time block (one draft token): TorchExecutor.draft's code with block_size 2.
+        short = block_input(anchors, mask_id, 2)
+        positions = draft_starts[:, None] + torch.arange(2)
+        hidden = ex.drafter(ex.target.embed(short), positions, draft_starts, slots, ex.draft_cache)
+        assert torch.equal(graphs.draft(short, draft_starts, r0), ex.target.logits(hidden[:, 1:]).argmax(-1))
+
+    lengths = torch.tensor([11, 6])  # rows 0, 1: a padded batch, as Decoder._prefill builds it
+    prompts = torch.randint(0, vocab, (2, 11), generator=g)
+    ref = target(prompts, torch.zeros(2, dtype=torch.long), r0=0)
+    context_and_draft(ref.hidden, torch.zeros(2, dtype=torch.long), 0, draft_starts=lengths)
+    ref = target(torch.randint(0, vocab, (1, 4), generator=g), torch.zeros(1, dtype=torch.long), r0=2)
+    context_and_draft(ref.hidden, torch.zeros(1, dtype=torch.long), 2, draft_starts=torch.tensor([4]))
+
+    starts = torch.tensor([11, 6, 4])  # verify one block per row, then commit 3 of its positions
+    ref = target(torch.randint(0, vocab, (3, block_size), generator=g), starts, r0=0)
+    context_and_draft(ref.hidden[:, :3], starts, 0, draft_starts=starts + 3)
+    starts = torch.tensor([9, 7])  # rows 1, 2: AR steps on top of the caches
+    for _ in range(3):
+        target(torch.randint(0, vocab, (2, 1), generator=g), starts, r0=1)
+        starts = starts + 1
+
+    # The caches themselves: TorchExecutor's [layers, slots, max_len, kv_heads, hd], ours [slots, kv, max_len, hd]
+    for i in range(ex.target.spec.num_layers):
+        for ours, theirs in ((graphs.target_cache[2 * i], ex.target_cache.k[i]),
+                             (graphs.target_cache[2 * i + 1], ex.target_cache.v[i])):
+            torch.testing.assert_close(ours, theirs[:NUM_SLOTS].transpose(1, 2), atol=1e-5, rtol=0)
+    for i in range(ex.drafter.spec.num_layers):
+        torch.testing.assert_close(graphs.draft_cache[2 * i], ex.draft_cache.k[i, :NUM_SLOTS].transpose(1, 2),
+                                   atol=1e-5, rtol=0)
+
+
+def test_export_is_deterministic(export_family, tmp_path):
+    engine, _, files = export_family("qwen3")
+    again = export_engine_graphs(engine.executor.target, engine.executor.drafter, tmp_path)
+    assert [f.read_bytes() for f in again] == [f.read_bytes() for f in files]
+
+
+def test_refuses_what_it_cannot_export(qwen3_engine_dir, tmp_path):
+    ex = Engine.load(qwen3_engine_dir).executor
+    quantize_inputs(ex.drafter, {"layers.0.mlp.down_proj": ("fp8", torch.tensor(1.0))})
+    with pytest.raises(ValueError, match=r"drafter\.layers\.0\.mlp\.down_proj: quantized"):
+        export_engine_graphs(ex.target, ex.drafter, tmp_path)
+    with torch.device("meta"):
+        rank0_of_2 = TargetModel(ex.target.spec, TPGroup(rank=0, size=2))
+    with pytest.raises(ValueError, match="rank 0 of tp 2"):
+        export_engine_graphs(rank0_of_2, None, tmp_path)

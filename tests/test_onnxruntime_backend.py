@@ -1,0 +1,124 @@
+"""`backend: onnxruntime`: engines with ONNX graphs, run by the onnxruntime executor, give exactly the torch
+executor's tokens (greedy and sampled, dflash and ar, requests joining mid-run); and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.config import BuildConfig
+from trtllm_dflash.engine.builder import build_engine
+from trtllm_dflash.engine_dir import graph_dir
+from trtllm_dflash.runtime.decoding import Request
+from trtllm_dflash.runtime.runner import Engine
+
+pytest.importorskip("onnxruntime")
+
+
+def build(pair, out, **fields):
+    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=out, dtype="float32",
+                      max_batch_size=4, max_seq_len=256, backend="onnxruntime").model_copy(update=fields)
+    return build_engine(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def ort_engines(tmp_path_factory):
+    """family -> an onnxruntime engine of that random pair, built once (an export takes ~20 s)."""
+    return {}
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def ort_engine(request, ort_engines, tmp_path_factory):
+    return _ort_engine(request, ort_engines, tmp_path_factory, request.param)
+
+
+@pytest.fixture
+def qwen3_ort_engine(request, ort_engines, tmp_path_factory):
+    return _ort_engine(request, ort_engines, tmp_path_factory, "qwen3")
+
+
+def _ort_engine(request, cache, tmp_path_factory, family):
+    if family not in cache:
+        pair = request.getfixturevalue(f"{family}_pair")
+        cache[family] = build(pair, tmp_path_factory.mktemp(f"ort_{family}") / "engine")
+    return cache[family]
+
+
+def requests(vocab: int) -> list[Request]:
+    """7 requests for 4 slots (so some join mid-run), prompts of 3..19 tokens, greedy and sampled."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(7):
+        length = int(torch.randint(3, 20, (1,), generator=g))
+        prompt = torch.randint(4, vocab, (length,), generator=g).tolist()
+        out.append(Request(id=i, prompt_token_ids=prompt, max_new_tokens=8 + 5 * i,
+                           temperature=0.0 if i % 2 == 0 else 0.8, seed=1000 + i))
+    return out
+
+
+def test_graphs_are_in_the_engine_and_its_manifest(ort_engine):
+    manifest = json.loads((ort_engine / "manifest.json").read_text())["files"]
+    for name in ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx"):
+        assert (graph_dir(ort_engine, 0) / name).is_file()
+        assert f"onnx/rank0/{name}" in manifest
+    assert json.loads((ort_engine / "config.json").read_text())["backend"] == "onnxruntime"
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_same_tokens_as_the_torch_executor(ort_engine, mode):
+    torch_engine = Engine.load(ort_engine, backend="torch")
+    ort = Engine.load(ort_engine)  # the engine's own backend
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    reqs = requests(torch_engine.executor.vocab_size)
+    expected = {r.request.id: r.output_token_ids for r in torch_engine.decoder(mode).generate(reqs)}
+    got = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in ort.decoder(mode).generate(reqs)}
+    assert {k: v[0] for k, v in got.items()} == expected
+    if mode == "dflash":  # the drafter graph drafts what the torch drafter drafts: same acceptance
+        ref = {r.request.id: r.acceptance_lengths for r in torch_engine.decoder(mode).generate(reqs)}
+        assert {k: v[1] for k, v in got.items()} == ref
+
+
+def test_cli_run_backends_agree(ort_engine, tmp_path, capsys):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [5 + i, 6, 7, 8], "temperature": 0.5 * (i % 2)})
+                               + "\n" for i in range(5)))
+    texts = {}
+    for backend in ("torch", "onnxruntime"):
+        out = tmp_path / f"{backend}.jsonl"
+        assert main(["run", str(ort_engine), "--input", str(prompts), "--output", str(out), "--max-new-tokens", "12",
+                     "--backend", backend]) == 0
+        texts[backend] = sorted((r["id"], r["output_token_ids"]) for r in map(json.loads, out.read_text().splitlines()))
+    assert texts["torch"] == texts["onnxruntime"]
+
+
+def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, capsys):
+    def refused(argv, *words):
+        assert main(argv) == EXIT_USER_ERROR
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+        for w in words:
+            assert w in err, (w, err)
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    run = ["run", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--backend", "onnxruntime"]
+    refused([run[0], str(qwen3_engine_dir), *run[1:]], "the engine has no ONNX graphs", "backend: onnxruntime")
+    refused([run[0], str(qwen3_ort_engine), *run[1:], "--device", "cuda"], "--device cuda")
+    assert not (tmp_path / "o.jsonl").exists()
+    # What the onnxruntime backend cannot build yet is refused before any work.
+    for key, value in (("tp_size", 2), ("dtype", "bfloat16"), ("quantization", "fp8")):
+        config = tmp_path / f"{key}.yaml"
+        config.write_text(f"target: {qwen3_pair / 'target'}\ndrafter: {qwen3_pair / 'drafter'}\n"
+                          f"output: {tmp_path / key}\nbackend: onnxruntime\n{key}: {value}\n")
+        refused(["build", str(config)], f"backend onnxruntime builds {key}", f"not {value}")
+        assert not (tmp_path / key).exists()
+    # A damaged graph is found by the manifest before onnxruntime reads it.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(qwen3_ort_engine, damaged)
+    graph = graph_dir(damaged, 0) / "drafter_draft.onnx"
+    graph.write_bytes(graph.read_bytes()[:-1] + b"\x00")
+    refused([run[0], str(damaged), *run[1:]], "drafter_draft.onnx: engine file does not match manifest.json")

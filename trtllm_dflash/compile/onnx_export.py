@@ -1,0 +1,299 @@
+"""ONNX graphs of one DFlash step (one rank, tp 1), exported from the torch modules themselves.
+
+`export_engine_graphs(target, drafter, out_dir)` traces TargetModel.forward, DFlashDrafter.append_context
+and DFlashDrafter.forward with their caches replaced by graph inputs (onnx_ops.GraphKVCache), and writes
+
+    target_step.onnx      prefill, verify and AR: one target pass
+    drafter_context.onnx  the drafter's context K/V of committed positions (DFlashDrafter.append_context)
+    drafter_draft.onnx    one block draft -> greedy draft tokens (DFlashDrafter.forward + target lm_head)
+    weights.onnx.data     the initializers of all three, each stored once (4 KiB aligned)
+
+RoPE, attention and the cache writes are ONNX's own RotaryEmbedding (23), Attention (23) and TensorScatter
+(24), the ops TensorRT parses into its native rotary, attention and KV-cache-update layers (COMPILED.md §2);
+the rest is plain MatMul / elementwise ops. The dimensions batch, seq, ctx, block and max_len are
+dynamic; kv_heads, head_dim, vocab and hidden are the model's.
+
+## I/O contract (dtype = the modules' dtype, float32 or bfloat16; L = layers of that model)
+
+target_step.onnx
+    in   token_ids    int64  [batch, seq]
+         positions    int64  [batch, seq]     start_b + arange(seq), start_b + seq <= max_len
+         past_key_i   dtype  [batch, kv_heads, max_len, head_dim]   i = 0 .. L-1, each followed by
+         past_value_i dtype  [batch, kv_heads, max_len, head_dim]   (inputs: past_key_0, past_value_0, ...)
+    out  logits       float32 [batch, seq, vocab]
+         hidden       dtype  [batch, seq, n_feat * hidden]   outputs of the drafter's target_layer_ids
+                             (TargetOutput.hidden; only when exported with a drafter)
+         present_key_i, present_value_i   same shapes as past_*: past with positions start_b .. start_b+seq-1
+                             of row b overwritten
+drafter_context.onnx
+    in   target_hidden dtype [batch, ctx, n_feat * hidden]   captured features (target_step's hidden)
+         positions    int64  [batch, ctx]     start_b + arange(ctx)
+         past_key_i, past_value_i    the drafter's caches, i = 0 .. drafter layers - 1
+    out  present_key_i, present_value_i
+drafter_draft.onnx
+    in   block_ids    int64  [batch, block]   [anchor, MASK, ...] (speculative.core.block_input), block >= 2
+         positions    int64  [batch, block]   start_b + arange(block); the context is positions < start_b
+         past_key_i, past_value_i    the drafter's caches (read only: no outputs)
+    out  draft_tokens int64  [batch, block - 1]   argmax of the target's lm_head on the drafter's hidden states
+
+Cache invariant (as TorchExecutor's): row b's positions < start_b hold its request's K/V; positions at or
+after start_b are masked and overwritten before they become visible, so rejected drafts need no clean-up.
+
+## Binding the caches (what an executor does)
+The executor owns, per layer, one buffer [num_slots, kv_heads, max_len, head_dim] for K and one for V, of
+the target and of the drafter. A step over slots r0 .. r0+batch-1 binds `past_key_i` AND `present_key_i`
+to the same memory: the buffer's rows r0 .. r0+batch-1, a contiguous block (axis 0 is outermost), at
+`data_ptr + r0 * row_bytes` (onnxruntime: `IOBinding.bind_input` / `bind_output` with that pointer and shape
+[batch, ...]). onnxruntime then writes the new positions in place and copies nothing else (measured below:
+the step time does not depend on max_len). Row b of token_ids / positions is slot r0 + b.
+
+## Batches that are a subset of the slots (continuous batching)
+TensorScatter's batch axis is the cache's axis 0, so a step's rows are a run of cache rows. Options tried
+for running `batch` active requests of an 8-slot engine (onnxruntime 1.32 CPU EP, one thread, the demo
+model: 6 layers, hidden 256, vocab 4096; max_len 2064, context start 512; median ms per target_step):
+
+    option                                              T=1 B=1  T=1 B=8  T=16 B=1  T=16 B=8
+    bind the run of rows in place (chosen)                 1.28     5.06      3.69     23.68
+      the same run starting at row 7 of 8                  1.42        -      3.63         -
+    run all 8 slots whatever the active count          = the B=8 column: 5.06 and 23.68
+    copy the rows to a staging cache and back
+      (index_select / index_copy_ around the call)         3.82    24.22      5.87     40.04
+    slots [B] input, full [8, ...] caches, written with
+      ScatterND and read with GatherND in the graph       30.06    34.87     25.55     55.06
+    torch eager (TorchExecutor.target_forward)            10.66    13.05      9.24     34.77
+
+The bound step does not depend on max_len (600 / 2064 / 8256: 1.24 / 1.32 / 1.19 ms at T=1 B=1): the
+cache write is in place. It grows with the attended length (start 64 / 512 / 2000: 0.92 / 1.32 / 2.39 ms
+at B=1, 4.7 / 13.8 ms at B=8 for 512 / 2000), as the graph reads positions < max(positions) + 1 only.
+The drafter, same conditions: drafter_context 0.16 / 1.07 ms for 16 positions at B=1 / 8 (torch 0.53 /
+1.58); drafter_draft 2.08 / 15.3 ms for a block of 16 (torch TorchExecutor.draft 5.59 / 26.4).
+
+Chosen: bind the run of rows. The executor keeps its requests in physical rows 0 .. n-1 (its own map
+from the Decoder's slot numbers), sorts each batch by row and puts the outputs back in the batch's order;
+when a request ends it moves the request of the last row into the freed row (one copy of one slot's
+caches per finished request, instead of two per step). New requests take the rows after the running ones,
+so a prefill batch is a run too. A batch with a gap (a request that finished at its own prefill, released
+after the step) runs the covering run with the gap as a padding row: any token ids at positions
+0 .. T-1; that row is free and nothing in it is read later.
+
+## Embedding and lm_head in the drafter graph
+drafter_draft includes the target's embedding (Gather of block_ids) and lm_head + ArgMax, so a draft is one
+call that returns int64 tokens instead of [batch, block-1, vocab] logits. The tensors are stored once on
+disk: all graphs share weights.onnx.data and identical initializers (by content) point at the same bytes.
+Each onnxruntime session still loads its own copy into memory.
+
+## Export mechanics and limits
+The models compute `int(positions.max())` (the attended length), which only dynamo's strict tracing
+captures (as a data-dependent size); under dynamo `torch.onnx.is_in_onnx_export()` reads False and the
+`torch.onnx.ops` wrappers are skipped, so models/layers.py keys its ONNX branches on
+`torch.compiler.is_exporting()` and calls the ops `torch.ops.onnx.*` themselves. TensorScatter, which
+torch.onnx.ops lacks, is a custom op with an onnxscript translation (onnx_ops.py). Exporting twice gives
+byte-identical files (node stack traces, which hold file paths, are dropped).
+Not covered: quantized linears and tp > 1 (refused with a ValueError); logits come for every column
+(no `last_index`: a prefill pays lm_head for the whole prompt); bfloat16 graphs export and pass the
+checker, but onnxruntime's CPU EP has no bfloat16 MatMul / Mul kernels (they are for TensorRT / GPU EPs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+import torch._dynamo
+import torch.onnx.ops  # noqa: F401  (registers torch.ops.onnx.*, used by models/layers.py under export)
+from torch import nn
+from torch.export import Dim
+
+from trtllm_dflash.compile.onnx_ops import TRANSLATIONS, GraphKVCache
+from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.quantized import QuantizedInput
+from trtllm_dflash.models.target import TargetModel
+
+OPSET = 24  # TensorScatter; Attention and RotaryEmbedding are opset 23
+WEIGHTS_FILE = "weights.onnx.data"
+TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT = "target_step", "drafter_context", "drafter_draft"
+_EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
+_ALIGN = 4096  # external tensors start on page boundaries, so a runtime can map them
+
+
+def cache_names(num_layers: int, kind: str) -> list[str]:
+    """Graph names of the caches in binding order: past_key_0, past_value_0, past_key_1, ... (kind past|present)."""
+    return [f"{kind}_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+class TargetStep(nn.Module):
+    """target_step.onnx: TargetModel.forward over the bound cache rows."""
+
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]):
+        super().__init__()
+        self.target, self.capture_layers = target, capture_layers
+
+    def forward(self, token_ids, positions, past: list[torch.Tensor]):
+        cache = GraphKVCache(past)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers)
+        hidden = (out.hidden,) if self.capture_layers else ()
+        return (out.logits, *hidden, *cache.present())
+
+
+class DrafterContext(nn.Module):
+    """drafter_context.onnx: DFlashDrafter.append_context over the bound cache rows."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, target_hidden, positions, past: list[torch.Tensor]):
+        cache = GraphKVCache(past)
+        rows = torch.arange(target_hidden.shape[0], device=target_hidden.device)
+        self.drafter.append_context(target_hidden, positions, rows, cache)
+        return tuple(cache.present())
+
+
+class DrafterDraft(nn.Module):
+    """drafter_draft.onnx: TorchExecutor.draft's drafter pass + greedy tokens, for given block ids."""
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter):
+        super().__init__()
+        self.target, self.drafter = target, drafter  # `target` as in TargetStep: the embedding keeps its name
+
+    def forward(self, block_ids, positions, past: list[torch.Tensor]):
+        cache = GraphKVCache(past)
+        rows = torch.arange(block_ids.shape[0], device=block_ids.device)
+        hidden = self.drafter(self.target.embed(block_ids), positions, positions[:, 0], rows, cache)
+        # lm_head over the whole block, then drop row 0: any op on the [B, block - 1, ...] slice makes
+        # torch.export assume block - 1 != 1, and block 2 (one draft token) is a valid run-time block size.
+        return self.target.logits(hidden).argmax(dim=-1)[:, 1:]
+
+
+@dataclass(frozen=True)
+class _Graph:
+    name: str
+    module: nn.Module
+    args: tuple  # sample inputs: shapes only matter, every dimension below is dynamic
+    dynamic_shapes: tuple
+    input_names: list[str]
+    output_names: list[str]
+    axis_names: dict[tuple[str, int], str]  # (input name, axis) -> ONNX dimension name
+
+
+def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, max_len: int):
+    return [torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype) for _ in range(2 * num_layers)]
+
+
+def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
+    """The graphs to export, with their sample inputs and dynamic dimensions."""
+    batch, max_len = Dim("batch", min=1), Dim("max_len", min=2)
+    b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
+    cache_axes = {0: batch, 2: max_len}
+
+    def names(layers: int) -> dict[tuple[str, int], str]:
+        return {(c, a): d for c in cache_names(layers, "past") for a, d in ((0, "batch"), (2, "max_len"))}
+
+    t_attn = target.model.layers[0].self_attn
+    t_past = _caches(target.spec.num_layers, t_attn.num_kv_heads, t_attn.head_dim, target.lm_head.weight.dtype, b, n)
+    capture = drafter.params.target_layer_ids if drafter is not None else ()
+    seq = Dim("seq", min=1)
+    graphs = [_Graph(
+        TARGET_STEP, TargetStep(target, capture),
+        (torch.zeros(b, 5, dtype=torch.long), torch.arange(5).expand(b, 5).contiguous(), t_past),
+        ({0: batch, 1: seq}, {0: batch, 1: seq}, [cache_axes] * len(t_past)),
+        ["token_ids", "positions", *cache_names(target.spec.num_layers, "past")],
+        ["logits", *(["hidden"] if capture else []), *cache_names(target.spec.num_layers, "present")],
+        {("token_ids", 0): "batch", ("token_ids", 1): "seq", **names(target.spec.num_layers)},
+    )]
+    if drafter is None:
+        return graphs
+
+    d_layers, d_attn = drafter.spec.num_layers, drafter.layers[0].self_attn
+    d_past = _caches(d_layers, d_attn.num_kv_heads, d_attn.head_dim, drafter.norm.weight.dtype, b, n)
+    features = len(drafter.params.target_layer_ids) * target.spec.hidden_size
+    ctx, block = Dim("ctx", min=1), Dim("block", min=2)
+    graphs.append(_Graph(
+        DRAFTER_CONTEXT, DrafterContext(drafter),
+        (torch.zeros(b, 6, features, dtype=drafter.norm.weight.dtype), torch.arange(6).expand(b, 6).contiguous(),
+         d_past),
+        ({0: batch, 1: ctx}, {0: batch, 1: ctx}, [cache_axes] * len(d_past)),
+        ["target_hidden", "positions", *cache_names(d_layers, "past")],
+        cache_names(d_layers, "present"),
+        {("target_hidden", 0): "batch", ("target_hidden", 1): "ctx", **names(d_layers)},
+    ))
+    starts = torch.tensor([4, 6, 9])
+    graphs.append(_Graph(
+        DRAFTER_DRAFT, DrafterDraft(target, drafter),
+        (torch.zeros(b, 7, dtype=torch.long), starts[:, None] + torch.arange(7), d_past),
+        ({0: batch, 1: block}, {0: batch, 1: block}, [cache_axes] * len(d_past)),
+        ["block_ids", "positions", *cache_names(d_layers, "past")],
+        ["draft_tokens"],
+        {("block_ids", 0): "batch", ("block_ids", 1): "block", **names(d_layers)},
+    ))
+    return graphs
+
+
+def _check_exportable(model: nn.Module, what: str) -> None:
+    for name, module in model.named_modules():
+        tp = getattr(module, "tp", None)
+        if tp is not None and tp.size != 1:
+            raise ValueError(f"{what}: the ONNX export is for tp 1; this module is rank {tp.rank} of tp {tp.size}")
+        if isinstance(module, QuantizedInput):
+            raise ValueError(f"{what}.{name}: quantized linears (NVFP4 / FP8 emulation) are not exported yet")
+
+
+def _to_onnx(graph: _Graph) -> ir.Model:
+    # Strict (dynamo) tracing turns the models' int(positions.max()) into a data-dependent size.
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        program = torch.export.export(graph.module, graph.args, dynamic_shapes=graph.dynamic_shapes, strict=True)
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, opset_version=OPSET, custom_translation_table=TRANSLATIONS,
+        input_names=graph.input_names, output_names=graph.output_names, optimize=True, verbose=False,
+    )
+    inputs = {v.name: v for v in onnx_program.model.graph.inputs}
+    onnx_program.rename_axes({inputs[name].shape[axis]: dim for (name, axis), dim in graph.axis_names.items()})
+    model = onnx_program.model
+    model.producer_name, model.producer_version = "trtllm-dflash", None
+    for node in model.graph:  # keep the module path of each node, drop the tracer's stack traces (file paths)
+        for key in [k for k in node.metadata_props if k != "namespace"]:
+            del node.metadata_props[key]
+    model.graph.name = graph.name
+    return model
+
+
+def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Path]:
+    """Write `<name>.onnx` for each model and one WEIGHTS_FILE with each distinct initializer once."""
+    offsets: dict[bytes, int] = {}  # sha256 of the bytes -> offset in WEIGHTS_FILE
+    paths = []
+    with open(out_dir / WEIGHTS_FILE, "wb") as data:
+        for name, model in models.items():
+            for value in model.graph.initializers.values():
+                tensor = value.const_value
+                if tensor.nbytes < _EXTERNAL_MIN_BYTES:
+                    continue
+                raw = tensor.tobytes()
+                key = hashlib.sha256(raw).digest()
+                if key not in offsets:
+                    data.write(b"\0" * (-data.tell() % _ALIGN))
+                    offsets[key] = data.tell()
+                    data.write(raw)
+                value.const_value = ir.ExternalTensor(WEIGHTS_FILE, offsets[key], len(raw), tensor.dtype,
+                                                      shape=tensor.shape, name=value.name, base_dir=out_dir)
+            paths.append(out_dir / f"{name}.onnx")
+            ir.save(model, paths[-1])
+    return [*paths, out_dir / WEIGHTS_FILE]
+
+
+def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path) -> list[Path]:
+    """Export target_step (and, with a drafter, drafter_context and drafter_draft) into `out_dir`.
+
+    Returns the written files: the .onnx graphs, then their shared external data. Without a drafter,
+    target_step has no `hidden` output (plain autoregressive engines).
+    """
+    _check_exportable(target, "target")
+    if drafter is not None:
+        _check_exportable(drafter, "drafter")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = {g.name: _to_onnx(g) for g in _graphs(target, drafter)}
+    return _save_sharing_weights(models, out_dir)
