@@ -28,6 +28,7 @@ from trtllm_dflash.inputs import read_json, read_text, require_dir
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer"
+GRAPHS = "onnx"  # folder of the ONNX graphs, one subfolder per rank
 TARGET_PREFIX, DRAFTER_PREFIX = "target.", "drafter."
 
 
@@ -72,7 +73,7 @@ def rank_file(rank: int) -> str:
 
 def graph_dir(root: Path, rank: int) -> Path:
     """Where rank `rank`'s ONNX graphs live (compile/onnx_export.py writes them)."""
-    return Path(root) / "onnx" / f"rank{rank}"
+    return Path(root) / GRAPHS / f"rank{rank}"
 
 
 def _sha256(path: Path) -> str:

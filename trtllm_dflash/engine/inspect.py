@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 
-from trtllm_dflash.engine_dir import DRAFTER_PREFIX, MANIFEST, TARGET_PREFIX, open_engine, rank_file
+from trtllm_dflash.engine_dir import DRAFTER_PREFIX, GRAPHS, MANIFEST, TARGET_PREFIX, open_engine, rank_file
 
 
 def _count(shape: list[int]) -> int:
@@ -47,6 +47,9 @@ def inspect_engine(root: Path, console: Console | None = None) -> dict:
     console.print(f"dtype {cfg.dtype}, quantization {cfg.quantization.get('quant_algo') or 'none'}, "
                   f"tp_size {cfg.mapping.tp_size}, max_batch_size {cfg.max_batch_size}, max_seq_len {cfg.max_seq_len}, "
                   f"eos_token_ids {cfg.eos_token_ids}")
+    graphs = sorted((rel, meta["size"]) for rel, meta in manifest.items() if rel.startswith(GRAPHS + "/"))
+    console.print(f"backend  {cfg.backend}" + ("" if not graphs else ": " + ", ".join(
+        f"{rel} ({size:,} bytes)" for rel, size in graphs)))
     table = Table()
     for col in ("rank", "file bytes", "target tensors", "target parameters", "drafter tensors", "drafter parameters"):
         table.add_column(col, justify="right")
@@ -55,4 +58,5 @@ def inspect_engine(root: Path, console: Console | None = None) -> dict:
                       str(r["drafter"]["tensors"]), f"{r['drafter']['parameters']:,}")
     console.print(table)
     console.print(f"integrity: all {len(manifest)} files match {MANIFEST}")
-    return {"config": cfg.model_dump(mode="json"), "ranks": per_rank, "files": len(manifest)}
+    return {"config": cfg.model_dump(mode="json"), "ranks": per_rank, "files": len(manifest),
+            "graphs": [rel for rel, _ in graphs]}

@@ -69,7 +69,11 @@ class _Caches:
             buf[dst].copy_(buf[src])
 
 
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16}
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+
+
+def _bind_output(binding, name: str, tensor: torch.Tensor) -> None:
+    binding.bind_output(name, "cpu", 0, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
 
 
 class OnnxRuntimeExecutor:
@@ -85,10 +89,15 @@ class OnnxRuntimeExecutor:
         self.num_slots, self.vocab_size, self.max_seq_len = cfg.max_batch_size, target.vocab_size, cfg.max_seq_len
         self.block_size = block_size or params.block_size
         self.mask_token_id = params.mask_token_id
+        self._dtype = dtype
+        self._hidden_features = len(params.target_layer_ids) * target.hidden_size
         max_len = cfg.max_seq_len + params.block_size  # as the torch executor: a verify writes a block past the end
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
+        # onnxruntime's threads spin after each run by default, and torch's threads (which sample and index the
+        # outputs right after) then fight them for the cores: 2-3 ms lost per step on a 2-core machine.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # CPU only for now: the caches are CPU tensors bound in place (a CUDA execution provider would need
         # them on the device, which nothing here can test).
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options, providers=["CPUExecutionProvider"])
@@ -122,11 +131,13 @@ class OnnxRuntimeExecutor:
         binding = self._session("target_step.onnx").io_binding()
         binding.bind_cpu_input("token_ids", ids)
         binding.bind_cpu_input("positions", positions)
-        binding.bind_output("logits")  # outputs come back in the order they are bound: these two first
-        binding.bind_output("hidden")
+        # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
+        logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32)
+        hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype)
+        _bind_output(binding, "logits", logits)
+        _bind_output(binding, "hidden", hidden)
         self._target.bind(binding, run.first, run.rows, outputs=True)
         self._session("target_step.onnx").run_with_iobinding(binding)
-        logits, hidden = (torch.from_numpy(o.numpy()) for o in binding.get_outputs()[:2])
         logits, hidden = logits[run.batch_rows], hidden[run.batch_rows]
         if last_index is not None:
             logits = logits[torch.arange(logits.shape[0]), last_index][:, None]
@@ -141,9 +152,10 @@ class OnnxRuntimeExecutor:
         binding.bind_cpu_input("block_ids", run.spread(block, self.mask_token_id))
         binding.bind_cpu_input("positions", run.spread(positions, torch.arange(self.block_size)))
         self._drafter.bind(binding, run.first, run.rows, outputs=False)
-        binding.bind_output("draft_tokens")
+        drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64)
+        _bind_output(binding, "draft_tokens", drafts)
         self._session("drafter_draft.onnx").run_with_iobinding(binding)
-        return torch.from_numpy(binding.get_outputs()[0].numpy())[run.batch_rows]
+        return drafts[run.batch_rows]
 
     def append_context(self, hidden, starts, slots) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
