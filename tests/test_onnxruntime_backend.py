@@ -95,6 +95,13 @@ def test_cli_run_backends_agree(ort_engine, tmp_path, capsys):
                      "--backend", backend]) == 0
         texts[backend] = sorted((r["id"], r["output_token_ids"]) for r in map(json.loads, out.read_text().splitlines()))
     assert texts["torch"] == texts["onnxruntime"]
+    # Streaming: the same text through either executor.
+    streamed = {}
+    for backend in ("torch", "onnxruntime"):
+        capsys.readouterr()
+        assert main(["run", str(ort_engine), "--stream", "def f(x):", "--max-new-tokens", "12", "--backend", backend]) == 0
+        streamed[backend] = capsys.readouterr().out
+    assert streamed["torch"] == streamed["onnxruntime"] and streamed["torch"].strip()
 
 
 def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, capsys):
