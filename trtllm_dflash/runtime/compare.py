@@ -81,9 +81,9 @@ def step_costs(engine: Engine, context_len: int, repeats: int = 25) -> StepCosts
     """Median times of the three passes at one context length, batch size 1."""
     ex = engine.executor
     block = ex.block_size
-    slots, starts = torch.tensor([0]), torch.tensor([context_len])
+    slots, starts = torch.tensor([0], device=ex.device), torch.tensor([context_len], device=ex.device)
     ids = torch.randint(4, ex.vocab_size, (1, context_len + block), generator=torch.Generator().manual_seed(0))
-    zero = torch.tensor([0])
+    ids, zero = ids.to(ex.device), torch.tensor([0], device=ex.device)
     ex.append_context(ex.target_forward(ids[:, :context_len], zero, slots, capture=True).hidden, zero, slots)
 
     def median(fn) -> float:

@@ -90,7 +90,8 @@ class TorchExecutor:
         drafter_state, drafter_inputs = dequantize_state_dict(split[DRAFTER_PREFIX], dtype)
         drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, tp)
         quantize_inputs(drafter, drafter_inputs)
-        return cls(target, drafter, cfg.max_batch_size, cfg.max_seq_len, block_size)
+        # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
+        return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
                  block_size: int | None = None):
