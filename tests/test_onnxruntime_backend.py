@@ -125,6 +125,15 @@ def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, ca
                           f"output: {tmp_path / key}\nbackend: onnxruntime\n{key}: {value}\n")
         refused(["build", str(config)], f"backend onnxruntime builds {key}", f"not {value}")
         assert not (tmp_path / key).exists()
+    # TensorRT: plans are made by `compile` on the GPU machine; this one has neither TensorRT nor a GPU.
+    before = sorted(p.name for p in qwen3_ort_engine.rglob("*"))
+    refused(["compile", str(qwen3_engine_dir)], "the engine has no ONNX graphs to compile")
+    refused(["compile", str(qwen3_ort_engine)], "compile needs TensorRT")
+    refused(["compile", str(qwen3_ort_engine), "--plugin-library", str(tmp_path / "nope.so")], "--plugin-library",
+            "no such file")
+    refused([run[0], str(qwen3_ort_engine), *run[1:-1], "tensorrt"], "the engine has no TensorRT plans",
+            "trtllm-dflash compile")
+    assert sorted(p.name for p in qwen3_ort_engine.rglob("*")) == before
     # A damaged graph is found by the manifest before onnxruntime reads it.
     damaged = tmp_path / "damaged"
     shutil.copytree(qwen3_ort_engine, damaged)

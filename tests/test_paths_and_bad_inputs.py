@@ -525,7 +525,7 @@ def test_messages_name_the_real_problem(engine, pair, tmp_path, capsys, qwen3_pa
 # 7. The CLI starts fast, and every option shows its default
 # ----------------------------------------------------------------------------------------------------
 
-SUBCOMMANDS = ["build", "run", "inspect", "compare", "serve", "bench", "train-drafter", "make-random-pair"]
+SUBCOMMANDS = ["build", "compile", "run", "inspect", "compare", "serve", "bench", "train-drafter", "make-random-pair"]
 
 
 def test_help_and_version_do_not_import_torch():

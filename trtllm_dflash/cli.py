@@ -109,6 +109,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from trtllm_dflash.compile.tensorrt_build import compile_engine
+
+    plans = compile_engine(args.engine_dir, args.plugin_library,
+                           report=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"{len(plans)} TensorRT plans added to {args.engine_dir}", file=sys.stderr)
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from trtllm_dflash.engine.inspect import inspect_engine
 
@@ -211,9 +220,9 @@ def _add_serve(sub) -> None:
 
 
 def _add_backend(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("torch", "onnxruntime"),
-                   help="executor: torch (any engine) or onnxruntime (engines built with backend: onnxruntime) "
-                        "(default: what the engine was built for)")
+    p.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"),
+                   help="executor: torch (any engine), onnxruntime (engines with ONNX graphs) or tensorrt (engines "
+                        "compiled with `trtllm-dflash compile`, on a GPU) (default: what the engine was built for)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -311,6 +320,16 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--output", type=Path, help="engine directory (default: the config's `output`)")
     b.add_argument("--force", action="store_true", help="replace an engine directory that trtllm-dflash built")
     b.set_defaults(func=cmd_build)
+
+    k = sub.add_parser("compile", formatter_class=_HelpFormatter,
+                       help="build TensorRT plans from an engine's ONNX graphs, on the GPU machine that will run them",
+                       description="Builds every rank's graphs (an engine built with backend: onnxruntime or "
+                                   "tensorrt) into TensorRT plans with the TensorRT of this machine, for its GPU, and "
+                                   "adds them to the engine directory (atomically, manifest rewritten).")
+    k.add_argument("engine_dir", type=Path)
+    k.add_argument("--plugin-library", type=Path,
+                   help="libtrtllm_dflash_plugins.so (plugins/dflash) to load while building (default: none)")
+    k.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", formatter_class=_HelpFormatter,
                        help="summarise an engine directory and verify every file against its manifest")

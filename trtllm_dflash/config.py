@@ -16,7 +16,7 @@ from trtllm_dflash.inputs import read_text
 
 DTYPES = ("bfloat16", "float16", "float32")
 Dtype = Literal["bfloat16", "float16", "float32"]
-Backend = Literal["torch", "onnxruntime"]  # the executors; an engine is compiled for one (README "Backends")
+Backend = Literal["torch", "onnxruntime", "tensorrt"]  # the executors; an engine is compiled for one (README "Backends")
 MAX_BATCH_SIZE = 4096  # TensorRT-LLM's largest max_batch_size default is 2048; more KV-cache slots are a typo
 
 

@@ -56,10 +56,12 @@ def quantization_section(quantization: str, target: dict[str, torch.Tensor], dra
 
 
 def check_backend(cfg: BuildConfig, source: str) -> None:
-    """What `backend: onnxruntime` can build today (see README "Backends")."""
+    """What `backend: onnxruntime | tensorrt` can build today (see README "Backends")."""
     if cfg.backend == "torch":
         return
-    limits = [("tp_size", cfg.tp_size, 1), ("quantization", cfg.quantization, "none"), ("dtype", cfg.dtype, "float32")]
+    limits = [("tp_size", cfg.tp_size, 1), ("quantization", cfg.quantization, "none")]
+    if cfg.backend == "onnxruntime":  # onnxruntime's CPU kernels have no bfloat16 MatMul
+        limits.append(("dtype", cfg.dtype, "float32"))
     for key, value, supported in limits:
         if value != supported:
             raise UserError(f"{source}: backend {cfg.backend} builds {key} {supported} engines for now, not {value}; "
@@ -172,7 +174,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             build=cfg.model_dump(mode="json"),
             backend=cfg.backend,
         )
-        if cfg.backend == "onnxruntime":
+        if cfg.backend in ("onnxruntime", "tensorrt"):  # TensorRT plans are built from the graphs by `compile`
             with _stage(report, "exported the ONNX graphs of the target and drafter steps"):
                 export_rank_graphs(tmp, engine_cfg, rank=0)
         (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")

@@ -44,9 +44,11 @@ class Engine:
 
     @classmethod
     def load(cls, root: Path, device: str = "cpu", block_size: int | None = None,
-             world: World | None = None, command: str = "run", backend: Backend | None = None) -> "Engine":
+             world: World | None = None, command: str = "run", backend: Backend | None = None,
+             plugin_library: Path | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained.
-        `backend`: the executor (default: what the engine was compiled for).
+        `backend`: the executor (default: what the engine was compiled for); `plugin_library`: the TensorRT
+        plugin library the plans were compiled with, if any.
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -70,6 +72,10 @@ class Engine:
             if device != "cpu":
                 raise UserError("--backend onnxruntime runs on the CPU for now; use --device cpu or --backend torch.")
             executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None)
+        elif backend == "tensorrt":
+            from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
+
+            executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library)
         else:
             executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor)

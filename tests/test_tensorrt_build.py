@@ -1,0 +1,425 @@
+"""TensorRT plans: `compile_engine` and `TensorRTExecutor.from_engine` refuse what they cannot do with one
+sentence and write nothing; compile adds the plans and a new manifest in one swap, or changes nothing when a
+plan fails (TensorRT faked); the executor's bindings (cache rows, in-place past/present pairs, padding rows),
+run by onnxruntime stand-ins for TensorRT's execution contexts, give the torch executor's tokens; and, when
+TensorRT-RTX is installed, the engine's graphs parse into TensorRT's native attention / KV-cache-update /
+rotary layers and build into plans for SM89 and SM120 on the CPU.
+
+Real TensorRT and a GPU are never needed here: the tests fake the `tensorrt` module and torch.cuda where a
+refusal depends on them, so they pass whether or not either is present."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_dflash.compile import tensorrt_build
+from trtllm_dflash.compile.tensorrt_build import (
+    GRAPHS,
+    PLANS_DIR,
+    PLANS_INFO,
+    DimRange,
+    PlanBuildError,
+    build_plan,
+    cache_length,
+    cache_updates,
+    compile_engine,
+    engine_shapes,
+    layer_types,
+    mark_attention_decomposable,
+    parse_graph,
+    plan_file,
+)
+from trtllm_dflash.config import BuildConfig
+from trtllm_dflash.engine.builder import build_engine
+from trtllm_dflash.engine_dir import graph_dir, open_engine, read_engine_config, write_manifest
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.executor import engine_specs
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor, _check_plan
+
+RTX_INSTALL = ("TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
+               "tensorrt_rtx_cu13_bindings==1.7.1.116")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Eager torch with 2 threads on a busy 2-core machine runs many times slower (ENVIRONMENT.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ort_engine(biased_pairs, tmp_path_factory) -> Path:
+    """A tiny engine with ONNX graphs (backend onnxruntime; the export takes ~20 s) of a pair whose drafts are
+    often accepted (conftest.bias_target), so verify steps commit 1 .. block_size tokens."""
+    pair = biased_pairs[8]
+    pytest.importorskip("onnxruntime")
+    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter",
+                      output=tmp_path_factory.mktemp("trt") / "engine", dtype="float32", max_batch_size=4,
+                      max_seq_len=256, backend="onnxruntime")
+    return build_engine(cfg, progress=False)
+
+
+def copy_engine(src: Path, tmp_path: Path, fake_graphs: bool = False) -> Path:
+    """A copy of `src` alone in its own directory (so sibling temporaries would show); with `fake_graphs`, a
+    torch engine gets placeholder ONNX files, listed in its manifest (enough for every refusal before parsing)."""
+    root = tmp_path / "alone" / "engine"
+    shutil.copytree(src, root)
+    if fake_graphs:
+        graph_dir(root, 0).mkdir(parents=True)
+        for g in GRAPHS:
+            (graph_dir(root, 0) / f"{g}.onnx").write_bytes(b"not really a graph")
+        write_manifest(root)
+    return root
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file in the engine's parent directory (the engine and any sibling) -> sha256."""
+    return {str(p.relative_to(root.parent)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.parent.rglob("*")) if p.is_file()}
+
+
+def fake_tensorrt(monkeypatch, version: str | None) -> None:
+    """`import tensorrt` fails (None) or gives an empty module of that version."""
+    module = None
+    if version is not None:
+        module = types.ModuleType("tensorrt")
+        module.__version__ = version
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+
+
+def refused(call, *words) -> None:
+    with pytest.raises(UserError) as info:
+        call()
+    msg = str(info.value)
+    assert "\n" not in msg and msg.endswith("."), msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+# --------------------------------------------------------------------------------------------------------
+# compile_engine refusals
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["no graphs", "plugin missing", "no tensorrt", "old tensorrt", "no gpu",
+                                  "damaged graph"])
+def test_compile_refuses_with_one_sentence_and_writes_nothing(case, qwen3_engine_dir, tmp_path, monkeypatch):
+    root = copy_engine(qwen3_engine_dir, tmp_path, fake_graphs=case != "no graphs")
+    plugin = None
+    fake_tensorrt(monkeypatch, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if case == "no graphs":
+        words = ["the engine has no ONNX graphs", "backend: onnxruntime", "backend torch"]
+    elif case == "plugin missing":
+        plugin, words = tmp_path / "libtrtllm_dflash_plugins.so", ["--plugin-library", "no such file"]
+    elif case == "no tensorrt":
+        words = ["compile needs TensorRT 10.15+ on the GPU machine", "pip install tensorrt", "TensorRT-RTX",
+                 "SM90/SM100"]
+    elif case == "old tensorrt":
+        fake_tensorrt(monkeypatch, "10.8.0.43")
+        words = ["TensorRT 10.15+", "this is TensorRT 10.8.0.43"]
+    elif case == "no gpu":
+        fake_tensorrt(monkeypatch, "11.1.0.7")
+        words = ["compile needs a CUDA GPU"]
+    else:
+        graph = graph_dir(root, 0) / "target_step.onnx"
+        graph.write_bytes(graph.read_bytes() + b"\0")
+        words = ["target_step.onnx: engine file does not match manifest.json"]
+    before = snapshot(root)
+    refused(lambda: compile_engine(root, plugin_library=plugin), *words)
+    assert snapshot(root) == before
+
+
+def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
+    """Everything of compile_engine but TensorRT itself: a fake build_plan on a fake GPU."""
+    root = copy_engine(qwen3_engine_dir, tmp_path, fake_graphs=True)
+    fake_tensorrt(monkeypatch, "11.1.0.7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    built = []
+
+    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None):
+        built.append(Path(onnx_path).stem)
+        if Path(onnx_path).stem == fail_at:
+            raise tensorrt_build.PlanBuildError("refused")
+        assert trt.__version__ == "11.1.0.7" and dtype_note == "float32" and targets is None
+        assert shapes == engine_shapes(read_engine_config(root))
+        return f"plan of {Path(onnx_path).stem} #{len(built)}".encode()
+
+    monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
+    before, fail_at = snapshot(root), "drafter_draft"
+    with pytest.raises(tensorrt_build.PlanBuildError):  # the last plan fails: nothing changes
+        compile_engine(root)
+    assert snapshot(root) == before
+
+    lines = []
+    for fail_at in (None, None):  # compile, then compile again: the plans are replaced
+        built.clear()
+        files = compile_engine(root, report=lines.append)
+        assert files == [plan_file(root, 0, g) for g in GRAPHS] and built == list(GRAPHS)
+        assert [f.read_bytes() for f in files] == [f"plan of {g} #{i + 1}".encode() for i, g in enumerate(GRAPHS)]
+        open_engine(root)  # the manifest lists the plans
+        info = json.loads((root / PLANS_DIR / PLANS_INFO).read_text())
+        assert info["tensorrt_version"] == "11.1.0.7" and info["compute_capability"] == "9.0"
+        assert info["cache_length"] == cache_length(read_engine_config(root)) and info["plugin_library"] is None
+        assert [p.name for p in root.parent.iterdir()] == ["engine"]  # no temporaries left
+        changed = {k for k in set(before) | set(snapshot(root)) if before.get(k) != snapshot(root).get(k)}
+        assert changed == {"engine/manifest.json", "engine/tensorrt/plans.json",
+                           *(f"engine/tensorrt/rank0/{g}.engine" for g in GRAPHS)}
+    assert lines[0].startswith("rank 0: target_step -> tensorrt/rank0/target_step.engine")
+
+
+# --------------------------------------------------------------------------------------------------------
+# TensorRTExecutor.from_engine refusals
+# --------------------------------------------------------------------------------------------------------
+
+
+def fake_plans(root: Path, **info) -> None:
+    for g in GRAPHS:
+        plan_file(root, 0, g).parent.mkdir(parents=True, exist_ok=True)
+        plan_file(root, 0, g).write_bytes(b"plan")
+    info = {"tensorrt_version": "11.1.0.7", "compute_capability": "9.0", "device": "NVIDIA H200",
+            "cache_length": 520, "plugin_library": None, **info}
+    (root / PLANS_DIR / PLANS_INFO).write_text(json.dumps(info))
+
+
+@pytest.mark.parametrize("case", ["no plans", "plugin needed", "plugin missing", "no tensorrt", "other tensorrt",
+                                  "no gpu", "other gpu"])
+def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, monkeypatch):
+    root = copy_engine(qwen3_engine_dir, tmp_path)
+    cfg = read_engine_config(root)
+    plugin = None
+    fake_tensorrt(monkeypatch, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if case == "no plans":
+        words = ["the engine has no TensorRT plans", f"run `trtllm-dflash compile {root}` on the GPU machine first"]
+    else:
+        fake_plans(root, plugin_library="libtrtllm_dflash_plugins.so" if case == "plugin needed" else None)
+    if case == "plugin needed":
+        words = ["built with the plugin library libtrtllm_dflash_plugins.so", "--plugin-library"]
+    elif case == "plugin missing":
+        plugin, words = tmp_path / "missing.so", ["--plugin-library", "no such file"]
+    elif case == "no tensorrt":
+        words = ["--backend tensorrt needs TensorRT 10.15+", "pip install tensorrt"]
+    elif case == "other tensorrt":
+        fake_tensorrt(monkeypatch, "11.0.0.1")
+        words = ["built with TensorRT 11.1.0.7 and this is TensorRT 11.0.0.1", "compile"]
+    elif case == "no gpu":
+        fake_tensorrt(monkeypatch, "11.1.0.7")
+        words = ["--backend tensorrt needs a CUDA GPU"]
+    elif case == "other gpu":
+        fake_tensorrt(monkeypatch, "11.1.0.7")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        words = ["built for compute capability 9.0 (NVIDIA H200) and this GPU is 10.0", "on this machine"]
+    refused(lambda: TensorRTExecutor.from_engine(root, cfg, 0, None, plugin_library=plugin), *words)
+
+
+class FakePlan:
+    """What _check_plan reads of a tensorrt.ICudaEngine."""
+
+    def __init__(self, length: int, aliases: dict[str, str | None]):
+        self.length, self.aliases = length, aliases
+        self.names = ["token_ids", *(p.replace("present_", "past_") for p in aliases), "logits", *aliases]
+        self.num_io_tensors = len(self.names)
+
+    def get_tensor_name(self, i):
+        return self.names[i]
+
+    def get_tensor_mode(self, name):
+        return "OUTPUT" if name in self.aliases or name == "logits" else "INPUT"
+
+    def get_tensor_shape(self, name):
+        return (-1, 2, self.length, 16)
+
+    def get_aliased_input_tensor(self, name):
+        return self.aliases.get(name)
+
+
+def test_plans_must_update_caches_in_place():
+    trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(OUTPUT="OUTPUT"))
+    good = {"present_key_0": "past_key_0", "present_value_0": "past_value_0"}
+    _check_plan(trt, FakePlan(520, good), Path("p.engine"), 520)
+    with pytest.raises(RuntimeError, match="present_value_0 is not aliased to input past_value_0"):
+        _check_plan(trt, FakePlan(520, {**good, "present_value_0": None}), Path("p.engine"), 520)
+    with pytest.raises(RuntimeError, match="past_key_0 has 512 positions, not the 520"):
+        _check_plan(trt, FakePlan(512, good), Path("p.engine"), 520)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Shapes and names
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_profile_and_cache_length(qwen3_engine_dir):
+    cfg = read_engine_config(qwen3_engine_dir)  # max_batch_size 8, max_seq_len 512, block 8
+    shapes = engine_shapes(cfg)
+    assert shapes["batch"] == DimRange(1, 8, 8)
+    assert shapes["seq"] == shapes["ctx"] == DimRange(1, 8, 512)
+    assert shapes["block"] == DimRange(2, 8, 8)
+    length = shapes["max_len"].max
+    assert shapes["max_len"] == DimRange.fixed(length) and length == cache_length(cfg) >= 512 + 8
+    for spec in engine_specs(cfg)[:2]:  # every cache row starts on TensorRT's 256-byte alignment
+        assert spec.num_kv_heads * length * spec.head_dim * 4 % 256 == 0
+    odd = cfg.model_copy(update={"max_seq_len": 501})  # 509 positions of 128 bytes: rounded up to 510
+    assert cache_length(odd) == 510
+    with pytest.raises(ValueError):
+        DimRange(2, 1, 4)
+
+
+def test_graph_names_are_the_exports():
+    pytest.importorskip("onnxscript")
+    from trtllm_dflash.compile.onnx_export import DRAFTER_CONTEXT, DRAFTER_DRAFT, TARGET_STEP
+
+    assert GRAPHS == (TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The executor's bindings, run by onnxruntime in place of TensorRT
+# --------------------------------------------------------------------------------------------------------
+
+
+class OnnxRuntimeContext:
+    """Stands in for a TensorRT execution context: keeps the shapes and addresses the executor sets and, on
+    execute, runs the same ONNX graph in onnxruntime over exactly that memory (cpu tensors)."""
+
+    NUMPY = {"tensor(float)": "float32", "tensor(int64)": "int64"}
+
+    def __init__(self, session, output_shape):
+        self.session, self.output_shape = session, output_shape  # output_shape(name, input shapes) -> shape
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name, memory):
+        self.addresses[name] = memory
+        return True
+
+    def execute_async_v3(self, stream_handle):
+        import numpy as np
+
+        assert stream_handle == 0
+        binding = self.session.io_binding()
+        for i in self.session.get_inputs():
+            binding.bind_input(i.name, "cpu", 0, np.dtype(self.NUMPY[i.type]), self.shapes[i.name],
+                               self.addresses[i.name])
+        for o in self.session.get_outputs():
+            if o.name.startswith("present_"):
+                past = o.name.replace("present_", "past_", 1)
+                assert self.addresses[o.name] == self.addresses[past], "a cache must be updated in place"
+                shape = self.shapes[past]
+            else:
+                shape = self.output_shape(o.name, self.shapes)
+            binding.bind_output(o.name, "cpu", 0, np.dtype(self.NUMPY[o.type]), shape, self.addresses[o.name])
+        self.session.run_with_iobinding(binding)
+        return True
+
+
+def requests(vocab: int) -> list[Request]:
+    """7 requests for 4 slots (so some join mid-run and rows move), greedy and sampled."""
+    g = torch.Generator().manual_seed(0)
+    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab, (int(torch.randint(3, 20, (1,), generator=g)),),
+                                                         generator=g).tolist(),
+                    max_new_tokens=6 + 3 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=1000 + i)
+            for i in range(7)]
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
+    import onnxruntime as ort
+
+    cfg = read_engine_config(ort_engine)
+    target, _, params = engine_specs(cfg)
+    features = len(params.target_layer_ids) * target.hidden_size
+
+    def output_shape(name, shapes):
+        b, t = shapes.get("token_ids", shapes.get("block_ids"))
+        return {"logits": (b, t, target.vocab_size), "hidden": (b, t, features), "draft_tokens": (b, t - 1)}[name]
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    contexts = {g: OnnxRuntimeContext(ort.InferenceSession(str(graph_dir(ort_engine, 0) / f"{g}.onnx"), options,
+                                                           providers=["CPUExecutionProvider"]), output_shape)
+                for g in GRAPHS}
+    executor = TensorRTExecutor(contexts, cfg, None, "cpu", cache_length(cfg))
+    reference = Engine.load(ort_engine, backend="torch")
+    reqs = requests(executor.vocab_size)
+    expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                for r in reference.decoder(mode).generate(reqs)}
+    got = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+           for r in Decoder(executor, mode, cfg.eos_token_ids).generate(reqs)}
+    assert got == expected
+    assert executor._rows == {}  # every request released its row
+
+
+# --------------------------------------------------------------------------------------------------------
+# TensorRT-RTX: parse and build the engine's graphs on the CPU
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rtx():
+    return pytest.importorskip("tensorrt_rtx_bindings", reason=RTX_INSTALL)
+
+
+def test_tensorrt_rtx_parses_into_native_layers(rtx, ort_engine):
+    cfg = read_engine_config(ort_engine)
+    target, drafter, _ = engine_specs(cfg)
+    L, D = target.num_layers, drafter.num_layers
+    expected = {  # layer type -> count; attention is a pair of boundary layers per IAttention
+        "target_step": {"ATTENTION_OUTPUT": L, "KV_CACHE_UPDATE": 2 * L, "ROTARY_EMBEDDING": 2 * L},
+        "drafter_context": {"ATTENTION_OUTPUT": 0, "KV_CACHE_UPDATE": 2 * D, "ROTARY_EMBEDDING": D},
+        "drafter_draft": {"ATTENTION_OUTPUT": 0 + D, "KV_CACHE_UPDATE": 0, "ROTARY_EMBEDDING": 2 * D, "TOPK": 1},
+    }
+    length = cache_length(cfg)
+    for g in GRAPHS:
+        parsed = parse_graph(rtx, graph_dir(ort_engine, 0) / f"{g}.onnx", static_dims={"max_len": length})
+        types_ = layer_types(parsed.network)
+        assert {k: types_[k] for k in expected[g]} == expected[g], (g, types_)
+        assert types_["ATTENTION_INPUT"] == types_["ATTENTION_OUTPUT"]
+        assert mark_attention_decomposable(rtx, parsed.network) == types_["ATTENTION_OUTPUT"]
+        outputs = [parsed.network.get_output(i).name for i in range(parsed.network.num_outputs)]
+        presents = [n for n in outputs if n.startswith("present_")]
+        assert cache_updates(parsed.network) == {n: n.replace("present_", "past_") for n in presents}
+        assert len(presents) == (0 if g == "drafter_draft" else 2 * (L if g == "target_step" else D))
+
+
+def test_tensorrt_rtx_builds_plans_for_sm89_and_sm120(rtx, ort_engine):
+    cfg = read_engine_config(ort_engine)
+    for g in GRAPHS:
+        plan = build_plan(rtx, graph_dir(ort_engine, 0) / f"{g}.onnx", dtype_note=cfg.dtype,
+                          shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
+        assert len(plan) > 100_000, g
+    with pytest.raises(ValueError, match="SM90"):  # not a TensorRT-RTX target
+        build_plan(rtx, graph_dir(ort_engine, 0) / "drafter_context.onnx", dtype_note=cfg.dtype,
+                   shapes=engine_shapes(cfg), targets=["SM90"])
+
+
+def test_tensorrt_rtx_parser_errors_are_in_the_exception(rtx, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="nowhere")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("nowhere", 1)])
+    onnx.save(model, tmp_path / "bad.onnx")
+    with pytest.raises(PlanBuildError, match=r"bad.onnx: TensorRT's ONNX parser refused the graph: .*NoSuchOp"):
+        build_plan(rtx, tmp_path / "bad.onnx", dtype_note="float32", shapes={})

@@ -1,0 +1,390 @@
+"""TensorRT plans of an engine's ONNX graphs: `trtllm-dflash compile ENGINE_DIR`.
+
+`build_plan` turns one graph of compile/onnx_export.py into a serialized TensorRT plan: TensorRT's ONNX parser
+maps Attention / RotaryEmbedding / TensorScatter onto its native attention, rotary and KV-cache-update layers
+(COMPILED.md §2), the network is strongly typed (its precision is the graph's own), one optimization profile
+covers every dynamic dimension. It takes the module as an argument, so the same code builds with real TensorRT
+(`import tensorrt`, 10.15+ / 11, on the GPU that will run the plan) and with TensorRT-RTX
+(`import tensorrt_rtx_bindings`, ahead of time on a CPU for chosen compute capabilities: the tests).
+
+`compile_engine` builds every rank's graphs on this machine's GPU and adds them to the engine:
+
+    ENGINE_DIR/
+      tensorrt/plans.json                  what the plans were built with and for (checked before loading)
+      tensorrt/rank{r}/target_step.engine  one plan per graph of onnx/rank{r}/
+      tensorrt/rank{r}/drafter_context.engine
+      tensorrt/rank{r}/drafter_draft.engine
+      manifest.json                        rewritten: lists the plans too
+
+Atomicity: the plans are built into a temporary sibling directory that holds hard links to the engine's files
+(outputs.atomic_directory), the manifest is rewritten there, and the directory is renamed over the engine.
+A crash while building (minutes) leaves the engine as it was and a `.ENGINE.building-PID` directory that the
+next build or compile removes. The one unsafe instant is atomic_directory's swap (two renames, microseconds):
+a crash between them leaves no ENGINE_DIR, and the complete old engine in `.ENGINE.replaced-PID`.
+
+Graph-specific choices (found with TensorRT-RTX 1.7.1, see tests/test_tensorrt_build.py):
+- The caches' `max_len` is made static before parsing (the parser refuses a KV-cache update whose cache has a
+  dynamic sequence length), so a plan serves one cache length: `cache_length(cfg)`.
+- Every attention layer is marked decomposable: TensorRT may then fall back to several kernels where no fused
+  kernel exists (fp32 with more than one query row: "Attention operation was not supported by a dedicated
+  kernel"); where one exists it is still used (fp16 / bf16 plans come out the same size either way).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from trtllm_dflash.engine_dir import EngineConfig, graph_dir, open_engine, write_manifest
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.outputs import atomic_directory
+
+# The graphs compile/onnx_export.py writes (its TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT; not imported, so
+# that this module loads without the onnx extra and a missing one is a UserError).
+GRAPHS = ("target_step", "drafter_context", "drafter_draft")
+PLANS_DIR, PLANS_INFO = "tensorrt", "plans.json"
+MIN_TENSORRT = (10, 15)  # RotaryEmbedding and TensorScatter in the ONNX parser
+_ALIGN = 256  # TensorRT's alignment for tensor addresses: each cache row must start on it
+
+_log = logging.getLogger(__name__)
+
+
+class PlanBuildError(RuntimeError):
+    """TensorRT refused a graph (parser or builder); the message holds TensorRT's own errors."""
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """One optimization-profile range of a named ONNX dimension."""
+
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self):
+        if not 1 <= self.min <= self.opt <= self.max:
+            raise ValueError(f"a dimension range needs 1 <= min <= opt <= max, not {self}")
+
+    @classmethod
+    def fixed(cls, n: int) -> "DimRange":
+        return cls(n, n, n)
+
+
+def plan_dir(root: Path, rank: int) -> Path:
+    """Where rank `rank`'s plans live (next to graph_dir's ONNX graphs)."""
+    return Path(root) / PLANS_DIR / f"rank{rank}"
+
+
+def plan_file(root: Path, rank: int, graph: str) -> Path:
+    return plan_dir(root, rank) / f"{graph}.engine"
+
+
+def cache_length(cfg: EngineConfig) -> int:
+    """Positions per cache row: max_seq_len + block_size (a verify writes a block past the last committed
+    position), rounded up so that every row of every cache starts on a 256-byte boundary."""
+    from trtllm_dflash.runtime.executor import engine_specs
+
+    target, drafter, params = engine_specs(cfg)
+    element = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype]
+    step = 1
+    for spec in (target, drafter):
+        position_bytes = spec.num_kv_heads * spec.head_dim * element
+        step = math.lcm(step, _ALIGN // math.gcd(_ALIGN, position_bytes))
+    return -(-(cfg.max_seq_len + params.block_size) // step) * step
+
+
+def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
+    """The profile of the graphs' named dimensions for this engine (one dict for all three graphs).
+
+    seq (target_step) and ctx (drafter_context) reach max_seq_len: a prefill is the whole prompt; their
+    optimum is a verify block. block (drafter_draft) is 2 .. block_size; max_len is the fixed cache length."""
+    block = cfg.dflash.block_size
+    longest = max(cfg.max_seq_len, block)
+    return {
+        "batch": DimRange(1, cfg.max_batch_size, cfg.max_batch_size),
+        "seq": DimRange(1, block, longest),
+        "ctx": DimRange(1, block, longest),
+        "block": DimRange(2, block, block),
+        "max_len": DimRange.fixed(cache_length(cfg)),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One graph -> one plan (either TensorRT module)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _logger(trt: ModuleType):
+    """A TensorRT logger that keeps the errors (for PlanBuildError) and passes warnings to logging at INFO:
+    the parser warns about every int64 input."""
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity, msg):
+            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                self.errors.append(msg)
+            elif severity == trt.ILogger.Severity.WARNING:
+                _log.info("TensorRT: %s", msg)
+
+    return Logger()
+
+
+@dataclass
+class ParsedGraph:
+    """A parsed ONNX graph. The builder, parser and logger stay referenced: the network points into them."""
+
+    builder: Any  # trt.Builder
+    network: Any  # trt.INetworkDefinition
+    parser: Any  # trt.OnnxParser (owns the weights the network refers to)
+    logger: Any
+
+
+def _with_static_dims(onnx_path: Path, static: Mapping[str, int]) -> bytes:
+    """The graph (without its external data) with the named dimensions `static` made fixed sizes."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    for info in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.dim_param in static:
+                dim.dim_value = static[dim.dim_param]  # dim_value and dim_param are a oneof: this clears the name
+    return model.SerializeToString()
+
+
+def parse_graph(trt: ModuleType, onnx_path: Path, *, static_dims: Mapping[str, int] | None = None,
+                plugin_library: Path | None = None) -> ParsedGraph:
+    """Parse `onnx_path` into a strongly typed network; `static_dims` fixes named dimensions first.
+
+    The parser reads the graph from bytes but is given its path, so external data (weights.onnx.data) is
+    found next to it, as parse_from_file would."""
+    onnx_path = Path(onnx_path)
+    logger = _logger(trt)
+    builder = trt.Builder(logger)
+    if plugin_library is not None:
+        if _is_rtx(trt):  # its parser aborts the process once a plugin creator is registered (COMPILED.md §3)
+            raise ValueError("TensorRT-RTX takes no plugin libraries")
+        builder.get_plugin_registry().load_library(str(plugin_library))
+    # Deprecated in TensorRT 11, where every network is strongly typed; required for that in 10.x.
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(_with_static_dims(onnx_path, static_dims or {}), str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise PlanBuildError(f"{onnx_path}: TensorRT's ONNX parser refused the graph: {'; '.join(errors)}")
+    return ParsedGraph(builder, network, parser, logger)
+
+
+def layer_types(network) -> Counter[str]:
+    """Layer type name -> count, e.g. {'ATTENTION_OUTPUT': 4, 'KV_CACHE_UPDATE': 8, ...}."""
+    return Counter(network.get_layer(i).type.name for i in range(network.num_layers))
+
+
+def mark_attention_decomposable(trt: ModuleType, network) -> int:
+    """Allow every attention layer to fall back to unfused kernels; returns how many there are.
+
+    The parser creates each IAttention as a pair of boundary layers; the output one reaches it."""
+    count = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.ATTENTION_OUTPUT:
+            layer.__class__ = trt.IAttentionOutputLayer  # get_layer returns the base class
+            layer.attention.decomposable = True
+            count += 1
+    return count
+
+
+def cache_updates(network) -> dict[str, str]:
+    """present_* output -> past_* input, for outputs written in place by a KV-cache-update layer.
+
+    The executors bind each such pair to one buffer, which is only right when TensorRT aliases them."""
+    producer = {}
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        for j in range(layer.num_outputs):
+            producer[layer.get_output(j).name] = layer
+    pairs = {}
+    for i in range(network.num_outputs):
+        name = network.get_output(i).name
+        layer = producer.get(name)
+        if layer is not None and layer.type.name == "KV_CACHE_UPDATE" and layer.get_input(0).is_network_input:
+            pairs[name] = layer.get_input(0).name
+    return pairs
+
+
+def _check_in_place(network, onnx_path: Path) -> None:
+    pairs = cache_updates(network)
+    for i in range(network.num_outputs):
+        name = network.get_output(i).name
+        if name.startswith("present_") and pairs.get(name) != name.replace("present_", "past_", 1):
+            raise PlanBuildError(f"{onnx_path}: output {name} is not a KV-cache update of "
+                                 f"{name.replace('present_', 'past_', 1)}, so it cannot share its memory")
+
+
+def _profile(builder, network, shapes: Mapping[str, DimRange], onnx_path: Path):
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        if all(d >= 0 for d in tensor.shape):
+            continue
+        ranges = []
+        for axis, size in enumerate(tensor.shape):
+            name = tensor.get_dimension_name(axis)
+            if size >= 0:
+                ranges.append(DimRange.fixed(size))
+            elif name in shapes:
+                ranges.append(shapes[name])
+            else:
+                raise ValueError(f"{onnx_path}: input {tensor.name} axis {axis} ({name or 'unnamed'}) is dynamic "
+                                 "and `shapes` gives no range for it")
+        profile.set_shape(tensor.name, [r.min for r in ranges], [r.opt for r in ranges], [r.max for r in ranges])
+    return profile
+
+
+def _is_rtx(trt: ModuleType) -> bool:
+    return hasattr(trt, "ComputeCapability")  # TensorRT-RTX builds ahead of time for chosen GPUs
+
+
+def _set_targets(trt: ModuleType, config, targets: Sequence[str]) -> None:
+    if not _is_rtx(trt):
+        raise ValueError("targets (compute capabilities) are for TensorRT-RTX; TensorRT builds for the GPU it runs on")
+    known = [n for n in trt.ComputeCapability.__members__ if n.startswith("SM")]
+    config.num_compute_capabilities = len(targets)
+    for i, name in enumerate(targets):
+        if name not in known:
+            raise ValueError(f"compute capability {name!r}: TensorRT-RTX {trt.__version__} knows {', '.join(known)}")
+        config.set_compute_capability(getattr(trt.ComputeCapability, name), i)
+
+
+def build_plan(trt: ModuleType, onnx_path: Path, *, dtype_note: str, shapes: Mapping[str, DimRange],
+               targets: Sequence[str] | None = None, plugin_library: Path | None = None) -> bytes:
+    """Parse, profile and build one graph; returns the serialized plan.
+
+    `trt`: the `tensorrt` or `tensorrt_rtx_bindings` module. `dtype_note`: the engine's dtype, named in errors
+    (the strongly typed network takes its precision from the graph). `shapes`: the range of each named
+    dynamic dimension (engine_shapes); a range with min == max becomes a static size before parsing.
+    `targets`: TensorRT-RTX compute capabilities ("SM89", "SM120", ...); real TensorRT builds for its GPU."""
+    onnx_path = Path(onnx_path)
+    static = {name: r.min for name, r in shapes.items() if r.min == r.max}
+    graph = parse_graph(trt, onnx_path, static_dims=static, plugin_library=plugin_library)
+    _check_in_place(graph.network, onnx_path)
+    mark_attention_decomposable(trt, graph.network)
+    config = graph.builder.create_builder_config()
+    config.add_optimization_profile(_profile(graph.builder, graph.network, shapes, onnx_path))
+    if targets:
+        _set_targets(trt, config, targets)
+    plan = graph.builder.build_serialized_network(graph.network, config)
+    if plan is None:
+        raise PlanBuildError(f"{onnx_path}: TensorRT could not build a {dtype_note} plan: "
+                             f"{'; '.join(graph.logger.errors) or 'no error was logged'}")
+    return bytes(plan)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `trtllm-dflash compile ENGINE_DIR`
+# ----------------------------------------------------------------------------------------------------------
+
+
+def import_tensorrt(command: str) -> ModuleType:
+    """The `tensorrt` module, 10.15 or newer, or a UserError that says how to get it."""
+    try:
+        import tensorrt
+    except (ImportError, OSError) as exc:  # OSError: a wheel whose shared libraries are missing
+        raise UserError(f"{command} needs TensorRT {'.'.join(map(str, MIN_TENSORRT))}+ on the GPU machine that will "
+                        "run the engine: pip install tensorrt (TensorRT-RTX is not enough: it cannot target "
+                        f"SM90/SM100 GPUs such as H100, H200 or B200) ({exc}).") from None
+    version = getattr(tensorrt, "__version__", "0")
+    if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < MIN_TENSORRT:
+        raise UserError(f"{command} needs TensorRT {'.'.join(map(str, MIN_TENSORRT))}+ (its ONNX parser reads "
+                        f"RotaryEmbedding and TensorScatter); this is TensorRT {version}: pip install -U tensorrt.")
+    return tensorrt
+
+
+def require_gpu(command: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"{command} needs a CUDA GPU and none is visible to torch (no GPU or driver, "
+                        "CUDA_VISIBLE_DEVICES, or a CPU-only torch build).")
+
+
+def _require_onnx(command: str) -> None:
+    try:
+        import onnx  # noqa: F401 - build_plan fixes the cache length in the graph before parsing
+    except ImportError:
+        raise UserError(f"{command} needs the onnx package: pip install 'trtllm-dflash[onnx]'.") from None
+
+
+def _missing_graphs(root: Path, ranks: int) -> list[Path]:
+    return [graph_dir(root, r) / f"{g}.onnx" for r in range(ranks) for g in GRAPHS
+            if not (graph_dir(root, r) / f"{g}.onnx").is_file()]
+
+
+def _link_tree(src: Path, dst: Path, skip: Iterable[Path]) -> None:
+    """Hard-link every file under `src` into `dst` (same relative paths), except those under `skip`.
+
+    The engine's weights are not copied: the new directory shares them with the old one until the swap."""
+    skip = [Path(s) for s in skip]
+    for path in sorted(src.rglob("*")):
+        if not path.is_file() or any(path == s or s in path.parents for s in skip):
+            continue
+        target = dst / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(path, target)
+
+
+def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
+                   report: Callable[[str], None] | None = None) -> list[Path]:
+    """Build every rank's graphs into TensorRT plans on this GPU and add them to the engine (see the module
+    docstring for the layout and what a crash leaves). Returns the plan files. `report` gets one line per plan."""
+    command = "compile"
+    root = Path(engine_dir)
+    cfg = open_engine(root)  # the manifest check: a damaged or edited graph is refused here, before TensorRT
+    ranks = cfg.mapping.tp_size
+    missing = _missing_graphs(root, ranks)
+    if missing:
+        raise UserError(f"{root}: the engine has no ONNX graphs to compile ({missing[0]} is missing); build it "
+                        "with `backend: onnxruntime` (an engine built with backend torch has none).")
+    if plugin_library is not None and not Path(plugin_library).is_file():
+        raise UserError(f"--plugin-library {plugin_library}: no such file.")
+    trt = import_tensorrt(command)
+    _require_onnx(command)
+    require_gpu(command)
+
+    import torch
+
+    shapes = engine_shapes(cfg)
+    major, minor = torch.cuda.get_device_capability()
+    written = []
+    with atomic_directory(root, "engine", force=True) as tmp:
+        _link_tree(root, tmp, skip=[root / ".trtllm-dflash", root / "manifest.json", root / PLANS_DIR])
+        for rank in range(ranks):
+            plan_dir(tmp, rank).mkdir(parents=True)
+            for graph in GRAPHS:
+                plan = build_plan(trt, graph_dir(tmp, rank) / f"{graph}.onnx", dtype_note=cfg.dtype, shapes=shapes,
+                                  plugin_library=plugin_library)
+                plan_file(tmp, rank, graph).write_bytes(plan)
+                written.append(plan_file(root, rank, graph))
+                if report is not None:
+                    report(f"rank {rank}: {graph} -> {plan_file(root, rank, graph).relative_to(root)} "
+                           f"({len(plan) / 2**20:.1f} MiB)")
+        info = {
+            "tensorrt_version": trt.__version__,
+            "compute_capability": f"{major}.{minor}",
+            "device": torch.cuda.get_device_name(),
+            "cache_length": shapes["max_len"].max,
+            "shapes": {name: [r.min, r.opt, r.max] for name, r in shapes.items()},
+            "plugin_library": Path(plugin_library).name if plugin_library is not None else None,
+        }
+        (tmp / PLANS_DIR / PLANS_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        write_manifest(tmp)
+    return written

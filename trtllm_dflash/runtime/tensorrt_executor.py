@@ -1,0 +1,253 @@
+"""The TensorRT executor: an engine's compiled plans (compile/tensorrt_build.py) run by TensorRT on a CUDA GPU.
+
+Same contract as the torch executor (runtime/executor.py) and the same cache binding as the onnxruntime
+executor (runtime/onnxruntime_executor.py), whose row bookkeeping it reuses: per layer one K and one V
+buffer [num_slots, kv_heads, cache_length, head_dim] owned here as torch CUDA tensors; the requests held sit in
+rows 0 .. n-1; a call covers a contiguous run of rows and binds each past_* input AND its present_* output to
+the run's first row (`set_tensor_address`), so TensorRT's KV-cache-update layers write the new positions in
+place (its IKVCacheUpdateLayer requires input and output to share memory; `from_engine` checks the plans alias
+them). Inputs and outputs are torch tensors too; outputs are allocated per call by torch's caching allocator.
+
+Streams: the plans run on this executor's own CUDA stream (TensorRT advises against the default stream), after
+the caller's pending work, and the caller's stream waits for them before it reads an output.
+
+Not done: CUDA graphs. The graphs read only positions < max(positions) + 1 of a cache (a size that depends on
+the data), and every call binds the cache at the address of its run's first row, so one captured graph would
+serve only one (batch, length, first row) and only if TensorRT can capture that data-dependent shape at all.
+A static attended length (the whole cache) and steps over all slots would make a capture per (T = 1, block)
+possible; that is a change of the exported graphs.
+
+Only `from_engine` touches TensorRT and CUDA; the class itself takes execution contexts, so its bindings are
+tested on the CPU with contexts that run the same graphs in onnxruntime (tests/test_tensorrt_build.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from trtllm_dflash.compile.tensorrt_build import (
+    GRAPHS,
+    PLANS_DIR,
+    PLANS_INFO,
+    import_tensorrt,
+    plan_file,
+    require_gpu,
+)
+from trtllm_dflash.engine_dir import EngineConfig
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import read_json_object
+from trtllm_dflash.runtime.executor import StepOutput, engine_specs
+from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor, _Caches, _RowRun
+from trtllm_dflash.speculative.core import block_input
+
+COMMAND = "--backend tensorrt"
+
+
+class ExecutionContext(Protocol):
+    """What this executor uses of a `tensorrt.IExecutionContext`."""
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool: ...
+
+    def set_tensor_address(self, name: str, memory: int) -> bool: ...
+
+    def execute_async_v3(self, stream_handle: int) -> bool: ...
+
+
+def _ok(done: bool, what: str) -> None:
+    if not done:
+        raise RuntimeError(f"TensorRT refused {what} (its log says why)")
+
+
+def _spread(run: _RowRun, batch: torch.Tensor, pad: int | torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [run.rows, ...] on batch's device; padding rows hold `pad` (a number, or a row to broadcast).
+
+    As _RowRun.spread, in torch instead of numpy, so the result can stay on the GPU."""
+    out = batch.new_empty((run.rows, *batch.shape[1:]))
+    out[:] = pad
+    out[run.batch_rows.to(batch.device)] = batch
+    return out.contiguous()
+
+
+def _bind_caches(context: ExecutionContext, caches: _Caches, run: _RowRun, write: bool) -> None:
+    """Bind rows run.first .. run.first + run.rows - 1 of every cache as past_* (and, with `write`, present_*)."""
+    for i, (k, v) in enumerate(zip(caches.keys, caches.values)):
+        for kind, buf in (("key", k), ("value", v)):
+            shape, address = (run.rows, *buf.shape[1:]), buf[run.first].data_ptr()
+            _ok(context.set_input_shape(f"past_{kind}_{i}", shape), f"past_{kind}_{i} of shape {shape}")
+            _ok(context.set_tensor_address(f"past_{kind}_{i}", address), f"the address of past_{kind}_{i}")
+            if write:
+                _ok(context.set_tensor_address(f"present_{kind}_{i}", address), f"the address of present_{kind}_{i}")
+
+
+def _caches(layers: int, num_slots: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
+            device: torch.device) -> _Caches:
+    def new() -> torch.Tensor:
+        return torch.zeros(num_slots, kv_heads, length, head_dim, dtype=dtype, device=device)
+
+    return _Caches([new() for _ in range(layers)], [new() for _ in range(layers)])
+
+
+class TensorRTExecutor:
+    """Target + drafter plans: three execution contexts over caches this executor owns."""
+
+    # The onnxruntime executor's row bookkeeping, unchanged: `_run_of` gives a new slot the next free row and
+    # returns the batch's run of rows; `release` moves the last row's request into the freed row. Both use only
+    # self._rows, self._target and self._drafter (_Caches).
+    _run_of = OnnxRuntimeExecutor._run_of
+    release = OnnxRuntimeExecutor.release
+
+    def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
+                 device: torch.device | str, cache_length: int, owners: tuple = ()):
+        """`contexts`: graph name (GRAPHS) -> execution context; `cache_length`: the plans' cache positions per
+        row; `owners`: the TensorRT objects the contexts depend on (runtime, engines), kept alive here."""
+        target, drafter, params = engine_specs(cfg)
+        if cache_length < cfg.max_seq_len + params.block_size:
+            raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
+        dtype = getattr(torch, cfg.dtype)
+        self.device = torch.device(device)
+        self.num_slots, self.vocab_size, self.max_seq_len = cfg.max_batch_size, target.vocab_size, cfg.max_seq_len
+        self.block_size = block_size or params.block_size
+        self.mask_token_id = params.mask_token_id
+        self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
+        self._target = _caches(target.num_layers, self.num_slots, target.num_kv_heads, cache_length,
+                               target.head_dim, dtype, self.device)
+        self._drafter = _caches(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
+                                drafter.head_dim, dtype, self.device)
+        self._rows: dict[int, int] = {}  # slot -> cache row; rows 0 .. len - 1 are in use
+        self._contexts = dict(contexts)
+        self._owners = owners  # released after the contexts (attribute order); a tuple frees its last item first
+        # cpu: only for contexts that are not TensorRT's (the tests' onnxruntime stand-ins); they get stream 0.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @classmethod
+    def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
+                    plugin_library: Path | None = None) -> "TensorRTExecutor":
+        """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device."""
+        root = Path(root)
+        info_path = root / PLANS_DIR / PLANS_INFO
+        missing = [p for p in (*(plan_file(root, rank, g) for g in GRAPHS), info_path) if not p.is_file()]
+        if missing:
+            raise UserError(f"{root}: the engine has no TensorRT plans ({missing[0]} is missing); run "
+                            f"`trtllm-dflash compile {root}` on the GPU machine first.")
+        info = read_json_object(info_path, "TensorRT plan info")
+        if plugin_library is None and info.get("plugin_library"):
+            raise UserError(f"{root}: the plans were built with the plugin library {info['plugin_library']}; "
+                            "pass its path with --plugin-library.")
+        if plugin_library is not None and not Path(plugin_library).is_file():
+            raise UserError(f"--plugin-library {plugin_library}: no such file.")
+        trt = import_tensorrt(COMMAND)
+        if trt.__version__ != info.get("tensorrt_version"):
+            raise UserError(f"{root}: the plans were built with TensorRT {info.get('tensorrt_version')} and this is "
+                            f"TensorRT {trt.__version__}; run `trtllm-dflash compile {root}` again.")
+        require_gpu(COMMAND)
+
+        # ---- CUDA from here on ----
+        device = torch.device("cuda", torch.cuda.current_device())
+        capability = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        if capability != info.get("compute_capability"):
+            raise UserError(f"{root}: the plans were built for compute capability {info.get('compute_capability')} "
+                            f"({info.get('device')}) and this GPU is {capability}; run `trtllm-dflash compile {root}` "
+                            "on this machine.")
+        logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(logger)
+        if plugin_library is not None:
+            runtime.get_plugin_registry().load_library(str(plugin_library))
+        engines, contexts = {}, {}
+        for graph in GRAPHS:
+            path = plan_file(root, rank, graph)
+            engine = runtime.deserialize_cuda_engine(path.read_bytes())
+            if engine is None:
+                raise UserError(f"{path}: TensorRT could not load this plan; run `trtllm-dflash compile {root}` again.")
+            _check_plan(trt, engine, path, int(info["cache_length"]))
+            engines[graph], contexts[graph] = engine, engine.create_execution_context()
+        return cls(contexts, cfg, block_size, device, int(info["cache_length"]), owners=(logger, runtime, engines))
+
+    # ------------------------------------------------------------------------------------------------
+    # The Executor contract
+    # ------------------------------------------------------------------------------------------------
+
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
+        """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
+        run = self._run_of(slots)
+        T = token_ids.shape[1]
+        with self._on_own_stream():
+            steps = torch.arange(T, device=self.device)
+            logits = torch.empty((run.rows, T, self.vocab_size), dtype=torch.float32, device=self.device)
+            hidden = torch.empty((run.rows, T, self._features), dtype=self._dtype, device=self.device)
+            self._execute("target_step", {"token_ids": _spread(run, token_ids, 0),
+                                          "positions": _spread(run, starts[:, None] + steps, steps)},
+                          {"logits": logits, "hidden": hidden}, self._target, run, write=True)
+            rows = run.batch_rows.to(self.device)
+            logits, hidden = logits[rows], hidden[rows]
+            if last_index is not None:
+                logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
+        return StepOutput(logits, hidden if capture else None)
+
+    def draft(self, anchors, starts, slots) -> torch.Tensor:
+        """Greedy drafts [B, block_size - 1] (argmax of the target's lm_head inside the plan)."""
+        run = self._run_of(slots)
+        with self._on_own_stream():
+            steps = torch.arange(self.block_size, device=self.device)
+            block = block_input(anchors, self.mask_token_id, self.block_size)
+            drafts = torch.empty((run.rows, self.block_size - 1), dtype=torch.int64, device=self.device)
+            self._execute("drafter_draft", {"block_ids": _spread(run, block, self.mask_token_id),
+                                            "positions": _spread(run, starts[:, None] + steps, steps)},
+                          {"draft_tokens": drafts}, self._drafter, run, write=False)
+            drafts = drafts[run.batch_rows.to(self.device)]
+        return drafts
+
+    def append_context(self, hidden, starts, slots) -> None:
+        """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
+        run = self._run_of(slots)
+        with self._on_own_stream():
+            steps = torch.arange(hidden.shape[1], device=self.device)
+            self._execute("drafter_context", {"target_hidden": _spread(run, hidden, 0),
+                                              "positions": _spread(run, starts[:, None] + steps, steps)},
+                          {}, self._drafter, run, write=True)
+
+    # ------------------------------------------------------------------------------------------------
+
+    def _execute(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+                 caches: _Caches, run: _RowRun, write: bool) -> None:
+        context = self._contexts[graph]
+        for name, tensor in inputs.items():
+            shape = tuple(tensor.shape)
+            _ok(context.set_input_shape(name, shape), f"{graph} input {name} of shape {shape}")
+            _ok(context.set_tensor_address(name, tensor.data_ptr()), f"the address of {graph} input {name}")
+        _bind_caches(context, caches, run, write)
+        for name, tensor in outputs.items():
+            _ok(context.set_tensor_address(name, tensor.data_ptr()), f"the address of {graph} output {name}")
+        _ok(context.execute_async_v3(self._stream.cuda_stream if self._stream is not None else 0), f"to run {graph}")
+
+    @contextmanager
+    def _on_own_stream(self) -> Iterator[None]:
+        """Run the plans and the torch ops around them on this executor's stream, after the caller's pending
+        work; the caller's stream then waits for them, so it reads outputs only once they are written."""
+        if self._stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            yield
+        caller.wait_stream(self._stream)
+
+
+def _check_plan(trt: Any, engine, path: Path, cache_length: int) -> None:
+    """The plan's caches have `cache_length` positions, and each present_* output is TensorRT's in-place update
+    of its past_* input (the executor binds both to one buffer)."""
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        if name.startswith("past_") and engine.get_tensor_shape(name)[2] != cache_length:
+            raise RuntimeError(f"{path}: {name} has {engine.get_tensor_shape(name)[2]} positions, not the "
+                               f"{cache_length} of {PLANS_INFO}")
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT and name.startswith("present_"):
+            past = name.replace("present_", "past_", 1)
+            if engine.get_aliased_input_tensor(name) != past:
+                raise RuntimeError(f"{path}: output {name} is not aliased to input {past} in this plan; binding both "
+                                   "to one cache buffer would be wrong")
