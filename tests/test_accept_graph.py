@@ -1,0 +1,96 @@
+"""The acceptance step as ONNX: the plain-op graph equals speculative/core.py in onnxruntime; the plugin form
+is one DFlashAccept node that TensorRT maps to plugins/dflash."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from trtllm_dflash.compile.accept_graph import (
+    INPUTS, OUTPUTS, PLUGIN_NAMESPACE, accept_step, export_accept_graph, plugin_accept_graph,
+)
+from trtllm_dflash.speculative.core import accepted_lengths, block_input, bonus_tokens, gumbel_noise, sample_tokens
+
+ort = pytest.importorskip("onnxruntime")
+BLOCK, MASK = 8, 3
+
+
+def cases(seed: int, batch: int, vocab: int):
+    """Random verify passes whose drafts match the target's tokens for 0..K positions, greedy and sampled."""
+    g = torch.Generator().manual_seed(seed)
+    K = BLOCK - 1
+    logits = torch.randint(-2, 3, (batch, K + 1, vocab), generator=g).float()  # small integers: many ties
+    logits[batch // 2:] = torch.randn(batch - batch // 2, K + 1, vocab, generator=g) * 3
+    temperature = torch.where(torch.rand(batch, generator=g) < 0.5, 0.0, 0.3 + torch.rand(batch, generator=g))
+    seeds = torch.randint(0, 2**62, (batch,), generator=g).tolist()
+    starts = torch.randint(0, 100, (batch,), generator=g)
+    positions = starts[:, None] + 1 + torch.arange(K + 1)
+    target = sample_tokens(logits, temperature, seeds, positions)  # the reference's own tokens
+    draft = target[:, :-1].clone()
+    for b, keep in enumerate(torch.randint(0, K + 1, (batch,), generator=g).tolist()):  # accept `keep` drafts
+        draft[b, keep:] = (draft[b, keep:] + 1 + torch.randint(0, vocab - 1, (K - keep,), generator=g)) % vocab
+    noise = torch.stack([torch.stack([gumbel_noise(s, int(p), vocab) for p in row]) for s, row in zip(seeds, positions)])
+    accepted = accepted_lengths(draft, target)
+    expected = {
+        "accepted": accepted,
+        "committed_tokens": torch.where(torch.arange(K + 1) <= accepted[:, None], target, -1),
+        "next_block": block_input(bonus_tokens(target, accepted), MASK, BLOCK),
+        "next_positions": (starts + accepted + 1)[:, None] + torch.arange(BLOCK),
+        "new_context_lengths": starts + accepted + 1,
+    }
+    return (draft, logits, temperature, noise, starts), expected
+
+
+@pytest.fixture(scope="module")
+def plain_graph(tmp_path_factory):
+    return export_accept_graph(tmp_path_factory.mktemp("accept") / "accept.onnx", MASK, BLOCK)
+
+
+def test_torch_form_equals_core():
+    seen = set()
+    for seed in range(20):
+        inputs, expected = cases(seed, batch=16, vocab=50)
+        got = dict(zip(OUTPUTS, accept_step(*inputs, MASK, BLOCK)))
+        for name in OUTPUTS:
+            assert torch.equal(got[name], expected[name]), name
+        seen |= set(expected["accepted"].tolist())
+    assert seen == set(range(BLOCK))  # every accepted length occurred
+
+
+def test_plain_graph_in_onnxruntime_equals_core(plain_graph):
+    model = onnx.load(str(plain_graph))
+    onnx.checker.check_model(model, full_check=True)
+    ops = {n.op_type for n in model.graph.node}
+    assert {"ArgMax", "CumSum", "GatherElements"} <= ops and "CumProd" not in ops, ops
+    session = ort.InferenceSession(str(plain_graph), providers=["CPUExecutionProvider"])
+    for seed, (batch, vocab) in enumerate([(16, 50), (3, 500), (1, 2), (32, 101)]):  # batch and vocab are dynamic
+        inputs, expected = cases(100 + seed, batch, vocab)
+        got = session.run(list(OUTPUTS), {n: t.numpy() for n, t in zip(INPUTS, inputs)})
+        for name, value in zip(OUTPUTS, got):
+            assert torch.equal(torch.from_numpy(value), expected[name]), (seed, name)
+
+
+def test_plugin_form_is_one_dflash_accept_node(tmp_path):
+    path = plugin_accept_graph(tmp_path / "accept_plugin.onnx", MASK, BLOCK)
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    (node,) = model.graph.node
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert (node.op_type, node.domain) == ("DFlashAccept", PLUGIN_NAMESPACE)
+    assert attrs == {"plugin_namespace": PLUGIN_NAMESPACE.encode(), "plugin_version": b"1", "block_size": BLOCK,
+                     "mask_token_id": MASK}
+    assert [i.name for i in model.graph.input] == list(INPUTS) and [o.name for o in model.graph.output] == list(OUTPUTS)
+    with pytest.raises(Exception, match="DFlashAccept"):  # onnxruntime has no kernel for it: TensorRT's node
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_plain_graph_builds_with_tensorrt_rtx(plain_graph):
+    """Ahead of time, on this CPU: ArgMax becomes TopK, CumSum a cumulative layer; SM89 and SM120."""
+    trt = pytest.importorskip("tensorrt_rtx_bindings", reason="pip install 'trtllm-dflash[tensorrt-rtx]'")
+    from trtllm_dflash.compile.tensorrt_build import DimRange, build_plan, layer_types, parse_graph
+
+    shapes = {"batch": DimRange(1, 8, 32), "vocab": DimRange(2, 4096, 200_000)}
+    assert build_plan(trt, plain_graph, dtype_note="float32", shapes=shapes, targets=["SM89", "SM120"])
+    layers = layer_types(parse_graph(trt, plain_graph).network)
+    assert layers["TOPK"] == 1 and layers["CUMULATIVE"] == 1, layers
