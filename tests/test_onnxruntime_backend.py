@@ -140,3 +140,21 @@ def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, ca
     graph = graph_dir(damaged, 0) / "drafter_draft.onnx"
     graph.write_bytes(graph.read_bytes()[:-1] + b"\x00")
     refused([run[0], str(damaged), *run[1:]], "drafter_draft.onnx: engine file does not match manifest.json")
+
+
+def test_cache_rows_stay_contiguous():
+    """Slots come in any order; rows stay 0 .. n-1, and a freed row is refilled by the last one (caches moved)."""
+    from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
+
+    caches = LayerCaches.zeros(layers=1, num_slots=4, kv_heads=1, length=2, head_dim=1, dtype=torch.float32)
+    rows = CacheRows([caches])
+    run = rows.run_of(torch.tensor([7, 2, 5]))  # three new requests: rows 0, 1, 2
+    assert (run.first, run.rows, run.batch_rows.tolist()) == (0, 3, [0, 1, 2])
+    caches.keys[0][2] = 5.0  # slot 5's cache
+    rows.release(7)  # row 0 freed: slot 5 (last row) moves in
+    assert rows.in_use == 2 and caches.keys[0][0].eq(5.0).all()
+    run = rows.run_of(torch.tensor([5, 2]))
+    assert (run.first, run.rows, run.batch_rows.tolist()) == (0, 2, [0, 1])
+    run = RowRun([3, 1])  # the docstring's example: row 2 is padding
+    assert (run.first, run.rows, run.batch_rows.tolist()) == (1, 3, [2, 0])
+    assert run.spread(torch.tensor([[30], [10]]), -1).tolist() == [[10], [-1], [30]]

@@ -366,7 +366,7 @@ def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
     got = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
            for r in Decoder(executor, mode, cfg.eos_token_ids).generate(reqs)}
     assert got == expected
-    assert executor._rows == {}  # every request released its row
+    assert executor._rows.in_use == 0  # every request released its row
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ from trtllm_dflash.compile.tensorrt_build import (
 from trtllm_dflash.engine_dir import EngineConfig
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
 from trtllm_dflash.runtime.executor import StepOutput, engine_specs
-from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor, _Caches, _RowRun
 from trtllm_dflash.speculative.core import block_input
 
 COMMAND = "--backend tensorrt"
@@ -63,43 +63,18 @@ def _ok(done: bool, what: str) -> None:
         raise RuntimeError(f"TensorRT refused {what} (its log says why)")
 
 
-def _spread(run: _RowRun, batch: torch.Tensor, pad: int | torch.Tensor) -> torch.Tensor:
-    """[B, ...] -> [run.rows, ...] on batch's device; padding rows hold `pad` (a number, or a row to broadcast).
-
-    As _RowRun.spread, in torch instead of numpy, so the result can stay on the GPU."""
-    out = batch.new_empty((run.rows, *batch.shape[1:]))
-    out[:] = pad
-    out[run.batch_rows.to(batch.device)] = batch
-    return out.contiguous()
-
-
-def _bind_caches(context: ExecutionContext, caches: _Caches, run: _RowRun, write: bool) -> None:
+def _bind_caches(context: ExecutionContext, caches: LayerCaches, run: RowRun, write: bool) -> None:
     """Bind rows run.first .. run.first + run.rows - 1 of every cache as past_* (and, with `write`, present_*)."""
-    for i, (k, v) in enumerate(zip(caches.keys, caches.values)):
-        for kind, buf in (("key", k), ("value", v)):
-            shape, address = (run.rows, *buf.shape[1:]), buf[run.first].data_ptr()
-            _ok(context.set_input_shape(f"past_{kind}_{i}", shape), f"past_{kind}_{i} of shape {shape}")
-            _ok(context.set_tensor_address(f"past_{kind}_{i}", address), f"the address of past_{kind}_{i}")
-            if write:
-                _ok(context.set_tensor_address(f"present_{kind}_{i}", address), f"the address of present_{kind}_{i}")
-
-
-def _caches(layers: int, num_slots: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device) -> _Caches:
-    def new() -> torch.Tensor:
-        return torch.zeros(num_slots, kv_heads, length, head_dim, dtype=dtype, device=device)
-
-    return _Caches([new() for _ in range(layers)], [new() for _ in range(layers)])
+    for name, buf in caches.named():
+        shape, address = (run.rows, *buf.shape[1:]), buf[run.first].data_ptr()
+        _ok(context.set_input_shape(f"past_{name}", shape), f"past_{name} of shape {shape}")
+        _ok(context.set_tensor_address(f"past_{name}", address), f"the address of past_{name}")
+        if write:
+            _ok(context.set_tensor_address(f"present_{name}", address), f"the address of present_{name}")
 
 
 class TensorRTExecutor:
     """Target + drafter plans: three execution contexts over caches this executor owns."""
-
-    # The onnxruntime executor's row bookkeeping, unchanged: `_run_of` gives a new slot the next free row and
-    # returns the batch's run of rows; `release` moves the last row's request into the freed row. Both use only
-    # self._rows, self._target and self._drafter (_Caches).
-    _run_of = OnnxRuntimeExecutor._run_of
-    release = OnnxRuntimeExecutor.release
 
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
                  device: torch.device | str, cache_length: int, owners: tuple = ()):
@@ -114,11 +89,11 @@ class TensorRTExecutor:
         self.block_size = block_size or params.block_size
         self.mask_token_id = params.mask_token_id
         self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
-        self._target = _caches(target.num_layers, self.num_slots, target.num_kv_heads, cache_length,
-                               target.head_dim, dtype, self.device)
-        self._drafter = _caches(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
-                                drafter.head_dim, dtype, self.device)
-        self._rows: dict[int, int] = {}  # slot -> cache row; rows 0 .. len - 1 are in use
+        self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, cache_length,
+                                         target.head_dim, dtype, self.device)
+        self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
+                                          drafter.head_dim, dtype, self.device)
+        self._rows = CacheRows((self._target, self._drafter))  # slot -> cache row (runtime/cache_rows.py)
         self._contexts = dict(contexts)
         self._owners = owners  # released after the contexts (attribute order); a tuple frees its last item first
         # cpu: only for contexts that are not TensorRT's (the tests' onnxruntime stand-ins); they get stream 0.
@@ -173,14 +148,14 @@ class TensorRTExecutor:
 
     def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
-        run = self._run_of(slots)
+        run = self._rows.run_of(slots)
         T = token_ids.shape[1]
         with self._on_own_stream():
             steps = torch.arange(T, device=self.device)
             logits = torch.empty((run.rows, T, self.vocab_size), dtype=torch.float32, device=self.device)
             hidden = torch.empty((run.rows, T, self._features), dtype=self._dtype, device=self.device)
-            self._execute("target_step", {"token_ids": _spread(run, token_ids, 0),
-                                          "positions": _spread(run, starts[:, None] + steps, steps)},
+            self._execute("target_step", {"token_ids": run.spread(token_ids, 0),
+                                          "positions": run.spread(starts[:, None] + steps, steps)},
                           {"logits": logits, "hidden": hidden}, self._target, run, write=True)
             rows = run.batch_rows.to(self.device)
             logits, hidden = logits[rows], hidden[rows]
@@ -190,30 +165,33 @@ class TensorRTExecutor:
 
     def draft(self, anchors, starts, slots) -> torch.Tensor:
         """Greedy drafts [B, block_size - 1] (argmax of the target's lm_head inside the plan)."""
-        run = self._run_of(slots)
+        run = self._rows.run_of(slots)
         with self._on_own_stream():
             steps = torch.arange(self.block_size, device=self.device)
             block = block_input(anchors, self.mask_token_id, self.block_size)
             drafts = torch.empty((run.rows, self.block_size - 1), dtype=torch.int64, device=self.device)
-            self._execute("drafter_draft", {"block_ids": _spread(run, block, self.mask_token_id),
-                                            "positions": _spread(run, starts[:, None] + steps, steps)},
+            self._execute("drafter_draft", {"block_ids": run.spread(block, self.mask_token_id),
+                                            "positions": run.spread(starts[:, None] + steps, steps)},
                           {"draft_tokens": drafts}, self._drafter, run, write=False)
             drafts = drafts[run.batch_rows.to(self.device)]
         return drafts
 
     def append_context(self, hidden, starts, slots) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
-        run = self._run_of(slots)
+        run = self._rows.run_of(slots)
         with self._on_own_stream():
             steps = torch.arange(hidden.shape[1], device=self.device)
-            self._execute("drafter_context", {"target_hidden": _spread(run, hidden, 0),
-                                              "positions": _spread(run, starts[:, None] + steps, steps)},
+            self._execute("drafter_context", {"target_hidden": run.spread(hidden, 0),
+                                              "positions": run.spread(starts[:, None] + steps, steps)},
                           {}, self._drafter, run, write=True)
+
+    def release(self, slot: int) -> None:
+        self._rows.release(slot)
 
     # ------------------------------------------------------------------------------------------------
 
     def _execute(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-                 caches: _Caches, run: _RowRun, write: bool) -> None:
+                 caches: LayerCaches, run: RowRun, write: bool) -> None:
         context = self._contexts[graph]
         for name, tensor in inputs.items():
             shape = tuple(tensor.shape)
