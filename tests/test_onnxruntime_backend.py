@@ -158,3 +158,22 @@ def test_cache_rows_stay_contiguous():
     run = RowRun([3, 1])  # the docstring's example: row 2 is padding
     assert (run.first, run.rows, run.batch_rows.tolist()) == (1, 3, [2, 0])
     assert run.spread(torch.tensor([[30], [10]]), -1).tolist() == [[10], [-1], [30]]
+
+
+def test_onnxruntime_missing_is_one_sentence(qwen3_pair, qwen3_ort_engine, tmp_path, capsys, monkeypatch):
+    """Without the onnx extra: `run --backend onnxruntime` and `build` with backend: onnxruntime say what to install."""
+    import sys
+
+    for module in ("onnxruntime", "onnxscript"):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    assert main(["run", str(qwen3_ort_engine), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --backend onnxruntime needs onnxruntime: pip install "
+                                               "'trtllm-dflash[onnx]'.")
+    config = tmp_path / "b.yaml"
+    config.write_text(f"target: {qwen3_pair / 'target'}\ndrafter: {qwen3_pair / 'drafter'}\noutput: {tmp_path / 'e'}\n"
+                      "dtype: float32\nbackend: onnxruntime\n")
+    assert main(["build", str(config)]) == 2
+    assert "backend onnxruntime needs the onnx extra: pip install 'trtllm-dflash[onnx]'" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "e").exists()
