@@ -52,6 +52,7 @@ def test_bench_smoke(bench_engine, tmp_path, capsys):
     report = json.loads(report_path.read_text())
     assert report["dataset_format"] == "speed-bench" and report["num_requests"] == 2
     assert {"cpu", "cpu_cores", "torch_threads"} <= set(report["machine"])
+    assert report["backend"] == "torch"  # the executor that ran, named in the report
     points = {(p["mode"], p["concurrency"]): p for p in report["points"]}
     assert set(points) == {("ar", 1), ("ar", 2), ("dflash", 1), ("dflash", 2)}
     for p in points.values():

@@ -95,7 +95,7 @@ def markdown(report: dict) -> str:
     """The whole report as markdown: performance by mode and concurrency, bound, acceptance by position / category."""
     head = (f"`trtllm-dflash bench` {report['engine']} on {report['dataset']} ({report['dataset_format']}): "
             f"{report['num_requests']} requests, up to {report['max_new_tokens']} new tokens, greedy, "
-            f"{report['dtype']}; medians of {report['repeats']} runs after {report['warmup']} warm-up requests; "
+            f"{report['dtype']}, {report.get('backend', 'torch')} executor; medians of {report['repeats']} runs after {report['warmup']} warm-up requests; "
             f"{describe(report['machine'])}; {report['date']}")
     parts = [head, "", *performance_table(report)]
     if report["speedup_bound"]:

@@ -133,6 +133,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         "modes": list(opts.modes),
         "max_batch_size": cfg.max_batch_size,
         "dtype": cfg.dtype,
+        "backend": opts.backend or cfg.backend,  # the executor that ran (README "Backends")
         "points": points,
         "speedup_bound": bounds,
     }
