@@ -100,7 +100,7 @@ class OnnxRuntimeExecutor:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
         run = self._rows.run_of(slots)
         T = token_ids.shape[1]
-        binding = self._session("target_step.onnx").io_binding()
+        binding = self._sessions["target_step.onnx"].io_binding()
         binding.bind_cpu_input("token_ids", _numpy(run.spread(token_ids, 0)))
         binding.bind_cpu_input("positions", _numpy(run.spread(starts[:, None] + torch.arange(T), torch.arange(T))))
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
@@ -109,7 +109,7 @@ class OnnxRuntimeExecutor:
         _bind_output(binding, "logits", logits)
         _bind_output(binding, "hidden", hidden)
         _bind_caches(binding, self._target, run, write=True)
-        self._session("target_step.onnx").run_with_iobinding(binding)
+        self._sessions["target_step.onnx"].run_with_iobinding(binding)
         logits, hidden = logits[run.batch_rows], hidden[run.batch_rows]
         if last_index is not None:
             logits = logits[torch.arange(logits.shape[0]), last_index][:, None]
@@ -120,27 +120,24 @@ class OnnxRuntimeExecutor:
         run = self._rows.run_of(slots)
         block = block_input(anchors, self.mask_token_id, self.block_size)
         positions = starts[:, None] + torch.arange(self.block_size)
-        binding = self._session("drafter_draft.onnx").io_binding()
+        binding = self._sessions["drafter_draft.onnx"].io_binding()
         binding.bind_cpu_input("block_ids", _numpy(run.spread(block, self.mask_token_id)))
         binding.bind_cpu_input("positions", _numpy(run.spread(positions, torch.arange(self.block_size))))
         _bind_caches(binding, self._drafter, run, write=False)
         drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64)
         _bind_output(binding, "draft_tokens", drafts)
-        self._session("drafter_draft.onnx").run_with_iobinding(binding)
+        self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
         return drafts[run.batch_rows]
 
     def append_context(self, hidden, starts, slots) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
         run = self._rows.run_of(slots)
         C = hidden.shape[1]
-        binding = self._session("drafter_context.onnx").io_binding()
+        binding = self._sessions["drafter_context.onnx"].io_binding()
         binding.bind_cpu_input("target_hidden", _numpy(run.spread(hidden, 0)))
         binding.bind_cpu_input("positions", _numpy(run.spread(starts[:, None] + torch.arange(C), torch.arange(C))))
         _bind_caches(binding, self._drafter, run, write=True)
-        self._session("drafter_context.onnx").run_with_iobinding(binding)
+        self._sessions["drafter_context.onnx"].run_with_iobinding(binding)
 
     def release(self, slot: int) -> None:
         self._rows.release(slot)
-
-    def _session(self, name: str):
-        return self._sessions[name]
