@@ -16,10 +16,10 @@ ort = pytest.importorskip("onnxruntime")
 BLOCK, MASK = 8, 3
 
 
-def cases(seed: int, batch: int, vocab: int):
+def cases(seed: int, batch: int, vocab: int, block: int = BLOCK):
     """Random verify passes whose drafts match the target's tokens for 0..K positions, greedy and sampled."""
     g = torch.Generator().manual_seed(seed)
-    K = BLOCK - 1
+    K = block - 1
     logits = torch.randint(-2, 3, (batch, K + 1, vocab), generator=g).float()  # small integers: many ties
     logits[batch // 2:] = torch.randn(batch - batch // 2, K + 1, vocab, generator=g) * 3
     temperature = torch.where(torch.rand(batch, generator=g) < 0.5, 0.0, 0.3 + torch.rand(batch, generator=g))
@@ -35,8 +35,8 @@ def cases(seed: int, batch: int, vocab: int):
     expected = {
         "accepted": accepted,
         "committed_tokens": torch.where(torch.arange(K + 1) <= accepted[:, None], target, -1),
-        "next_block": block_input(bonus_tokens(target, accepted), MASK, BLOCK),
-        "next_positions": (starts + accepted + 1)[:, None] + torch.arange(BLOCK),
+        "next_block": block_input(bonus_tokens(target, accepted), MASK, block),
+        "next_positions": (starts + accepted + 1)[:, None] + torch.arange(block),
         "new_context_lengths": starts + accepted + 1,
     }
     return (draft, logits, temperature, noise, starts), expected
@@ -44,7 +44,7 @@ def cases(seed: int, batch: int, vocab: int):
 
 @pytest.fixture(scope="module")
 def plain_graph(tmp_path_factory):
-    return export_accept_graph(tmp_path_factory.mktemp("accept") / "accept.onnx", MASK, BLOCK)
+    return export_accept_graph(tmp_path_factory.mktemp("accept") / "accept.onnx", MASK)
 
 
 def test_torch_form_equals_core():
@@ -64,8 +64,9 @@ def test_plain_graph_in_onnxruntime_equals_core(plain_graph):
     ops = {n.op_type for n in model.graph.node}
     assert {"ArgMax", "CumSum", "GatherElements"} <= ops and "CumProd" not in ops, ops
     session = ort.InferenceSession(str(plain_graph), providers=["CPUExecutionProvider"])
-    for seed, (batch, vocab) in enumerate([(16, 50), (3, 500), (1, 2), (32, 101)]):  # batch and vocab are dynamic
-        inputs, expected = cases(100 + seed, batch, vocab)
+    # batch, block and vocab are dynamic
+    for seed, (batch, vocab, block) in enumerate([(16, 50, 8), (3, 500, 8), (1, 2, 2), (32, 101, 16), (5, 60, 4)]):
+        inputs, expected = cases(100 + seed, batch, vocab, block)
         got = session.run(list(OUTPUTS), {n: t.numpy() for n, t in zip(INPUTS, inputs)})
         for name, value in zip(OUTPUTS, got):
             assert torch.equal(torch.from_numpy(value), expected[name]), (seed, name)
@@ -90,7 +91,8 @@ def test_plain_graph_builds_with_tensorrt_rtx(plain_graph):
     trt = pytest.importorskip("tensorrt_rtx_bindings", reason="pip install 'trtllm-dflash[tensorrt-rtx]'")
     from trtllm_dflash.compile.tensorrt_build import DimRange, build_plan, layer_types, parse_graph
 
-    shapes = {"batch": DimRange(1, 8, 32), "vocab": DimRange(2, 4096, 200_000)}
+    shapes = {"batch": DimRange(1, 8, 32), "drafts": DimRange(1, 15, 63), "drafts + 1": DimRange(2, 16, 64),
+              "vocab": DimRange(2, 4096, 200_000)}
     assert build_plan(trt, plain_graph, dtype_note="float32", shapes=shapes, targets=["SM89", "SM120"])
     layers = layer_types(parse_graph(trt, plain_graph).network)
     assert layers["TOPK"] == 1 and layers["CUMULATIVE"] == 1, layers

@@ -62,12 +62,12 @@ def requests(vocab: int) -> list[Request]:
 
 def test_graphs_are_in_the_engine_and_its_manifest(ort_engine, capsys):
     manifest = json.loads((ort_engine / "manifest.json").read_text())["files"]
-    for name in ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx"):
+    for name in ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx", "accept_plugin.onnx"):
         assert (graph_dir(ort_engine, 0) / name).is_file()
         assert f"onnx/rank0/{name}" in manifest
     assert json.loads((ort_engine / "config.json").read_text())["backend"] == "onnxruntime"
     assert main(["inspect", str(ort_engine)]) == 0
-    assert "backend  onnxruntime: onnx/rank0/drafter_context.onnx (" in capsys.readouterr().out
+    assert "backend  onnxruntime: onnx/rank0/accept.onnx (" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mode", ["dflash", "ar"])

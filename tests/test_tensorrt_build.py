@@ -22,7 +22,10 @@ import torch
 
 from trtllm_dflash.compile import tensorrt_build
 from trtllm_dflash.compile.tensorrt_build import (
+    ACCEPT,
+    ACCEPT_PLUGIN,
     GRAPHS,
+    PLANS,
     PLANS_DIR,
     PLANS_INFO,
     DimRange,
@@ -78,10 +81,22 @@ def copy_engine(src: Path, tmp_path: Path, fake_graphs: bool = False) -> Path:
     shutil.copytree(src, root)
     if fake_graphs:
         graph_dir(root, 0).mkdir(parents=True)
-        for g in GRAPHS:
-            (graph_dir(root, 0) / f"{g}.onnx").write_bytes(b"not really a graph")
+        for g in (*GRAPHS, ACCEPT, ACCEPT_PLUGIN):
+            (graph_dir(root, 0) / f"{g}.onnx").write_bytes(placeholder_graph())
         write_manifest(root)
     return root
+
+
+def placeholder_graph() -> bytes:
+    """A one-node ONNX model that says it is rank 0 of tp_size 1, as exported graphs do."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
+                                                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]))
+    onnx.helper.set_model_props(model, {"rank": "0", "tp_size": "1"})
+    return model.SerializeToString()
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -169,8 +184,8 @@ def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
     for fail_at in (None, None):  # compile, then compile again: the plans are replaced
         built.clear()
         files = compile_engine(root, report=lines.append)
-        assert files == [plan_file(root, 0, g) for g in GRAPHS] and built == list(GRAPHS)
-        assert [f.read_bytes() for f in files] == [f"plan of {g} #{i + 1}".encode() for i, g in enumerate(GRAPHS)]
+        assert files == [plan_file(root, 0, g) for g in PLANS] and built == list(PLANS)
+        assert [f.read_bytes() for f in files] == [f"plan of {g} #{i + 1}".encode() for i, g in enumerate(PLANS)]
         open_engine(root)  # the manifest lists the plans
         info = json.loads((root / PLANS_DIR / PLANS_INFO).read_text())
         assert info["tensorrt_version"] == "11.1.0.7" and info["compute_capability"] == "9.0"
@@ -178,8 +193,15 @@ def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
         assert [p.name for p in root.parent.iterdir()] == ["engine"]  # no temporaries left
         changed = {k for k in set(before) | set(snapshot(root)) if before.get(k) != snapshot(root).get(k)}
         assert changed == {"engine/manifest.json", "engine/tensorrt/plans.json",
-                           *(f"engine/tensorrt/rank0/{g}.engine" for g in GRAPHS)}
+                           *(f"engine/tensorrt/rank0/{g}.engine" for g in PLANS)}
     assert lines[0].startswith("rank 0: target_step -> tensorrt/rank0/target_step.engine")
+    # With the plugin library, the acceptance plan is built from its plugin form.
+    library = tmp_path / "libtrtllm_dflash_plugins.so"
+    library.write_bytes(b"")
+    built.clear()
+    compile_engine(root, plugin_library=library)
+    assert built == [*GRAPHS, ACCEPT_PLUGIN]
+    assert json.loads((root / PLANS_DIR / PLANS_INFO).read_text())["plugin_library"] == library.name
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -188,7 +210,7 @@ def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
 
 
 def fake_plans(root: Path, **info) -> None:
-    for g in GRAPHS:
+    for g in PLANS:
         plan_file(root, 0, g).parent.mkdir(parents=True, exist_ok=True)
         plan_file(root, 0, g).write_bytes(b"plan")
     info = {"tensorrt_version": "11.1.0.7", "compute_capability": "9.0", "device": "NVIDIA H200",
@@ -350,6 +372,9 @@ def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
     features = len(params.target_layer_ids) * target.hidden_size
 
     def output_shape(name, shapes):
+        if "draft_tokens" in shapes:  # the acceptance step
+            b, k = shapes["draft_tokens"]
+            return {"accepted": (b,), "new_context_lengths": (b,)}.get(name, (b, k + 1))
         b, t = shapes.get("token_ids", shapes.get("block_ids"))
         return {"logits": (b, t, target.vocab_size), "hidden": (b, t, features), "draft_tokens": (b, t - 1)}[name]
 
@@ -357,7 +382,7 @@ def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
     options.intra_op_num_threads = 1
     contexts = {g: OnnxRuntimeContext(ort.InferenceSession(str(graph_dir(ort_engine, 0) / f"{g}.onnx"), options,
                                                            providers=["CPUExecutionProvider"]), output_shape)
-                for g in GRAPHS}
+                for g in PLANS}
     executor = TensorRTExecutor(contexts, cfg, None, "cpu", cache_length(cfg))
     reference = Engine.load(ort_engine, backend="torch")
     reqs = requests(executor.vocab_size)

@@ -125,6 +125,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_trtllm(args: argparse.Namespace) -> int:
+    from trtllm_dflash.export.trtllm import export_trtllm
+
+    out = export_trtllm(args.engine_dir, args.output, args.force,
+                        report=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"TensorRT-LLM directory written to {out} (commands: {out / 'README.md'})", file=sys.stderr)
+    return 0
+
+
 def cmd_make_random_pair(args: argparse.Namespace) -> int:
     from trtllm_dflash.outputs import atomic_directory
     from trtllm_dflash.train.random_pair import write_random_pair
@@ -132,6 +141,17 @@ def cmd_make_random_pair(args: argparse.Namespace) -> int:
     with atomic_directory(args.output, "random pair", args.force) as tmp:
         write_random_pair(tmp, args.family, block_size=args.block_size, seed=args.seed)
     print(f"random target written to {args.output / 'target'}, drafter to {args.output / 'drafter'}", file=sys.stderr)
+    return 0
+
+
+def cmd_convert_drafter(args: argparse.Namespace) -> int:
+    from trtllm_dflash.checkpoint.speculators import convert_to_speculators
+
+    if args.vocab_text and args.prune_vocab is None:
+        raise UserError("--vocab-text chooses the tokens --prune-vocab keeps; give --prune-vocab N too.")
+    size = convert_to_speculators(args.drafter, args.target, args.output, args.prune_vocab, args.vocab_text,
+                                  args.force)
+    print(f"{args.to} drafter written to {args.output} (draft_vocab_size {size})", file=sys.stderr)
     return 0
 
 
@@ -309,6 +329,22 @@ def _add_train_drafter(sub) -> None:
     t.set_defaults(func=cmd_train_drafter)
 
 
+def _add_export(sub) -> None:
+    e = sub.add_parser("export", help="write an engine in another runtime's format",
+                       description="Writes an engine directory in the format another runtime loads as-is.")
+    formats = e.add_subparsers(dest="format", required=True)
+    t = formats.add_parser("trtllm", formatter_class=_HelpFormatter,
+                           help="a directory TensorRT-LLM's PyTorch backend (trtllm-serve, trtllm-bench) loads",
+                           description="Writes OUTPUT/target (HF checkpoint, ModelOpt unified format if quantized), "
+                                       "OUTPUT/drafter (z-lab DFlash drafter), OUTPUT/extra_llm_api_options.yaml "
+                                       "(decoding_type: DFlash) and OUTPUT/README.md with the commands.")
+    t.add_argument("engine_dir", type=Path)
+    t.add_argument("--output", type=Path, required=True,
+                   help="directory to write (new, empty, or written by export trtllm before, with --force)")
+    t.add_argument("--force", action="store_true", help="replace an OUTPUT that export trtllm wrote")
+    t.set_defaults(func=cmd_export_trtllm)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtllm-dflash", description="DFlash speculative decoding engines.")
     p.add_argument("--version", action="version", version=f"trtllm-dflash {__version__}")
@@ -387,6 +423,24 @@ def parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub)
     _add_train_drafter(sub)
+    _add_export(sub)
+
+    v = sub.add_parser("convert-drafter", formatter_class=_HelpFormatter,
+                       help="write a z-lab drafter in vLLM's speculators format, optionally with a pruned vocabulary",
+                       description="Copies the drafter's weights, adds the target's embedding and lm_head rows as "
+                                   "speculators' DFlash converter does, and with --prune-vocab N keeps only N "
+                                   "tokens (the drafter then has its own lm_head and d2t / t2d maps).")
+    v.add_argument("drafter", type=Path, help="z-lab DFlash drafter directory")
+    v.add_argument("output", type=Path, help="new drafter directory")
+    v.add_argument("--target", type=Path, required=True, help="the drafter's target (HF checkpoint directory)")
+    v.add_argument("--to", choices=("speculators",), default="speculators", help="output format")
+    v.add_argument("--prune-vocab", type=_positive_int, metavar="N",
+                   help="keep the N tokens most frequent in --vocab-text (default: the whole vocabulary)")
+    v.add_argument("--vocab-text", type=Path, nargs="+", default=[], metavar="FILE",
+                   help="text files whose token counts choose the kept tokens (ties and the rest: lowest ids) "
+                        "(default: none: the N lowest ids)")
+    v.add_argument("--force", action="store_true", help="replace an OUTPUT that convert-drafter wrote")
+    v.set_defaults(func=cmd_convert_drafter)
 
     m = sub.add_parser("make-random-pair", formatter_class=_HelpFormatter,
                        help="write a tiny random target (HF) + drafter (z-lab) pair, for pipeline smoke tests")

@@ -42,6 +42,9 @@ class BuildConfig(BaseModel):
     dtype: Dtype = "bfloat16"  # compute / storage dtype of the engine's weights
     quantization: Literal["none", "fp8", "nvfp4"] = "none"
     tp_size: Literal[1, 2, 4, 8] = 1  # tensor-parallel ranks (MPI processes at run time)
+    # Mixture-of-experts targets (gpt-oss) over tp_size ranks: "tp" splits every expert's intermediate features
+    # (TensorRT-LLM's default, its low-latency gpt-oss recipe), "ep" gives each rank whole experts.
+    moe_parallel: Literal["tp", "ep"] = "tp"
     max_batch_size: int = Field(8, ge=1, le=MAX_BATCH_SIZE)  # requests decoded together (KV cache slots)
     max_seq_len: int = Field(4096, ge=2)  # prompt + generated tokens per request (<= the target's positions)
     calibration: Path | None = None  # JSONL prompts for quantization (default: stdlib code)

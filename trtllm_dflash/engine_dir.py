@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from trtllm_dflash.config import Backend, Dtype, describe_validation_error
 from trtllm_dflash.errors import UserError
@@ -37,6 +37,18 @@ class DFlashSection(BaseModel):
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
+    # Rows of the drafter's own lm_head (`drafter.draft_lm_head.weight`; a speculators drafter whose lm_head is
+    # not the target's): with fewer rows than the target's vocabulary, `drafter.d2t` maps drafts to target ids.
+    # Absent (None): the drafter uses the target's lm_head.
+    draft_vocab_size: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_default_vocab(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Engines whose drafter uses the target's lm_head keep the config they had before the field existed."""
+        data = handler(self)
+        if data.get("draft_vocab_size") is None:
+            data.pop("draft_vocab_size", None)
+        return data
 
 
 class Mapping(BaseModel):

@@ -31,7 +31,7 @@ from typing import IO, Literal
 from trtllm_dflash.errors import UserError
 
 MARKER = ".trtllm-dflash"  # {"kind": ...} in every directory this tool writes
-Kind = Literal["engine", "model repository", "drafter", "random pair"]
+Kind = Literal["engine", "model repository", "drafter", "random pair", "trtllm export"]
 
 # The errors a user's file system can give any write or read; anything else stays a bug with a traceback.
 USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EISDIR,

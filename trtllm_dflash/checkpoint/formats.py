@@ -1,4 +1,5 @@
 """Checkpoint formats: HF decoder directories (targets) and z-lab DFlash drafters, plus pair validation.
+Drafters in vLLM's speculators format are read by checkpoint/speculators.py into the same DrafterCheckpoint.
 
 Tensor names and shapes are stated declaratively (`target_tensor_shapes`, `drafter_tensor_shapes`);
 loading checks a checkpoint against them before any weight is read.
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from trtllm_dflash.checkpoint.mxfp4 import BLOCK as MXFP4_BLOCK
+from trtllm_dflash.checkpoint.mxfp4 import MXFP4Dir
 from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object, require_dir
@@ -51,24 +54,61 @@ def _layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ...]]:
     return {f"{prefix}{name}": shape for name, shape in shapes.items()}
 
 
+def expert_weight_shapes(spec: DecoderSpec) -> dict[str, tuple[int, int, int]]:
+    """HF names -> shapes of the MoE expert weights (applied as x @ W; gate/up columns interleaved)."""
+    e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        shapes |= {prefix + "gate_up_proj": (e, h, 2 * i), prefix + "down_proj": (e, i, h)}
+    return shapes
+
+
+def _moe_layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """gpt-oss: the attention tensors of `_layer_shapes` plus per-head sinks; a router and experts as the MLP."""
+    e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    shapes = {name: shape for name, shape in _layer_shapes(spec, prefix).items() if ".mlp." not in name}
+    return shapes | {
+        f"{prefix}self_attn.sinks": (spec.num_heads,),
+        f"{prefix}mlp.router.weight": (e, h),
+        f"{prefix}mlp.router.bias": (e,),
+        f"{prefix}mlp.experts.gate_up_proj": (e, h, 2 * i),
+        f"{prefix}mlp.experts.gate_up_proj_bias": (e, 2 * i),
+        f"{prefix}mlp.experts.down_proj": (e, i, h),
+        f"{prefix}mlp.experts.down_proj_bias": (e, h),
+    }
+
+
 def target_tensor_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
-    """HF names of a Llama / Qwen3 causal LM's tensors -> shapes."""
+    """HF names of a Llama / Qwen3 / gpt-oss causal LM's tensors -> shapes (gpt-oss experts dequantized)."""
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
+    layer_shapes = _moe_layer_shapes if spec.num_experts else _layer_shapes
     for i in range(spec.num_layers):
-        shapes |= _layer_shapes(spec, f"model.layers.{i}.")
+        shapes |= layer_shapes(spec, f"model.layers.{i}.")
     shapes["model.norm.weight"] = (spec.hidden_size,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     return shapes
 
 
-def drafter_tensor_shapes(spec: DecoderSpec, params: DFlashParams) -> dict[str, tuple[int, ...]]:
-    """z-lab DFlash drafter tensors -> shapes (58 tensors for 5 layers; no embedding, no lm_head)."""
+# A drafter with its own lm_head (speculators format, checkpoint/speculators.py): its [draft_vocab_size, hidden]
+# weight, and with a pruned vocabulary the int64 offsets d2t [draft_vocab_size] (target id = draft id + d2t).
+# Not named `lm_head.weight`: that name is the target's, split over the vocabulary under tensor parallelism,
+# while these are replicated.
+DRAFT_LM_HEAD, D2T = "draft_lm_head.weight", "d2t"
+
+
+def drafter_tensor_shapes(spec: DecoderSpec, params: DFlashParams,
+                          draft_vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
+    """z-lab DFlash drafter tensors -> shapes (58 tensors for 5 layers; no embedding, no lm_head), plus
+    DRAFT_LM_HEAD when the drafter has its own lm_head of `draft_vocab_size` rows."""
     h = spec.hidden_size
     shapes = {"fc.weight": (h, len(params.target_layer_ids) * h), "hidden_norm.weight": (h,)}
     for i in range(spec.num_layers):
         shapes |= _layer_shapes(spec, f"layers.{i}.")
     shapes["norm.weight"] = (h,)
+    if draft_vocab_size is not None:
+        shapes[DRAFT_LM_HEAD] = (draft_vocab_size, h)
     return shapes
 
 
@@ -88,7 +128,19 @@ class DrafterCheckpoint:
     spec: DecoderSpec
     params: DFlashParams
     num_target_layers: int | None  # `num_target_layers` if the config states it
-    tensors: SafetensorsDir
+    tensors: SafetensorsDir  # under our (z-lab) names, whatever the format's
+    format: str = "z-lab"  # or "speculators"
+    draft_vocab_size: int | None = None  # rows of the drafter's own lm_head; None: it uses the target's
+
+    @property
+    def maps_vocab(self) -> bool:
+        """Its own lm_head covers a pruned vocabulary, so drafts go through d2t to become target ids."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.spec.vocab_size
+
+    def engine_tensor_names(self) -> list[str]:
+        """The drafter tensors an engine keeps, under our names."""
+        names = list(drafter_tensor_shapes(self.spec, self.params, self.draft_vocab_size))
+        return names + [D2T] if self.maps_vocab else names
 
 
 def _spec_from(raw: dict, config_path: Path) -> DecoderSpec:
@@ -119,6 +171,21 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: Path) -> SafetensorsDir:
+    """The target's tensors under their HF names; a published MXFP4 gpt-oss checkpoint's experts dequantized."""
+    quant = raw.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if not spec.num_experts or method is None:
+        return SafetensorsDir(directory)
+    if method != "mxfp4":
+        raise UserError(f"{config_path}: quantization_config.quant_method {method!r} is not supported for "
+                        "gpt-oss targets; supported: mxfp4 (the published checkpoints) or an unquantized checkpoint.")
+    for field, n in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)):
+        if n % MXFP4_BLOCK:
+            raise UserError(f"{config_path}: {field} {n} is not a multiple of the MXFP4 block {MXFP4_BLOCK}.")
+    return MXFP4Dir(directory, expert_weight_shapes(spec))
+
+
 def load_target(directory: Path) -> TargetCheckpoint:
     """Read config.json, generation_config.json and the safetensors headers (tensors: `load_pair`)."""
     directory = Path(directory)
@@ -126,7 +193,7 @@ def load_target(directory: Path) -> TargetCheckpoint:
     config_path = directory / "config.json"
     raw = read_json_object(config_path, "target config.json")
     spec = _spec_from(raw, config_path)
-    tensors = SafetensorsDir(directory)
+    tensors = _target_tensors(directory, raw, spec, config_path)
     gen_path = directory / "generation_config.json"
     gen = read_json_object(gen_path, "generation_config.json") if gen_path.exists() else {}
     eos = _eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id"))
@@ -173,19 +240,30 @@ def parse_drafter_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFl
 
 
 def load_drafter(directory: Path) -> DrafterCheckpoint:
+    """A z-lab drafter, or a speculators one (its config.json has `speculators_model_type`)."""
+    from trtllm_dflash.checkpoint import speculators  # (it builds on this module)
+
     directory = Path(directory)
     require_dir(directory, "drafter checkpoint directory")
     config_path = directory / "config.json"
     raw = read_json_object(config_path, "drafter config.json")
+    if speculators.is_speculators_config(raw):
+        return speculators.load_speculators_drafter(directory, raw, config_path)
     spec, params, num_target_layers = parse_drafter_config(raw, config_path)
     tensors = SafetensorsDir(directory)
     return DrafterCheckpoint(directory, raw, spec, params, num_target_layers, tensors)
+
+
+# How each drafter format names the DFlash fields in config.json, and its layer ids' offset from z-lab's.
+_DFLASH_FIELDS = {"z-lab": ("dflash_config.mask_token_id", "dflash_config.target_layer_ids", 0),
+                  "speculators": ("mask_token_id", "aux_hidden_state_layer_ids", 1)}
 
 
 def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
     """Everything that must hold for this drafter to run on this target; one sentence per failure."""
     t, d, p = target.spec, drafter.spec, drafter.params
     dcfg = drafter.directory / "config.json"
+    mask_field, ids_field, id_offset = _DFLASH_FIELDS[drafter.format]
     if d.hidden_size != t.hidden_size:
         raise UserError(
             f"{dcfg}: hidden_size is {d.hidden_size} but the target's hidden_size is {t.hidden_size}; "
@@ -198,28 +276,39 @@ def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
         )
     if not 0 <= p.mask_token_id < t.vocab_size:
         raise UserError(
-            f"{dcfg}: dflash_config.mask_token_id {p.mask_token_id} is not a row of the target embedding "
+            f"{dcfg}: {mask_field} {p.mask_token_id} is not a row of the target embedding "
             f"(vocab_size {t.vocab_size})."
         )
-    bad = [i for i in p.target_layer_ids if not 0 <= i < t.num_layers]
+    bad = [i + id_offset for i in p.target_layer_ids if not 0 <= i < t.num_layers]
     if bad:
         raise UserError(
-            f"{dcfg}: dflash_config.target_layer_ids {list(p.target_layer_ids)} has {bad} outside the "
-            f"target's decoder layers 0..{t.num_layers - 1} (num_hidden_layers {t.num_layers})."
+            f"{dcfg}: {ids_field} {[i + id_offset for i in p.target_layer_ids]} has {bad} outside the "
+            f"target's decoder layers {id_offset}..{t.num_layers - 1 + id_offset} (num_hidden_layers {t.num_layers})."
         )
     if drafter.num_target_layers is not None and drafter.num_target_layers != t.num_layers:
         raise UserError(
             f"{dcfg}: num_target_layers is {drafter.num_target_layers} but the target has "
             f"num_hidden_layers {t.num_layers}; this drafter was trained for another target."
         )
+    window = drafter.hf_config.get("sliding_window")
+    if "sliding_attention" in (drafter.hf_config.get("layer_types") or []) and window is not None:
+        # DFLASH.md §1: the z-lab reference keeps such layers non-causal, vLLM / SpecForge make them causal
+        # within the block; rather than guess, refuse.
+        raise UserError(f"{dcfg}: layer_types has sliding_attention layers (sliding_window {window}); "
+                        "sliding-window DFlash drafters are not supported yet, only full-attention ones.")
 
 
 def load_pair(target_dir: Path, drafter_dir: Path) -> tuple[TargetCheckpoint, DrafterCheckpoint]:
     """Load both checkpoints, validate the pair from their configs, then check every tensor's shape."""
+    from trtllm_dflash.checkpoint.speculators import share_target_vocab
+
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
     validate_pair(target, drafter)
     check_tensors(target.tensors, target_tensor_shapes(target.spec), "target")
-    check_tensors(drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params), "drafter")
+    if drafter.format == "speculators":
+        drafter = share_target_vocab(target, drafter)
+    check_tensors(drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params, drafter.draft_vocab_size),
+                  "drafter")
     return target, drafter
 
 

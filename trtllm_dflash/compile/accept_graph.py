@@ -56,25 +56,29 @@ def accept_step(draft: torch.Tensor, logits: torch.Tensor, temperature: torch.Te
 
 
 class _AcceptStep(nn.Module):
-    def __init__(self, mask_token_id: int, block_size: int):
+    """accept_step with the block length taken from the drafts (K + 1), so one graph serves every run-time
+    block size (`--block-size` may be shorter than the drafter's trained block)."""
+
+    def __init__(self, mask_token_id: int):
         super().__init__()
-        self.mask_token_id, self.block_size = mask_token_id, block_size
+        self.mask_token_id = mask_token_id
 
     def forward(self, draft, logits, temperature, noise, starts):
-        return accept_step(draft, logits, temperature, noise, starts, self.mask_token_id, self.block_size)
+        return accept_step(draft, logits, temperature, noise, starts, self.mask_token_id, draft.shape[1] + 1)
 
 
-def export_accept_graph(path: Path, mask_token_id: int, block_size: int) -> Path:
-    """The plain-op form, for onnxruntime and TensorRT-RTX; batch and vocabulary are dynamic."""
-    B, K, V = 2, block_size - 1, 7
+def export_accept_graph(path: Path, mask_token_id: int) -> Path:
+    """The plain-op form, for onnxruntime and TensorRT-RTX; batch, drafts (K) and vocabulary are dynamic."""
+    B, K, V = 2, 5, 7
     example = (torch.zeros(B, K, dtype=torch.long), torch.zeros(B, K + 1, V), torch.zeros(B),
                torch.zeros(B, K + 1, V), torch.zeros(B, dtype=torch.long))
-    batch, vocab = torch.export.Dim("batch", min=1), torch.export.Dim("vocab", min=2)
-    shapes = ({0: batch}, {0: batch, 2: vocab}, {0: batch}, {0: batch, 2: vocab}, {0: batch})
+    batch, drafts, vocab = (torch.export.Dim(n, min=m) for n, m in (("batch", 1), ("drafts", 1), ("vocab", 2)))
+    shapes = ({0: batch, 1: drafts}, {0: batch, 1: drafts + 1, 2: vocab}, {0: batch},
+              {0: batch, 1: drafts + 1, 2: vocab}, {0: batch})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)  # the exporter's notes on renaming the dynamic axes
-        program = torch.onnx.export(_AcceptStep(mask_token_id, block_size).eval(), example, dynamo=True, opset_version=23,
+        program = torch.onnx.export(_AcceptStep(mask_token_id).eval(), example, dynamo=True, opset_version=23,
                                     input_names=list(INPUTS), output_names=list(OUTPUTS), dynamic_shapes=shapes,
                                     verbose=False)
     path = Path(path)

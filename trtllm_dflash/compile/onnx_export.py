@@ -107,6 +107,7 @@ import torch.onnx.ops  # noqa: F401  (registers torch.ops.onnx.*, used by models
 from torch import nn
 from torch.export import Dim
 
+from trtllm_dflash.compile.accept_graph import export_accept_graph, plugin_accept_graph
 from trtllm_dflash.compile.onnx_ops import TRANSLATIONS, GraphKVCache
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.quantized import QuantizedInput
@@ -115,6 +116,7 @@ from trtllm_dflash.models.target import TargetModel
 OPSET = 24  # TensorScatter; Attention and RotaryEmbedding are opset 23
 WEIGHTS_FILE = "weights.onnx.data"
 TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT = "target_step", "drafter_context", "drafter_draft"
+ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
 _EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
 _ALIGN = 4096  # external tensors start on page boundaries, so a runtime can map them
 
@@ -235,9 +237,6 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
 
 def _check_exportable(model: nn.Module, what: str) -> None:
     for name, module in model.named_modules():
-        tp = getattr(module, "tp", None)
-        if tp is not None and tp.size != 1:
-            raise ValueError(f"{what}: the ONNX export is for tp 1; this module is rank {tp.rank} of tp {tp.size}")
         if isinstance(module, QuantizedInput):
             raise ValueError(f"{what}.{name}: quantized linears (NVFP4 / FP8 emulation) are not exported yet")
 
@@ -296,4 +295,11 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     models = {g.name: _to_onnx(g) for g in _graphs(target, drafter)}
-    return _save_sharing_weights(models, out_dir)
+    for model in models.values():  # which rank of which split: checked by compile before TensorRT reads it
+        model.metadata_props.update({"rank": str(target.tp.rank), "tp_size": str(target.tp.size)})
+    written = _save_sharing_weights(models, out_dir)
+    if drafter is not None:  # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
+        p = drafter.params
+        written += [export_accept_graph(out_dir / f"{ACCEPT}.onnx", p.mask_token_id),
+                    plugin_accept_graph(out_dir / f"{ACCEPT_PLUGIN}.onnx", p.mask_token_id, p.block_size)]
+    return written

@@ -1,4 +1,7 @@
-"""The KV cache of an exported graph: ONNX TensorScatter writes into caches that are graph inputs.
+"""Custom ops of the exported graphs: the KV-cache write (ONNX TensorScatter) and the tensor-parallel
+collectives (TensorRT's DistCollective).
+
+## KV cache: ONNX TensorScatter writes into caches that are graph inputs
 
 The models read and write their caches only through `KVCache.write` / `KVCache.read` (models/layers.py).
 `GraphKVCache` has the same two methods over per-layer tensors `[batch, kv_heads, max_len, head_dim]` that
@@ -14,14 +17,52 @@ an executor binds the rows of its slots). TensorRT parses it into its KV-cache u
 
 `tensor_scatter` is a torch custom op with a real eager implementation (so the export wrappers also run
 in plain torch) and an onnxscript translation for the exporter (TRANSLATIONS).
+
+## Collectives: TensorRT's DistCollective (tp > 1)
+A rank's graph sums its row-parallel partial outputs and gathers its vocabulary shard of the logits with
+one `DistCollective` node each (domain `trt`, the node polygraphy's multi-device sharding emits, which
+TensorRT's ONNX parser (10.16+) turns into an IDistCollectiveLayer over NCCL):
+
+    DistCollective(x, collective_operation="all_reduce", reduce_op="sum", root=-1,
+                   group_size=tp, groups=[0 .. tp-1])
+    Transpose(last axis first) -> DistCollective(collective_operation="all_gather", reduce_op="none", ...)
+                               -> Transpose(back)        all_gather concatenates along axis 0
+
+Found with TensorRT-RTX 1.7.1's parser (tests/test_tensorrt_build.py): the default ONNX domain fails
+onnx.checker ("No Op registered for DistCollective"), any other domain parses; root must be -1 and
+reduce_op "none" for these two operations; `groups` lists the ranks (or is empty with group_size 0). The
+parser leaves the layer's `num_ranks` at 1, which sizes an all_gather's output: compile/tensorrt_build.py
+sets it to the graph's group_size after parsing. onnxruntime cannot run these nodes: tp > 1 graphs are for
+TensorRT only.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from onnx.defs import OpSchema
+from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
 TENSOR_SCATTER_OPSET = 24
+COLLECTIVE_DOMAIN, COLLECTIVE_OP = "trt", "DistCollective"
+
+
+def _dist_collective_schema() -> OpSchema:
+    """The node's signature, for the exporter's graph builder (onnx registers no schema for it)."""
+    attr = OpSchema.Attribute
+    return OpSchema(
+        COLLECTIVE_OP, COLLECTIVE_DOMAIN, 1, doc="TensorRT's DistCollective (IDistCollectiveLayer)",
+        inputs=[OpSchema.FormalParameter("input", "T")], outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[attr("collective_operation", OpSchema.AttrType.STRING, ""),
+                    attr("reduce_op", OpSchema.AttrType.STRING, ""),
+                    attr("root", OpSchema.AttrType.INT, ""), attr("group_size", OpSchema.AttrType.INT, ""),
+                    attr("groups", OpSchema.AttrType.INTS, "")],
+    )
+
+
+_dist_collective = values.Op(values.Opset(COLLECTIVE_DOMAIN, 1), COLLECTIVE_OP, _dist_collective_schema())
 
 
 @torch.library.custom_op("dflash_onnx::tensor_scatter", mutates_args=())
@@ -44,8 +85,66 @@ def _tensor_scatter_onnx(cache, update, write_indices):
     return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="linear")
 
 
+def _group(group_size: int) -> dict:
+    return {"root": -1, "group_size": group_size, "groups": list(range(group_size))}
+
+
+def _run_collective(x: torch.Tensor, group_size: int, gather: bool) -> torch.Tensor:
+    """Eager form (the export wrappers also run in plain torch): torch.distributed over `group_size` ranks."""
+    if group_size == 1:
+        return x.clone()
+    if not (dist.is_initialized() and dist.get_world_size() == group_size):
+        raise RuntimeError(f"a collective over {group_size} ranks needs torch.distributed with that world size")
+    if not gather:
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+    parts = [torch.empty_like(x) for _ in range(group_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+@torch.library.custom_op("dflash_onnx::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Sum of x over the `group_size` ranks (the row-parallel projections, the vocab-parallel embedding)."""
+    return _run_collective(x, group_size, gather=False)
+
+
+@all_reduce.register_fake
+def _(x, group_size):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash_onnx::all_gather_last", mutates_args=())
+def all_gather_last(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Every rank's x concatenated along the last axis in rank order (the vocab-parallel logits)."""
+    return _run_collective(x, group_size, gather=True)
+
+
+@all_gather_last.register_fake
+def _(x, group_size):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * group_size))
+
+
+def _all_reduce_onnx(x, group_size: int):
+    return _dist_collective(x, collective_operation="all_reduce", reduce_op="sum", **_group(group_size))
+
+
+def _all_gather_last_onnx(x, group_size: int):
+    rank = len(x.shape)
+    first = [rank - 1, *range(rank - 1)]  # the gathered (last) axis first: all_gather concatenates axis 0
+    back = [*range(1, rank), 0]
+    gathered = _dist_collective(opset24.Transpose(x, perm=first), collective_operation="all_gather",
+                                   reduce_op="none", **_group(group_size))
+    return opset24.Transpose(gathered, perm=back)
+
+
 # custom_translation_table for torch.onnx.export
-TRANSLATIONS = {torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx}
+TRANSLATIONS = {
+    torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
+    torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
+    torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
+}
 
 
 class GraphKVCache:

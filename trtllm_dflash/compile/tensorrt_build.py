@@ -14,6 +14,8 @@ covers every dynamic dimension. It takes the module as an argument, so the same 
       tensorrt/rank{r}/target_step.engine  one plan per graph of onnx/rank{r}/
       tensorrt/rank{r}/drafter_context.engine
       tensorrt/rank{r}/drafter_draft.engine
+      tensorrt/rank{r}/accept.engine       the acceptance step: accept_plugin.onnx (our DFlashAccept plugin) with
+                                           --plugin-library, else accept.onnx (plain ONNX ops)
       manifest.json                        rewritten: lists the plans too
 
 Atomicity: the plans are built into a temporary sibling directory that holds hard links to the engine's files
@@ -50,6 +52,11 @@ from trtllm_dflash.outputs import atomic_directory
 # The graphs compile/onnx_export.py writes (its TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT; not imported, so
 # that this module loads without the onnx extra and a missing one is a UserError).
 GRAPHS = ("target_step", "drafter_context", "drafter_draft")
+# The acceptance step's plan: from accept_plugin.onnx (one DFlashAccept node: plugins/dflash/) when compile is
+# given the plugin library, else from accept.onnx (the same step in plain ONNX ops).
+ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
+PLANS = (*GRAPHS, ACCEPT)
+COLLECTIVE_OP = "DistCollective"  # compile/onnx_ops.py's tensor-parallel collectives
 PLANS_DIR, PLANS_INFO = "tensorrt", "plans.json"
 MIN_TENSORRT = (10, 15)  # RotaryEmbedding and TensorScatter in the ONNX parser
 _ALIGN = 256  # TensorRT's alignment for tensor addresses: each cache row must start on it
@@ -114,6 +121,10 @@ def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
         "ctx": DimRange(1, block, longest),
         "block": DimRange(2, block, block),
         "max_len": DimRange.fixed(cache_length(cfg)),
+        # accept.onnx: K drafts of a run-time block of K + 1 tokens, over the whole vocabulary
+        "drafts": DimRange(1, block - 1, block - 1),
+        "drafts + 1": DimRange(2, block, block),
+        "vocab": DimRange.fixed(int(cfg.target["vocab_size"])),
     }
 
 
@@ -148,6 +159,36 @@ class ParsedGraph:
     network: Any  # trt.INetworkDefinition
     parser: Any  # trt.OnnxParser (owns the weights the network refers to)
     logger: Any
+
+
+def graph_placement(onnx_path: Path) -> tuple[int, int]:
+    """(rank, tp_size) a graph was exported for: the metadata compile/onnx_export.py writes into each graph."""
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    try:
+        return int(meta["rank"]), int(meta["tp_size"])
+    except (KeyError, ValueError):
+        raise UserError(f"{onnx_path}: the graph does not say which rank and tp_size it was exported for "
+                        "(metadata 'rank' and 'tp_size'); rebuild the engine.") from None
+
+
+def set_collective_ranks(trt: ModuleType, network, onnx_path: Path) -> int:
+    """Give every DistCollective layer its number of ranks, the group_size of the graph's DistCollective nodes
+    (the ONNX parser leaves 1, which would size an all_gather's output for one rank); returns how many there are."""
+    import onnx
+
+    sizes = {attr.i for node in onnx.load(str(onnx_path), load_external_data=False).graph.node
+             if node.op_type == COLLECTIVE_OP for attr in node.attribute if attr.name == "group_size"}
+    if len(sizes) > 1:
+        raise PlanBuildError(f"{onnx_path}: DistCollective nodes of several group sizes {sorted(sizes)}")
+    ranks, count = next(iter(sizes), 1), 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.DIST_COLLECTIVE:
+            layer.num_ranks = ranks
+            count += 1
+    return count
 
 
 def _with_static_dims(onnx_path: Path, static: Mapping[str, int]) -> bytes:
@@ -278,6 +319,7 @@ def build_plan(trt: ModuleType, onnx_path: Path, *, dtype_note: str, shapes: Map
     graph = parse_graph(trt, onnx_path, static_dims=static, plugin_library=plugin_library)
     _check_in_place(graph.network, onnx_path)
     mark_attention_decomposable(trt, graph.network)
+    set_collective_ranks(trt, graph.network, onnx_path)
     config = graph.builder.create_builder_config()
     config.add_optimization_profile(_profile(graph.builder, graph.network, shapes, onnx_path))
     if targets:
@@ -324,9 +366,13 @@ def _require_onnx(command: str) -> None:
         raise UserError(f"{command} needs the onnx package: pip install 'trtllm-dflash[onnx]'.") from None
 
 
-def _missing_graphs(root: Path, ranks: int) -> list[Path]:
-    return [graph_dir(root, r) / f"{g}.onnx" for r in range(ranks) for g in GRAPHS
-            if not (graph_dir(root, r) / f"{g}.onnx").is_file()]
+def plan_source(root: Path, rank: int, plan: str, plugin: bool) -> Path:
+    """The ONNX graph a plan is built from (the acceptance step: its plugin form when a plugin library is used)."""
+    return graph_dir(root, rank) / f"{ACCEPT_PLUGIN if plan == ACCEPT and plugin else plan}.onnx"
+
+
+def _missing_graphs(root: Path, ranks: int, plugin: bool) -> list[Path]:
+    return [path for r in range(ranks) for g in PLANS if not (path := plan_source(root, r, g, plugin)).is_file()]
 
 
 def _link_tree(src: Path, dst: Path, skip: Iterable[Path]) -> None:
@@ -350,7 +396,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     root = Path(engine_dir)
     cfg = open_engine(root)  # the manifest check: a damaged or edited graph is refused here, before TensorRT
     ranks = cfg.mapping.tp_size
-    missing = _missing_graphs(root, ranks)
+    missing = _missing_graphs(root, ranks, plugin_library is not None)
     if missing:
         raise UserError(f"{root}: the engine has no ONNX graphs to compile ({missing[0]} is missing); build it "
                         "with `backend: onnxruntime` (an engine built with backend torch has none).")
@@ -359,6 +405,13 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     trt = import_tensorrt(command)
     _require_onnx(command)
     require_gpu(command)
+    for rank in range(ranks):  # a graph of another export (copied in from a tp 4 engine, ...) before any build
+        for graph in GRAPHS:
+            path = graph_dir(root, rank) / f"{graph}.onnx"
+            if graph_placement(path) != (rank, ranks):
+                exported = "rank {} of tp_size {}".format(*graph_placement(path))
+                raise UserError(f"{path}: this graph was exported for {exported}, but it is rank {rank}'s graph of an "
+                                f"engine split for tp_size {ranks}; rebuild the engine.")
 
     import torch
 
@@ -369,9 +422,9 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
         _link_tree(root, tmp, skip=[root / ".trtllm-dflash", root / "manifest.json", root / PLANS_DIR])
         for rank in range(ranks):
             plan_dir(tmp, rank).mkdir(parents=True)
-            for graph in GRAPHS:
-                plan = build_plan(trt, graph_dir(tmp, rank) / f"{graph}.onnx", dtype_note=cfg.dtype, shapes=shapes,
-                                  plugin_library=plugin_library)
+            for graph in PLANS:
+                source = plan_source(tmp, rank, graph, plugin_library is not None)
+                plan = build_plan(trt, source, dtype_note=cfg.dtype, shapes=shapes, plugin_library=plugin_library)
                 plan_file(tmp, rank, graph).write_bytes(plan)
                 written.append(plan_file(root, rank, graph))
                 if report is not None:
@@ -382,6 +435,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             "compute_capability": f"{major}.{minor}",
             "device": torch.cuda.get_device_name(),
             "cache_length": shapes["max_len"].max,
+            "tp_size": ranks,
             "shapes": {name: [r.min, r.opt, r.max] for name, r in shapes.items()},
             "plugin_library": Path(plugin_library).name if plugin_library is not None else None,
         }

@@ -14,7 +14,6 @@ from rich.progress import Progress
 
 from trtllm_dflash import __version__
 from trtllm_dflash.checkpoint.formats import (
-    drafter_tensor_shapes,
     load_pair,
     target_tensor_shapes,
 )
@@ -38,8 +37,9 @@ from trtllm_dflash.engine_dir import (
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.quantized import SCALE_SUFFIXES
 from trtllm_dflash.models.shard import check_tp, shard_tensor, split_for
+from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
-from trtllm_dflash.parallel.group import SINGLE
+from trtllm_dflash.parallel.group import TPGroup
 
 
 def quantization_section(quantization: str, target: dict[str, torch.Tensor], drafter: dict[str, torch.Tensor]) -> dict:
@@ -59,9 +59,11 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
     """What `backend: onnxruntime | tensorrt` can build today (see README "Backends")."""
     if cfg.backend == "torch":
         return
-    limits = [("tp_size", cfg.tp_size, 1), ("quantization", cfg.quantization, "none")]
-    if cfg.backend == "onnxruntime":  # onnxruntime's CPU kernels have no bfloat16 MatMul
-        limits.append(("dtype", cfg.dtype, "float32"))
+    limits = [("quantization", cfg.quantization, "none")]
+    if cfg.backend == "onnxruntime":
+        # onnxruntime cannot run TensorRT's DistCollective nodes (tensorrt engines export one graph per rank),
+        # and its CPU kernels have no bfloat16 MatMul.
+        limits = [("tp_size", cfg.tp_size, 1), *limits, ("dtype", cfg.dtype, "float32")]
     for key, value, supported in limits:
         if value != supported:
             raise UserError(f"{source}: backend {cfg.backend} builds {key} {supported} engines for now, not {value}; "
@@ -74,12 +76,38 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
                         f"'trtllm-dflash[onnx]' ({exc}).") from None
 
 
+def check_moe_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
+    """What a mixture-of-experts (gpt-oss) target can be built into today: torch executor, unquantized experts."""
+    if not spec.num_experts:
+        return
+    if cfg.quantization != "none":
+        raise UserError(f"{source}: quantization {cfg.quantization} of mixture-of-experts targets ({spec.model_type}) "
+                        "is not supported yet; use quantization: none (MXFP4 checkpoints are dequantized exactly).")
+    if cfg.backend != "torch":
+        raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (attention "
+                        "sinks and mixture-of-experts layers); use backend: torch for this engine.")
+
+
+def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: str) -> None:
+    """A drafter with its own lm_head (a speculators drafter whose lm_head is not the target's, e.g. over a
+    pruned vocabulary) runs on the torch executor only: the exported graphs draft with the target's lm_head,
+    and the drafter's quantization calibrates the z-lab modules only."""
+    if draft_vocab_size is None:
+        return
+    what = f"{source}: drafter {cfg.drafter} has its own lm_head over {draft_vocab_size} tokens"
+    if cfg.backend != "torch":
+        raise UserError(f"{what}, which backend {cfg.backend} does not support yet; use backend: torch.")
+    if cfg.quantize_drafter:
+        raise UserError(f"{what}, which quantize_drafter does not support yet; use quantize_drafter: false.")
+
+
 def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
     """Export rank `rank`'s graphs from the very torch modules the torch executor builds from ROOT's weights."""
     from trtllm_dflash.compile.onnx_export import export_engine_graphs
     from trtllm_dflash.runtime.executor import TorchExecutor
 
-    modules = TorchExecutor.from_engine(root, cfg, rank, SINGLE, "cpu", None)
+    tp = TPGroup(rank, cfg.mapping.tp_size)  # collectives become DistCollective nodes under export
+    modules = TorchExecutor.from_engine(root, cfg, rank, tp, "cpu", None)
     # torch.export's deprecation warnings and its "torchvision is not installed" log line say nothing to a user.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -116,8 +144,11 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
                 f"{target.spec.max_position_embeddings}."
             )
-        check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none")
+        check_moe_target(cfg, target.spec, source)
+        check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none",
+                 cfg.moe_parallel)
         check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)
+        check_own_lm_head(cfg, drafter.draft_vocab_size, source)
         tokenizer = load_tokenizer(cfg.target)
         batches = [] if cfg.quantization == "none" else calibration_batches(
             tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
@@ -138,10 +169,11 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
         module, q = name.removesuffix(".weight"), quantized[prefix]
         if f"{module}.weight_scale" in q:
             return [(key, q[key]) for key in (name, *(module + s for s in SCALE_SUFFIXES)) if key in q]
-        return [(name, store.get(name).to(dtype))]
+        tensor = store.get(name)  # (the drafter's d2t is an index map: it keeps its integer dtype)
+        return [(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)]
 
     sources = [(TARGET_PREFIX, target.tensors, target_tensor_shapes(target.spec), target.spec),
-               (DRAFTER_PREFIX, drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params), drafter.spec)]
+               (DRAFTER_PREFIX, drafter.tensors, drafter.engine_tensor_names(), drafter.spec)]
     with atomic_directory(cfg.output, "engine", force) as tmp:
         total = sum(len(names) for _, _, names, _ in sources)
         with _stage(report, f"wrote {cfg.tp_size} rank file{'s' if cfg.tp_size > 1 else ''}"), \
@@ -155,7 +187,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 for name in names:
                     for key, tensor in stored(prefix, store, name):
                         for rank, out in enumerate(outs):
-                            out.add(prefix + key, shard_tensor(tensor, split_for(key, spec, cfg.tp_size, rank)))
+                            out.add(prefix + key, shard_tensor(tensor, split_for(key, spec, cfg.tp_size, rank,
+                                                                                  cfg.moe_parallel)))
                     bar.advance(task)
         tokenizer.save_pretrained(str(tmp / TOKENIZER))
         engine_cfg = EngineConfig(
@@ -165,7 +198,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             drafter=drafter.spec.to_hf_dict(),
             dflash=DFlashSection(block_size=drafter.params.block_size,
                                  mask_token_id=drafter.params.mask_token_id,
-                                 target_layer_ids=list(drafter.params.target_layer_ids)),
+                                 target_layer_ids=list(drafter.params.target_layer_ids),
+                                 draft_vocab_size=drafter.draft_vocab_size),
             quantization=quantization_section(cfg.quantization, quantized[TARGET_PREFIX], quantized[DRAFTER_PREFIX]),
             mapping=Mapping(world_size=cfg.tp_size, tp_size=cfg.tp_size),
             max_batch_size=cfg.max_batch_size,
@@ -175,8 +209,10 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             backend=cfg.backend,
         )
         if cfg.backend in ("onnxruntime", "tensorrt"):  # TensorRT plans are built from the graphs by `compile`
-            with _stage(report, "exported the ONNX graphs of the target and drafter steps"):
-                export_rank_graphs(tmp, engine_cfg, rank=0)
+            ranks = f" of {cfg.tp_size} ranks" if cfg.tp_size > 1 else ""
+            with _stage(report, f"exported the ONNX graphs of the target and drafter steps{ranks}"):
+                for rank in range(cfg.tp_size):
+                    export_rank_graphs(tmp, engine_cfg, rank)
         (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")
         write_manifest(tmp)
     return cfg.output

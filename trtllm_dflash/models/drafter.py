@@ -11,11 +11,14 @@ ctx = hidden_norm(fc(concat(target hidden of target_layer_ids))):
 
 `ctx` is the same for every layer and never passes through input_layernorm or an MLP. Its K/V do not
 depend on the block, so they are computed once per committed position (`append_context`) and cached,
-exactly what the reference's DynamicCache + crop achieves. The drafter has no embedding and no
-lm_head: the target's are used.
+exactly what the reference's DynamicCache + crop achieves. The drafter has no embedding: the target's is
+used. Nor has it an lm_head, except a speculators-format drafter whose lm_head differs from the target's
+(a pruned draft vocabulary): it drafts in its own vocabulary, and d2t maps each draft to a target id.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -43,11 +46,18 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Target ids of draft-vocabulary ids; d2t holds offsets (speculators' convention), e.g. with kept target
+    ids [0, 5, 9]: d2t = [0, 4, 7], and draft ids [2, 0] -> target ids [9, 0]."""
+    return draft_ids + d2t[draft_ids]
+
+
 class DFlashDrafter(nn.Module):
     """Under tensor parallelism (`tp`) the draft layers are split like the target's; fc and the norms are
-    replicated."""
+    replicated, and so are an own lm_head and d2t (`draft_vocab_size`: its rows; None: the target's lm_head)."""
 
-    def __init__(self, spec: DecoderSpec, params: DFlashParams, tp: TPGroup = SINGLE):
+    def __init__(self, spec: DecoderSpec, params: DFlashParams, tp: TPGroup = SINGLE,
+                 draft_vocab_size: int | None = None):
         super().__init__()
         assert spec.qk_norm, "DFlash draft layers are Qwen3 layers (q_norm/k_norm)"
         self.spec, self.params = spec, params
@@ -57,6 +67,10 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = Rotary(spec)
+        has_head = draft_vocab_size is not None
+        self.draft_lm_head = nn.Linear(spec.hidden_size, draft_vocab_size, bias=False) if has_head else None
+        pruned = has_head and draft_vocab_size < spec.vocab_size
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long) if pruned else None)
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         s, p = self.spec, self.norm.weight  # (fc may be wrapped by a quantized-input module)
@@ -65,10 +79,10 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_state_dict(cls, spec: DecoderSpec, params: DFlashParams, state_dict: dict[str, torch.Tensor],
-                        tp: TPGroup = SINGLE) -> "DFlashDrafter":
+                        tp: TPGroup = SINGLE, draft_vocab_size: int | None = None) -> "DFlashDrafter":
         """Build without random init and adopt the given tensors (z-lab names; under `tp`, this rank's shard)."""
         with torch.device("meta"):
-            model = cls(spec, params, tp)
+            model = cls(spec, params, tp, draft_vocab_size)
         model.load_state_dict(state_dict, strict=True, assign=True)
         drop_replicated_biases(model, tp)
         return model.requires_grad_(False).eval()
@@ -101,6 +115,15 @@ class DFlashDrafter(nn.Module):
             x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
+
+    def greedy_tokens(self, hidden: torch.Tensor,  # [B, K, hidden] final-normed
+                      target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Greedy drafts [B, K] as target token ids: the argmax of the target's lm_head (`target_logits`), or
+        of the drafter's own lm_head mapped through d2t."""
+        if self.draft_lm_head is None:
+            return target_logits(hidden).argmax(dim=-1)
+        ids = self.draft_lm_head(hidden).float().argmax(dim=-1)
+        return ids if self.d2t is None else draft_to_target(ids, self.d2t)
 
     @torch.inference_mode()
     def append_context(

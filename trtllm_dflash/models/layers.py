@@ -28,15 +28,20 @@ def exporting() -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`weight_in_fp32`: gpt-oss scales by the weight before casting back (one rounding in bf16), Llama / Qwen3
+    after."""
+
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -110,6 +115,8 @@ class AttentionProjections(nn.Module):
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: one learned sink logit per query head (this rank's heads under tp)
+        self.sinks = nn.Parameter(torch.zeros(len(heads))) if spec.attention_sinks else None
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, T, heads, head_dim]
@@ -156,12 +163,18 @@ def drop_replicated_biases(model: nn.Module, tp: TPGroup) -> None:
                 linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked multi-head attention with grouped KV heads.
 
-    q: [B, Tq, heads, hd]; k, v: [B, Tk, kv_heads, hd]; mask: [B, Tq, Tk] bool (True = may attend).
-    Returns [B, Tq, heads * hd].
+    q: [B, Tq, heads, hd]; k, v: [B, Tk, kv_heads, hd]; mask: [B, Tq, Tk] bool (True = may attend);
+    sinks: [heads] or None. Returns [B, Tq, heads * hd].
     """
+    if sinks is not None:
+        if exporting():
+            raise ValueError("ONNX export of attention with sinks (gpt-oss) is not supported yet; "
+                             "use backend: torch for this engine.")
+        return _attend_with_sinks(q, k, v, mask, sinks)
     if exporting():  # ONNX Attention: grouped KV heads from the shapes, same default scale
         out = torch.ops.onnx.Attention.opset23(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask[:, None])[0]
@@ -171,6 +184,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2],
     )  # [B, heads, Tq, hd]
     return out.transpose(1, 2).flatten(2)
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """transformers' gpt-oss eager attention: softmax over [scores, sink] in the compute dtype, the sink's share
+    dropped, so a head may attend to nothing. (SDPA has no sink term.)"""
+    groups = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, heads, Tk, hd]: query head h reads KV head h // groups
+    v = v.repeat_interleave(groups, dim=2).transpose(1, 2)
+    scores = q.transpose(1, 2) @ k.transpose(2, 3) * q.shape[-1] ** -0.5  # [B, heads, Tq, Tk]
+    scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+    logits = torch.cat([scores, sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).transpose(1, 2).flatten(2)
 
 
 class KVCache:

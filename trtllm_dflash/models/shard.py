@@ -6,6 +6,10 @@ The rules are TensorRT-LLM's (TRTLLM.md §4), applied to HF / z-lab tensor names
   gate_proj / up_proj by intermediate features;
 - row-parallel (input features, dim 1, the partial outputs are all-reduced): o_proj, down_proj;
 - vocab-parallel (dim 0): embed_tokens and lm_head, the vocabulary zero-padded to a multiple of tp_size;
+- gpt-oss: attention `sinks` by query heads; the router replicated; the experts (models/moe.py) either by
+  intermediate features (`moe_parallel` "tp", TensorRT-LLM's default: gate_up_proj's interleaved gate/up
+  columns 2i, 2i+1 stay on one rank, down_proj by rows, down_proj_bias replicated and added by rank 0) or
+  by whole experts ("ep": every expert tensor by dim 0);
 - replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
   (added by rank 0 only), and the per-tensor scales of quantized linears (weight_scale_2 / input_scale
   for NVFP4, weight_scale / input_scale for FP8), so global scales are identical on every rank.
@@ -34,6 +38,8 @@ ROW_ALIGN = 16
 
 _LINEAR = re.compile(r"(?:^|\.)layers\.\d+\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
+_EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 @dataclass(frozen=True)
@@ -79,11 +85,30 @@ def o_proj_columns(spec: DecoderSpec, tp_size: int, rank: int) -> range:
     return range(first, first + share)
 
 
-def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int) -> Split | None:
+def _expert_split(weight: str, bias: bool, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str
+                  ) -> Split | None:
+    if moe_parallel == "ep":
+        per = spec.num_experts // tp_size
+        return Split(0, rank * per, (rank + 1) * per, spec.num_experts)
+    inter = spec.intermediate_size
+    per = inter // tp_size
+    if weight == "down_proj":  # [E, I, H]; the bias [E, H] is replicated
+        return None if bias else Split(1, rank * per, (rank + 1) * per, inter)
+    # gate_up_proj [E, H, 2I] / its bias [E, 2I]: interleaved, so features [a, b) are columns [2a, 2b)
+    return Split(1 if bias else 2, 2 * rank * per, 2 * (rank + 1) * per, 2 * inter)
+
+
+def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str = "tp") -> Split | None:
     """The slice of tensor `name` (HF / z-lab name) rank holds; None = replicated."""
     if name in _VOCAB:
         per = padded_vocab(spec.vocab_size, tp_size) // tp_size
         return Split(0, rank * per, (rank + 1) * per, spec.vocab_size)
+    if _SINKS.search(name):
+        heads = query_heads(spec, tp_size, rank)
+        return Split(0, heads.start, heads.stop, spec.num_heads)
+    experts = _EXPERTS.search(name)
+    if experts is not None:
+        return _expert_split(experts.group(1), experts.group(2) is not None, spec, tp_size, rank, moe_parallel)
     m = _LINEAR.search(name)
     if m is None:
         return None
@@ -123,7 +148,7 @@ def shard_tensor(tensor: torch.Tensor, split: Split | None) -> torch.Tensor:
     return tensor.narrow(split.dim, split.start // factor, (split.stop - split.start) // factor)
 
 
-def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool) -> None:
+def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_parallel: str = "tp") -> None:
     """Raise UserError (one sentence naming the field) when `spec` cannot be split over tp_size ranks."""
 
     def divisible(field: str, n: int) -> None:
@@ -135,7 +160,11 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool) -> Non
     if spec.num_heads < tp_size and spec.head_dim % _replicas(spec.num_heads, tp_size):
         raise UserError(f"{what}: head_dim {spec.head_dim} cannot be shared by the "
                         f"{_replicas(spec.num_heads, tp_size)} ranks of each of its {spec.num_heads} heads.")
-    if spec.intermediate_size % tp_size:
+    if spec.num_experts and moe_parallel == "ep":
+        if spec.num_experts % tp_size:
+            raise UserError(f"{what}: num_local_experts {spec.num_experts} is not divisible by tp_size {tp_size}, "
+                            "so moe_parallel: ep cannot give every rank the same number of experts.")
+    elif spec.intermediate_size % tp_size:
         raise UserError(f"{what}: intermediate_size {spec.intermediate_size} is not divisible by tp_size {tp_size}.")
     if quantized:
         cut = len(o_proj_columns(spec, tp_size, 0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import GptOssConfig, LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trtllm_dflash.errors import UserError
@@ -19,6 +19,7 @@ from trtllm_dflash.errors import UserError
 FAMILIES: dict[str, tuple[type[PretrainedConfig], bool]] = {
     "qwen3": (Qwen3Config, True),
     "llama": (LlamaConfig, False),
+    "gpt_oss": (GptOssConfig, False),  # mixture-of-experts MLP, attention sinks, sliding-window layers
 }
 
 # Every HF config key we read; the engine keeps exactly these, so a config.json round-trips.
@@ -26,7 +27,7 @@ _HF_KEYS = (
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
     "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias",
-    "tie_word_embeddings",
+    "tie_word_embeddings", "num_local_experts", "num_experts_per_tok", "layer_types", "sliding_window",
 )
 
 
@@ -62,10 +63,33 @@ class DecoderSpec:
     hidden_act: str
     rope_parameters: dict
     max_position_embeddings: int
+    # Mixture of experts (gpt-oss): 0 = a dense MLP. intermediate_size is then each expert's.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    # Per layer "full_attention" | "sliding_attention"; None = all full. A sliding layer's query at position p
+    # sees keys at positions > p - sliding_window (transformers' sliding_window_overlay).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    # gpt-oss: a learned per-head logit `sinks` joins every softmax denominator (and takes no value).
+    attention_sinks: bool = False
+
+    @property
+    def is_gpt_oss(self) -> bool:
+        """gpt-oss numerics: RMSNorm multiplies its weight in fp32, MoE MLP, attention sinks."""
+        return self.model_type == "gpt_oss"
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @classmethod
     def from_hf(cls, cfg: PretrainedConfig) -> "DecoderSpec":
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # transformers applies a window only where layer_types says so and sliding_window is set (Qwen3 clears it
+        # unless use_sliding_window); all-full configs are stored as None so their engine config stays unchanged.
+        layer_types = tuple(getattr(cfg, "layer_types", None) or ())
+        window = getattr(cfg, "sliding_window", None)
+        if window is None or "sliding_attention" not in layer_types:
+            layer_types, window = (), None
         return cls(
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
@@ -83,11 +107,16 @@ class DecoderSpec:
             hidden_act=cfg.hidden_act,
             rope_parameters=dict(cfg.rope_parameters),
             max_position_embeddings=cfg.max_position_embeddings,
+            num_experts=int(getattr(cfg, "num_local_experts", 0) or 0),
+            num_experts_per_tok=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if cfg.model_type == "gpt_oss" else 0,
+            layer_types=layer_types or None,
+            sliding_window=window,
+            attention_sinks=cfg.model_type == "gpt_oss",
         )
 
     def to_hf_dict(self) -> dict:
         """The config.json fields that rebuild this spec with `hf_config_from_dict`."""
-        return {
+        fields = {
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -104,6 +133,14 @@ class DecoderSpec:
             "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
+        if self.num_experts:
+            fields |= {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok}
+        if self.layer_types is not None:
+            fields |= {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+                       "use_sliding_window": True}  # Qwen3Config drops sliding_window without it
+        elif self.is_gpt_oss:  # GptOssConfig's default layer_types alternate sliding / full
+            fields["layer_types"] = ["full_attention"] * self.num_layers
+        return fields
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """(inv_freq [head_dim/2] fp32, attention_scaling), exactly as transformers computes them."""

@@ -1,9 +1,12 @@
-"""The target model: a Llama-3.x / Qwen3 decoder with a static per-slot KV cache and hidden-state capture.
+"""The target model: a Llama-3.x / Qwen3 / gpt-oss decoder with a static per-slot KV cache and hidden-state capture.
 
-Module and parameter names mirror transformers' `LlamaForCausalLM` / `Qwen3ForCausalLM`, so an HF
-state dict loads as is. Each request in a batch has its own absolute positions and its own cache
-slot; the causal mask is built from absolute positions, so requests of different lengths batch
-together without any per-request bookkeeping here.
+Module and parameter names mirror transformers' `LlamaForCausalLM` / `Qwen3ForCausalLM` / `GptOssForCausalLM`,
+so an HF state dict loads as is. gpt-oss layers differ in three places: a mixture-of-experts MLP (models/moe.py),
+a learned sink logit per head in the attention softmax, and every other layer attending to a sliding window
+of keys (a mask condition here: the cache keeps every position).
+
+Each request in a batch has its own absolute positions and its own cache slot; the causal mask is built from
+absolute positions, so requests of different lengths batch together without any per-request bookkeeping here.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from trtllm_dflash.models.layers import (
     attend,
     drop_replicated_biases,
 )
+from trtllm_dflash.models.moe import MoEMLP, MoEParallel
 from trtllm_dflash.models.shard import padded_vocab
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
@@ -38,12 +42,12 @@ class TargetOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, tp: TPGroup):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, moe_parallel: MoEParallel = "tp"):
         super().__init__()
         self.self_attn = AttentionProjections(spec, tp)
-        self.mlp = MLP(spec, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MoEMLP(spec, tp, moe_parallel) if spec.num_experts else MLP(spec, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss)
 
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask):
         attn = self.self_attn
@@ -52,27 +56,28 @@ class DecoderLayer(nn.Module):
         k, v = attn.key_value(h)
         cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
         k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1])
-        x = x + attn.output(attend(q, k_all, v_all, mask))
+        x = x + attn.output(attend(q, k_all, v_all, mask, attn.sinks))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderBody(nn.Module):
     """HF's `model.` submodule: embed_tokens, layers, norm."""
 
-    def __init__(self, spec: DecoderSpec, tp: TPGroup):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, moe_parallel: MoEParallel = "tp"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp, moe_parallel) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss)
 
 
 class TargetModel(nn.Module):
-    """`spec` is the whole model's; under tensor parallelism (`tp`) this module holds one rank's shard."""
+    """`spec` is the whole model's; under tensor parallelism (`tp`) this module holds one rank's shard, its
+    experts split by intermediate features (`moe_parallel` "tp") or whole experts per rank ("ep")."""
 
-    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE, moe_parallel: MoEParallel = "tp"):
         super().__init__()
         self.spec, self.tp = spec, tp
-        self.model = DecoderBody(spec, tp)
+        self.model = DecoderBody(spec, tp, moe_parallel)
         self.lm_head = nn.Linear(spec.hidden_size, padded_vocab(spec.vocab_size, tp.size) // tp.size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -94,9 +99,12 @@ class TargetModel(nn.Module):
     def from_state_dict(cls, spec: DecoderSpec, state_dict: dict[str, torch.Tensor],
                         tp: TPGroup = SINGLE) -> "TargetModel":
         """Build without random init and adopt the given tensors (HF names, `lm_head` absent if tied;
-        under `tp`, this rank's shard)."""
+        under `tp`, this rank's shard). How experts were split is read from the shard itself: fewer experts than
+        the model has means expert parallelism."""
+        experts = state_dict.get("model.layers.0.mlp.experts.gate_up_proj")
+        moe_parallel: MoEParallel = "ep" if experts is not None and experts.shape[0] < spec.num_experts else "tp"
         with torch.device("meta"):
-            model = cls(spec, tp)
+            model = cls(spec, tp, moe_parallel)
         missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
         tied = {"lm_head.weight"} if spec.tie_word_embeddings else set()
         assert set(missing) == tied and not unexpected, (missing, unexpected)
@@ -119,9 +127,12 @@ class TargetModel(nn.Module):
         x = self.embed(token_ids)
         cos, sin = self.rotary(positions, x.dtype)
         key_pos = torch.arange(kv_len, device=x.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
+        causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
+        window = self.spec.sliding_window
+        sliding = causal & (key_pos[None, None, :] > positions[:, :, None] - window) if window else causal
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            mask = sliding if self.spec.is_sliding(i) else causal
             x = layer(x, cos, sin, cache, i, slots, positions, mask)
             if i in capture_layers:
                 captured[i] = x

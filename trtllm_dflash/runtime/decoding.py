@@ -24,7 +24,7 @@ import torch
 
 from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.runtime.options import Mode
-from trtllm_dflash.speculative.core import accepted_lengths, bonus_tokens, sample_tokens
+from trtllm_dflash.speculative.core import sample_tokens
 
 
 @dataclass(frozen=True)
@@ -201,11 +201,7 @@ class Decoder:
         draft = self.executor.draft(anchors, starts, slots)  # [B, K] greedy, one drafter pass
         block = torch.cat([anchors[:, None], draft], dim=1)  # [B, K+1]
         out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
-        # Row j of the block chooses the token at position start + j + 1.
-        positions = starts[:, None] + 1 + torch.arange(block.shape[1], device=slots.device)
-        target = sample_tokens(out.logits, temps, seeds, positions)  # [B, K+1]
-        accepted = accepted_lengths(draft, target)  # [B]
-        bonus = bonus_tokens(target, accepted)  # [B]
+        accepted, bonus = self.executor.accept(draft, out.logits, temps, seeds, starts)  # [B], [B]
 
         # The anchor and the accepted drafts are now in the target's KV cache: give the drafter their
         # features. Rows past a request's own accepted length fall at or after its new start and stay

@@ -21,7 +21,7 @@ from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_input
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.parallel.group import TPGroup
-from trtllm_dflash.speculative.core import block_input
+from trtllm_dflash.speculative.core import block_input, verify_block
 
 
 def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
@@ -67,6 +67,12 @@ class Executor(Protocol):
         """Give the drafter captured target features hidden [B, C, F] at positions starts + arange(C)."""
         ...
 
+    def accept(self, draft: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, seeds: list[int],
+               starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The acceptance step of a verify pass: (accepted [B], bonus [B]), exactly speculative.core.verify_block
+        (the target's greedy or sampled token per row, the longest matching prefix of the draft)."""
+        ...
+
     def release(self, slot: int) -> None:
         """The request in `slot` is done; the slot will be reused from position 0."""
         ...
@@ -88,7 +94,7 @@ class TorchExecutor:
         target = TargetModel.from_state_dict(target_spec, target_state, tp)
         quantize_inputs(target, quantized_inputs)
         drafter_state, drafter_inputs = dequantize_state_dict(split[DRAFTER_PREFIX], dtype)
-        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, tp)
+        drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, tp, cfg.dflash.draft_vocab_size)
         quantize_inputs(drafter, drafter_inputs)
         # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
         return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size)
@@ -118,13 +124,14 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def draft(self, anchors, starts, slots) -> torch.Tensor:
-        """Greedy drafts [B, block_size - 1] for the block after each anchor (at position `starts`)."""
+        """Greedy drafts [B, block_size - 1] for the block after each anchor (at position `starts`), as target
+        token ids (a drafter with a pruned vocabulary maps its own through d2t)."""
         assert self.drafter is not None
         p = self.drafter.params
         block = block_input(anchors, p.mask_token_id, self.block_size)
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache)
-        return self.target.logits(hidden[:, 1:]).argmax(dim=-1)
+        return self.drafter.greedy_tokens(hidden[:, 1:], self.target.logits)
 
     @torch.inference_mode()
     def append_context(self, hidden, starts, slots) -> None:
@@ -132,6 +139,9 @@ class TorchExecutor:
         assert self.drafter is not None
         positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
         self.drafter.append_context(hidden, positions, slots, self.draft_cache)
+
+    def accept(self, draft, logits, temperature, seeds, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        return verify_block(draft, logits, temperature, seeds, starts)
 
     def release(self, slot: int) -> None:
         """Nothing to do: stale cache rows past a slot's start are masked, and overwritten when it is reused."""

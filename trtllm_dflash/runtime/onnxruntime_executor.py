@@ -17,9 +17,9 @@ from trtllm_dflash.engine_dir import EngineConfig, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
 from trtllm_dflash.runtime.executor import StepOutput, engine_specs
-from trtllm_dflash.speculative.core import block_input
+from trtllm_dflash.speculative.core import block_input, gumbel_rows
 
-GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx")
+GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
 
 
 def _onnxruntime():
@@ -138,6 +138,28 @@ class OnnxRuntimeExecutor:
         binding.bind_cpu_input("positions", _numpy(run.spread(starts[:, None] + torch.arange(C), torch.arange(C))))
         _bind_caches(binding, self._drafter, run, write=True)
         self._sessions["drafter_context.onnx"].run_with_iobinding(binding)
+
+    def accept(self, draft, logits, temperature, seeds, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """accept.onnx (compile/accept_graph.py): the target's tokens, the accepted drafts and the bonus token.
+
+        The Gumbel noise of sampled rows is made here, as speculative.core.sample_tokens makes it (greedy rows
+        get zeros, which the graph ignores)."""
+        noise = torch.zeros_like(logits)
+        positions = starts[:, None] + 1 + torch.arange(logits.shape[1])
+        for b in torch.nonzero(temperature > 0).flatten().tolist():
+            noise[b] = gumbel_rows(seeds[b], positions[b], logits.shape[-1])
+        binding = self._sessions["accept.onnx"].io_binding()
+        for name, value in (("draft_tokens", draft), ("target_logits", logits), ("temperature", temperature),
+                            ("gumbel_noise", noise), ("context_lengths", starts)):
+            binding.bind_cpu_input(name, _numpy(value.contiguous()))
+        accepted = torch.empty(draft.shape[0], dtype=torch.int64)
+        next_block = torch.empty(draft.shape[0], draft.shape[1] + 1, dtype=torch.int64)
+        _bind_output(binding, "accepted", accepted)
+        _bind_output(binding, "next_block", next_block)
+        for name in ("committed_tokens", "next_positions", "new_context_lengths"):
+            binding.bind_output(name, "cpu")
+        self._sessions["accept.onnx"].run_with_iobinding(binding)
+        return accepted, next_block[:, 0]  # next_block = [bonus, MASK, ...]
 
     def release(self, slot: int) -> None:
         self._rows.release(slot)

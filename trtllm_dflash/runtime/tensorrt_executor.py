@@ -17,6 +17,11 @@ serve only one (batch, length, first row) and only if TensorRT can capture that 
 A static attended length (the whole cache) and steps over all slots would make a capture per (T = 1, block)
 possible; that is a change of the exported graphs.
 
+Tensor parallelism: rank r runs onnx/rank{r}'s plans, whose DistCollective layers (all-reduce of the row-parallel
+outputs, all-gather of the vocabulary shards) run over the NCCL communicator of the torch.distributed process
+group that runtime/world.py starts under MPI (nccl on CUDA): `set_communicator` on every execution context.
+Unverified: no machine of ours has run it (no TensorRT, no second GPU).
+
 Only `from_engine` touches TensorRT and CUDA; the class itself takes execution contexts, so its bindings are
 tested on the CPU with contexts that run the same graphs in onnxruntime (tests/test_tensorrt_build.py).
 """
@@ -31,7 +36,8 @@ from typing import Any, Protocol
 import torch
 
 from trtllm_dflash.compile.tensorrt_build import (
-    GRAPHS,
+    ACCEPT,
+    PLANS,
     PLANS_DIR,
     PLANS_INFO,
     import_tensorrt,
@@ -43,7 +49,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
 from trtllm_dflash.runtime.executor import StepOutput, engine_specs
-from trtllm_dflash.speculative.core import block_input
+from trtllm_dflash.speculative.core import block_input, gumbel_rows
 
 COMMAND = "--backend tensorrt"
 
@@ -77,9 +83,10 @@ class TensorRTExecutor:
     """Target + drafter plans: three execution contexts over caches this executor owns."""
 
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
-                 device: torch.device | str, cache_length: int, owners: tuple = ()):
-        """`contexts`: graph name (GRAPHS) -> execution context; `cache_length`: the plans' cache positions per
-        row; `owners`: the TensorRT objects the contexts depend on (runtime, engines), kept alive here."""
+                 device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False):
+        """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
+        row; `owners`: the TensorRT objects the contexts depend on (runtime, engines), kept alive here;
+        `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than plain ops'."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -95,6 +102,11 @@ class TensorRTExecutor:
                                           drafter.head_dim, dtype, self.device)
         self._rows = CacheRows((self._target, self._drafter))  # slot -> cache row (runtime/cache_rows.py)
         self._contexts = dict(contexts)
+        self._accept_ints = torch.int32 if accept_plugin else torch.int64
+        if accept_plugin and self.block_size != params.block_size:
+            raise UserError(f"--block-size {self.block_size}: the plans' DFlashAccept plugin was built for the "
+                            f"drafter's block of {params.block_size} tokens; run without --block-size, or compile "
+                            "without --plugin-library.")
         self._owners = owners  # released after the contexts (attribute order); a tuple frees its last item first
         # cpu: only for contexts that are not TensorRT's (the tests' onnxruntime stand-ins); they get stream 0.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -102,10 +114,11 @@ class TensorRTExecutor:
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
                     plugin_library: Path | None = None) -> "TensorRTExecutor":
-        """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device."""
+        """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device (under
+        tp > 1, inside the torch.distributed NCCL group of the MPI ranks)."""
         root = Path(root)
         info_path = root / PLANS_DIR / PLANS_INFO
-        missing = [p for p in (*(plan_file(root, rank, g) for g in GRAPHS), info_path) if not p.is_file()]
+        missing = [p for p in (*(plan_file(root, rank, g) for g in PLANS), info_path) if not p.is_file()]
         if missing:
             raise UserError(f"{root}: the engine has no TensorRT plans ({missing[0]} is missing); run "
                             f"`trtllm-dflash compile {root}` on the GPU machine first.")
@@ -115,6 +128,9 @@ class TensorRTExecutor:
                             "pass its path with --plugin-library.")
         if plugin_library is not None and not Path(plugin_library).is_file():
             raise UserError(f"--plugin-library {plugin_library}: no such file.")
+        if info.get("tp_size", 1) != cfg.mapping.tp_size:
+            raise UserError(f"{root}: the plans were compiled for tp_size {info.get('tp_size', 1)} and the engine is "
+                            f"split for tp_size {cfg.mapping.tp_size}; run `trtllm-dflash compile {root}` again.")
         trt = import_tensorrt(COMMAND)
         if trt.__version__ != info.get("tensorrt_version"):
             raise UserError(f"{root}: the plans were built with TensorRT {info.get('tensorrt_version')} and this is "
@@ -133,14 +149,17 @@ class TensorRTExecutor:
         if plugin_library is not None:
             runtime.get_plugin_registry().load_library(str(plugin_library))
         engines, contexts = {}, {}
-        for graph in GRAPHS:
+        for graph in PLANS:
             path = plan_file(root, rank, graph)
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
                 raise UserError(f"{path}: TensorRT could not load this plan; run `trtllm-dflash compile {root}` again.")
             _check_plan(trt, engine, path, int(info["cache_length"]))
             engines[graph], contexts[graph] = engine, engine.create_execution_context()
-        return cls(contexts, cfg, block_size, device, int(info["cache_length"]), owners=(logger, runtime, engines))
+            if cfg.mapping.tp_size > 1:
+                _ok(contexts[graph].set_communicator(nccl_communicator(device)), f"the NCCL communicator of {graph}")
+        return cls(contexts, cfg, block_size, device, int(info["cache_length"]), owners=(logger, runtime, engines),
+                   accept_plugin=bool(info.get("plugin_library")))
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -185,19 +204,40 @@ class TensorRTExecutor:
                                               "positions": run.spread(starts[:, None] + steps, steps)},
                           {}, self._drafter, run, write=True)
 
+    def accept(self, draft, logits, temperature, seeds, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accept plan (the DFlashAccept plugin, or the same step in plain ops) on the device; the Gumbel
+        noise of sampled rows is made as speculative.core.sample_tokens makes it (greedy rows: zeros)."""
+        ints = self._accept_ints
+        B, K = draft.shape
+        with self._on_own_stream():
+            noise = torch.zeros_like(logits)
+            positions = starts[:, None] + 1 + torch.arange(K + 1, device=self.device)
+            for b in torch.nonzero(temperature > 0).flatten().tolist():
+                noise[b] = gumbel_rows(seeds[b], positions[b], logits.shape[-1]).to(self.device)
+            outputs = {"accepted": torch.empty(B, dtype=ints, device=self.device),
+                       "committed_tokens": torch.empty(B, K + 1, dtype=ints, device=self.device),
+                       "next_block": torch.empty(B, K + 1, dtype=ints, device=self.device),
+                       "next_positions": torch.empty(B, K + 1, dtype=ints, device=self.device),
+                       "new_context_lengths": torch.empty(B, dtype=ints, device=self.device)}
+            self._execute(ACCEPT, {"draft_tokens": draft.to(ints).contiguous(), "target_logits": logits.contiguous(),
+                                   "temperature": temperature.contiguous(), "gumbel_noise": noise,
+                                   "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
+        return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
+
     def release(self, slot: int) -> None:
         self._rows.release(slot)
 
     # ------------------------------------------------------------------------------------------------
 
     def _execute(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-                 caches: LayerCaches, run: RowRun, write: bool) -> None:
+                 caches: LayerCaches | None, run: RowRun | None, write: bool) -> None:
         context = self._contexts[graph]
         for name, tensor in inputs.items():
             shape = tuple(tensor.shape)
             _ok(context.set_input_shape(name, shape), f"{graph} input {name} of shape {shape}")
             _ok(context.set_tensor_address(name, tensor.data_ptr()), f"the address of {graph} input {name}")
-        _bind_caches(context, caches, run, write)
+        if caches is not None:
+            _bind_caches(context, caches, run, write)
         for name, tensor in outputs.items():
             _ok(context.set_tensor_address(name, tensor.data_ptr()), f"the address of {graph} output {name}")
         _ok(context.execute_async_v3(self._stream.cuda_stream if self._stream is not None else 0), f"to run {graph}")
@@ -214,6 +254,21 @@ class TensorRTExecutor:
         with torch.cuda.stream(self._stream):
             yield
         caller.wait_stream(self._stream)
+
+
+def nccl_communicator(device: torch.device) -> int:
+    """The ncclComm_t (as an integer) of the default torch.distributed group on `device` (runtime/world.py
+    starts it with the nccl backend on CUDA): what TensorRT's DistCollective layers communicate over."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise UserError(f"{COMMAND} with tp_size > 1 runs under MPI: start it as `mpirun -n TP trtllm-dflash run ...`.")
+    backend = dist.group.WORLD._get_backend(device)
+    comm_ptr = getattr(backend, "_comm_ptr", None)
+    if comm_ptr is None:
+        raise UserError(f"{COMMAND} with tp_size > 1 needs torch's NCCL process group to expose its communicator "
+                        f"(ProcessGroupNCCL._comm_ptr); this torch {torch.__version__} does not.")
+    return int(comm_ptr())
 
 
 def _check_plan(trt: Any, engine, path: Path, cache_length: int) -> None:

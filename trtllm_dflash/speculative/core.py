@@ -50,9 +50,14 @@ def sample_tokens(
     assert logits.ndim == 3 and positions.shape == logits.shape[:2]
     tokens = logits.argmax(dim=-1)
     for b in torch.nonzero(temperature > 0).flatten().tolist():
-        noise = torch.stack([gumbel_noise(seeds[b], int(p), logits.shape[-1]) for p in positions[b]])
+        noise = gumbel_rows(seeds[b], positions[b], logits.shape[-1])
         tokens[b] = (logits[b] / temperature[b] + noise.to(logits.device)).argmax(dim=-1)
     return tokens
+
+
+def gumbel_rows(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[T, vocab] float32 noise of one request for the tokens at `positions` [T] (sample_tokens' noise)."""
+    return torch.stack([gumbel_noise(seed, int(p), vocab_size) for p in positions])
 
 
 def block_input(anchors: torch.Tensor, mask_token_id: int, block_size: int) -> torch.Tensor:
@@ -76,3 +81,15 @@ def accepted_lengths(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def bonus_tokens(target: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """t_accepted per request: the target's token right after the accepted drafts. [B]"""
     return target.gather(1, accepted[:, None]).squeeze(1)
+
+
+def verify_block(draft: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, seeds: list[int],
+                 starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance step of one verify pass: (accepted [B], bonus [B]).
+
+    draft [B, K] = d_1..d_K; logits [B, K+1, vocab] of the block [anchor, d_1..d_K] at positions starts + j;
+    row j chooses the token at position starts + j + 1 (sample_tokens)."""
+    positions = starts[:, None] + 1 + torch.arange(logits.shape[1], device=logits.device)
+    target = sample_tokens(logits, temperature, seeds, positions)  # [B, K+1]
+    accepted = accepted_lengths(draft, target)
+    return accepted, bonus_tokens(target, accepted)

@@ -12,12 +12,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from trtllm_dflash.checkpoint.formats import save_drafter
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
 from trtllm_dflash.train.corpus import stdlib_modules, train_bpe_tokenizer
+
+
+def _random_gpt_oss(common: dict, num_layers: int) -> GptOssForCausalLM:
+    """4 experts (top 2), YaRN RoPE, sliding / full layers alternating with a window of 4 tokens (so it matters
+    on short prompts), and weights large enough that the sinks, the biases and the SwiGLU clamp at 7 all act
+    (HF's initialisation leaves biases at zero and activations far below the clamp)."""
+    rope = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 1024}
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    hf = GptOssForCausalLM(GptOssConfig(**common, rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2,
+                                        sliding_window=4, layer_types=layer_types, attention_bias=True))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("sinks", "_bias", "router.bias")) or "self_attn" in name and name.endswith("bias"):
+                p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
+            elif name.endswith("gate_up_proj"):
+                p.normal_(0.0, 1.0)  # |gate_up| ~ 8: often clamped
+    return hf
 
 
 def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int = 512, hidden_size: int = 64,
@@ -42,8 +67,10 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         rope = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
         hf = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope))
+    elif family == "gpt_oss":
+        hf = _random_gpt_oss(common, num_layers)
     else:
-        raise ValueError(f"family must be qwen3 or llama, got {family!r}")
+        raise ValueError(f"family must be qwen3, llama or gpt_oss, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))

@@ -1,0 +1,316 @@
+"""gpt-oss targets: our decoder == transformers' GptOssForCausalLM (bf16/fp32 and published MXFP4 checkpoints),
+greedy DFlash == AR == HF generate(), tensor / expert parallelism under mpiexec == one process, bad inputs.
+
+The tiny target (train/random_pair.py) alternates sliding (window 4) and full layers, has 4 experts (top 2),
+YaRN RoPE, and weights large enough that sinks, biases and the SwiGLU clamp change the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from tests.conftest import build
+from trtllm_dflash.checkpoint.formats import expert_weight_shapes, load_target
+from trtllm_dflash.checkpoint.mxfp4 import FP4_VALUES, dequantize_mxfp4
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.engine_dir import rank_file
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.train.random_pair import write_random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+PROMPT_LENGTHS = (7, 19, 12)  # longer than the sliding window of 4
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF expert weight [E, K, N] -> (blocks [E, N, K/32, 16], scales [E, N, K/32]) uint8: per block of 32 the
+    smallest power of two that fits max|w| into e2m1's 6, then the nearest code. On values it produced it is an
+    exact inverse: dequantize(quantize(w')) == w'."""
+    e, k, n = w.shape
+    v = w.transpose(1, 2).reshape(e, n, k // 32, 32).float()
+    exp = torch.ceil(torch.log2(v.abs().amax(-1).clamp_min(2.0**-126) / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_VALUES)
+    codes = ((v / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4_copy(pair: Path, out: Path) -> Path:
+    """`out/target`: the pair's target in the published MXFP4 layout (experts as _blocks/_scales, config.json's
+    quantization_config); `out/reference`: an HF checkpoint holding exactly the dequantized experts."""
+    ref, target = out / "reference", out / "target"
+    shutil.copytree(pair / "target", ref)
+    state = load_file(str(ref / "model.safetensors"))
+    packed = {}
+    for name in expert_weight_shapes(load_target(ref).spec):
+        blocks, scales = quantize_mxfp4(state[name])
+        state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transformers' own dequant
+        assert torch.equal(convert_moe_packed_tensors(*quantize_mxfp4(state[name]), dtype=torch.float32), state[name])
+        packed |= {name + "_blocks": blocks, name + "_scales": scales}
+    save_file(state, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(ref, target)
+    save_file({k: v for k, v in state.items() if k not in expert_weight_shapes(load_target(ref).spec)} | packed,
+              str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copytree(pair / "drafter", out / "drafter")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gpt_oss_pair")
+    write_random_pair(root, "gpt_oss", block_size=8, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(pair, tmp_path_factory) -> Path:
+    return write_mxfp4_copy(pair, tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+
+
+def ours_and_hf(target: Path, reference: Path) -> tuple[TargetModel, torch.nn.Module]:
+    ckpt = load_target(target)
+    ours = TargetModel.from_state_dict(ckpt.spec, {n: ckpt.tensors.get(n).float() for n in ckpt.tensors.names()})
+    return ours, AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (3, 8, 4), dtype=torch.uint8, generator=g)  # 2^-127 .. 2^127
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = dequantize_mxfp4(blocks, scales, dtype)
+        assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "mxfp4"])
+def test_batched_prefill_logits_and_hidden_states_equal_hf(pair, mxfp4_pair, fmt):
+    target, reference = (pair / "target",) * 2 if fmt == "hf" else (mxfp4_pair / "target", mxfp4_pair / "reference")
+    ours, hf = ours_and_hf(target, reference)
+    spec = ours.spec
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, spec.vocab_size, (n,), generator=g) for n in PROMPT_LENGTHS]
+    T, layers, H = max(PROMPT_LENGTHS), tuple(range(spec.num_layers)), spec.hidden_size
+    tokens = torch.zeros(len(prompts), T, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)] = p
+    out = ours(tokens, torch.arange(T).expand(len(prompts), T), torch.tensor([2, 0, 1]), ours.new_cache(3, 64), layers)
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(p[None], output_hidden_states=True)
+        n = len(p)
+        torch.testing.assert_close(out.logits[row, :n], ref.logits[0], atol=2e-5, rtol=1e-4)
+        for k, layer in enumerate(layers):
+            torch.testing.assert_close(out.hidden[row, :n, k * H:(k + 1) * H], ref.hidden_states[layer + 1][0],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_incremental_decoding_with_cache_equals_full_forward(pair):
+    """Blocks of 3 and single tokens at per-request positions: the window slides across cached positions."""
+    ours, hf = ours_and_hf(pair / "target", pair / "target")
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(4, ours.spec.vocab_size, (n + 7,), generator=g) for n in PROMPT_LENGTHS]
+    cache, slots, T = ours.new_cache(3, 64), torch.tensor([1, 2, 0]), max(PROMPT_LENGTHS)
+    tokens = torch.zeros(3, T, dtype=torch.long)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        tokens[row, :n] = seqs[row][:n]
+    ours(tokens, torch.arange(T).expand(3, T), slots, cache)
+    starts, got = torch.tensor(PROMPT_LENGTHS), [[] for _ in seqs]
+    for width in (3, 1, 3):
+        pos = starts[:, None] + torch.arange(width)
+        logits = ours(torch.stack([seqs[r][pos[r]] for r in range(3)]), pos, slots, cache).logits
+        for row in range(3):
+            got[row].append(logits[row])
+        starts = starts + width
+    for row, s in enumerate(seqs):
+        with torch.no_grad():
+            ref = hf(s[None]).logits[0]
+        n = PROMPT_LENGTHS[row]
+        torch.testing.assert_close(torch.cat(got[row]), ref[n:n + 7], atol=2e-5, rtol=1e-4)
+
+
+def requests(vocab_size: int) -> list[Request]:
+    g = torch.Generator().manual_seed(0)
+    lengths, max_new = [3, 20, 9, 1, 14], [12, 20, 5, 16, 9]  # 5 requests on 4 slots: one joins mid-run
+    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab_size, (n,), generator=g).tolist(), max_new_tokens=m)
+            for i, (n, m) in enumerate(zip(lengths, max_new))]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "mxfp4"])
+def test_greedy_dflash_equals_ar_equals_hf_generate(pair, mxfp4_pair, tmp_path, fmt):
+    src = pair if fmt == "hf" else mxfp4_pair
+    engine = Engine.load(build(src, tmp_path / "engine", max_batch_size=4))
+    hf = AutoModelForCausalLM.from_pretrained(str(pair / "target" if fmt == "hf" else mxfp4_pair / "reference"),
+                                              dtype=torch.float32).eval()
+    reqs = requests(engine.executor.vocab_size)
+    dflash = {r.request.id: r for r in Decoder(engine.executor, "dflash", ()).generate(reqs)}
+    ar = {r.request.id: r for r in Decoder(engine.executor, "ar", ()).generate(reqs)}
+    for req in reqs:
+        ids = torch.tensor([req.prompt_token_ids])
+        want = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+        assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == want, req.id
+    assert len({t for r in ar.values() for t in r.output_token_ids}) > 10  # varied tokens, not one repeated
+
+
+# --- tensor / expert parallelism ---------------------------------------------------------------------------
+
+
+def write_config(path: Path, pair: Path, **fields) -> Path:
+    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
+           "max_batch_size": 4, "max_seq_len": 256, **fields}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli_build(tmp: Path, pair: Path, name: str, **fields) -> Path:
+    assert main(["build", str(write_config(tmp / f"{name}.yaml", pair, **fields)), "--output", str(tmp / name)]) == 0
+    return tmp / name
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
+@pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
+def test_tp2_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
+    one, two = cli_build(tmp_path, pair, "tp1"), cli_build(tmp_path, pair, "tp2", tp_size=2, moe_parallel=moe_parallel)
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    name = "target.model.layers.1.mlp.experts.gate_up_proj"  # [E, H, 2I]
+    dim = 0 if moe_parallel == "ep" else 2
+    assert ranks[0][name].shape[dim] * 2 == full[name].shape[dim]
+    assert torch.equal(torch.cat([r[name] for r in ranks], dim=dim), full[name])
+    bias = "target.model.layers.1.mlp.experts.down_proj_bias"
+    assert torch.equal(torch.cat([r[bias] for r in ranks]) if moe_parallel == "ep" else ranks[1][bias], full[bias])
+
+    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
+             for i in range(5)]
+    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input", str(prompts),
+           "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+    def tokens(path: Path) -> dict:
+        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+
+
+# --- bad inputs: one sentence, non-zero exit, nothing written ----------------------------------------------
+
+
+def test_wrong_mxfp4_shape_is_one_sentence(mxfp4_pair, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(mxfp4_pair, bad)
+    path = bad / "target" / "model.safetensors"
+    state = load_file(str(path))
+    name = "model.layers.2.mlp.experts.down_proj_scales"
+    state[name] = state[name][:, :, :-1].contiguous()
+    save_file(state, str(path))
+    config = write_config(tmp_path / "b.yaml", bad)
+    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert f"{path}: MXFP4 tensor {name!r} has shape" in err and "expected [4, 64, 4] and U8" in err
+    assert err.count(".") >= 1 and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "e").exists()
+
+
+def test_unsupported_model_type_lists_the_supported_ones(pair, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(pair, bad)
+    config = json.loads((bad / "target" / "config.json").read_text())
+    (bad / "target" / "config.json").write_text(json.dumps(config | {"model_type": "mixtral"}))
+    config = write_config(tmp_path / "b.yaml", bad)
+    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert "model_type 'mixtral' is not supported; supported: qwen3, llama, gpt_oss." in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tp_size": 8, "moe_parallel": "ep"}, "num_local_experts 4 is not divisible by tp_size 8"),
+    ({"quantization": "nvfp4"}, "quantization nvfp4 of mixture-of-experts targets (gpt_oss) is not supported yet"),
+    ({"backend": "onnxruntime"}, None),  # onnx extra may be missing: either sentence is fine, one of them is given
+], ids=["ep-not-divisible", "quantized", "onnx-backend"])
+def test_build_options_a_gpt_oss_target_cannot_take(pair, tmp_path, capsys, fields, message):
+    config = write_config(tmp_path / "b.yaml", pair, **fields)
+    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert str(config) in err and len(err.splitlines()) == 1, err
+    assert message is None or message in err
+    assert not (tmp_path / "e").exists()
+
+
+# --- the published checkpoints' configs (no download) -----------------------------------------------------
+
+GPT_OSS_20B_CONFIG = {  # openai/gpt-oss-20b config.json, as published (extra keys transformers does not read included)
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_published_configs_parse_and_split_eight_ways():
+    from dataclasses import replace
+
+    from trtllm_dflash.checkpoint.formats import target_tensor_shapes
+    from trtllm_dflash.checkpoint.mxfp4 import packed_shapes
+    from trtllm_dflash.models.shard import check_tp
+    from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
+
+    spec = DecoderSpec.from_hf(hf_config_from_dict(GPT_OSS_20B_CONFIG, "gpt-oss-20b"))
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.sliding_window) == (32, 4, 128)
+    assert spec.is_sliding(0) and not spec.is_sliding(1) and spec.attention_sinks
+    assert spec.rope_parameters["rope_type"] == "yarn" and spec.rope_inv_freq()[0].shape == (32,)
+    assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
+    # per layer: 2 norms, q/k/v/o weights and biases, sinks, router weight and bias, 4 expert tensors
+    assert len(target_tensor_shapes(spec)) == 3 + 24 * 17
+    assert packed_shapes(expert_weight_shapes(spec)["model.layers.0.mlp.experts.gate_up_proj"]) == (
+        (32, 5760, 90, 16), (32, 5760, 90))
+    assert packed_shapes(expert_weight_shapes(spec)["model.layers.0.mlp.experts.down_proj"]) == (
+        (32, 2880, 90, 16), (32, 2880, 90))
+    big = replace(spec, num_layers=36, num_experts=128, layer_types=spec.layer_types + spec.layer_types[:12])
+    for model in (spec, big):
+        for moe_parallel in ("tp", "ep"):
+            check_tp(model, 8, "gpt-oss", quantized=False, moe_parallel=moe_parallel)
+
+
+def test_sliding_window_drafter_is_refused(pair, tmp_path, capsys):
+    """The reference and vLLM disagree on sliding-window draft layers (DFLASH.md §1): refused, not guessed."""
+    bad = tmp_path / "bad"
+    shutil.copytree(pair, bad)
+    path = bad / "drafter" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}))
+    config = write_config(tmp_path / "b.yaml", bad)
+    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert f"{path}: layer_types has sliding_attention layers (sliding_window 4)" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "e").exists()

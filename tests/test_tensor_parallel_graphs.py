@@ -1,0 +1,149 @@
+"""Per-rank ONNX graphs of tensor-parallel engines (`backend: tensorrt`, tp 2 and 4).
+
+Every rank's graphs pass onnx.checker, hold TensorRT's DistCollective node for each collective of the sharded
+model (an all-reduce per row-parallel projection and for the vocab-parallel embedding, an all-gather of the
+logits' vocabulary shards), say which rank of which split they are, and, with TensorRT-RTX installed, parse
+into DIST_COLLECTIVE layers and build into fp16 plans for SM89 and SM120 on the CPU. `compile` refuses a
+graph of another rank or split before TensorRT is touched.
+
+Not shown here: the numbers. onnxruntime cannot run DistCollective, and no machine of ours runs TensorRT on
+two GPUs; the modules the graphs are traced from are the ones tests/test_tensor_parallel.py runs under MPI.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from trtllm_dflash.cli import main
+from trtllm_dflash.compile.tensorrt_build import (
+    GRAPHS,
+    build_plan,
+    compile_engine,
+    engine_shapes,
+    graph_placement,
+    layer_types,
+    parse_graph,
+)
+from trtllm_dflash.config import BuildConfig
+from trtllm_dflash.engine.builder import build_engine
+from trtllm_dflash.engine_dir import graph_dir, read_engine_config, write_manifest
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.executor import engine_specs
+from trtllm_dflash.train.random_pair import write_random_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning")
+SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def tp_engines(tmp_path_factory) -> dict[int, Path]:
+    """A random Qwen3 pair (4 KV heads, so tp 4 splits them) built for TensorRT at tp 2 and tp 4."""
+    root = tmp_path_factory.mktemp("tp_graphs")
+    write_random_pair(root / "pair", "qwen3", num_kv_heads=4, block_size=4)
+    engines = {}
+    for tp in SIZES:
+        cfg = BuildConfig(target=root / "pair" / "target", drafter=root / "pair" / "drafter",
+                          output=root / f"tp{tp}", dtype="float16", tp_size=tp, backend="tensorrt",
+                          max_batch_size=4, max_seq_len=128)
+        engines[tp] = build_engine(cfg, force=False, progress=False)
+    return engines
+
+
+def expected_collectives(tp_engine: Path) -> dict[str, Counter]:
+    """graph -> Counter of DistCollective operations the sharded modules perform."""
+    target, drafter, _ = engine_specs(read_engine_config(tp_engine))
+    return {
+        # embedding + (o_proj, down_proj) per layer; the logits' vocabulary shards
+        "target_step": Counter(all_reduce=1 + 2 * target.num_layers, all_gather=1),
+        "drafter_context": Counter(),  # fc and the context K/V projections are column-parallel
+        "drafter_draft": Counter(all_reduce=1 + 2 * drafter.num_layers, all_gather=1),
+    }
+
+
+@pytest.mark.parametrize("tp", SIZES)
+def test_every_rank_has_checked_graphs_with_its_collectives(tp_engines, tp):
+    engine = tp_engines[tp]
+    expected = expected_collectives(engine)
+    target, drafter, _ = engine_specs(read_engine_config(engine))
+    cache_writes = {"target_step": 2 * target.num_layers, "drafter_context": 2 * drafter.num_layers,
+                    "drafter_draft": 0}
+    for rank in range(tp):
+        for graph in GRAPHS:
+            path = graph_dir(engine, rank) / f"{graph}.onnx"
+            onnx.checker.check_model(str(path))
+            model = onnx.load(str(path), load_external_data=False)
+            ops = Counter(n.op_type for n in model.graph.node)
+            assert ops["RotaryEmbedding"] and ops["TensorScatter"] == cache_writes[graph], (graph, ops)
+            assert ops["Attention"] == (0 if graph == "drafter_context" else
+                                        target.num_layers if graph == "target_step" else drafter.num_layers)
+            collectives = [n for n in model.graph.node if n.op_type == "DistCollective"]
+            attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in collectives]
+            assert {n.domain for n in collectives} <= {"trt"}
+            assert Counter(a["collective_operation"].decode() for a in attrs) == expected[graph], graph
+            for a in attrs:
+                assert (a["group_size"], list(a["groups"]), a["root"]) == (tp, list(range(tp)), -1)
+                assert a["reduce_op"].decode() == ("sum" if a["collective_operation"] == b"all_reduce" else "none")
+            assert graph_placement(path) == (rank, tp)
+
+
+def test_ranks_hold_different_shards(tp_engines):
+    """Each rank's graphs carry its own slice of the weights (the external data files differ)."""
+    engine = tp_engines[2]
+    data = [(graph_dir(engine, r) / "weights.onnx.data").read_bytes() for r in range(2)]
+    assert data[0] != data[1] and abs(len(data[0]) - len(data[1])) < len(data[0]) // 4
+
+
+def test_compile_refuses_a_graph_of_another_rank_or_split(tp_engines, tmp_path, monkeypatch):
+    """Checked once TensorRT and a GPU are there (faked: neither is needed to find the mistake)."""
+    fake = types.ModuleType("tensorrt")
+    fake.__version__ = "11.1.0.7"
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = tmp_path / "swapped"
+    shutil.copytree(tp_engines[2], engine)
+    ranks = [graph_dir(engine, r) for r in range(2)]
+    ranks[0].rename(tmp_path / "rank0")
+    ranks[1].rename(ranks[0])
+    (tmp_path / "rank0").rename(ranks[1])
+    write_manifest(engine)  # the files themselves are intact: only their placement is wrong
+    with pytest.raises(UserError, match=r"exported for rank 1 of tp_size 2, but it is rank 0's graph"):
+        compile_engine(engine)
+    assert not (engine / "tensorrt").exists()
+
+
+def test_onnxruntime_backend_stays_tp_1(tp_engines, tmp_path, capsys):
+    pair = tp_engines[2].parent / "pair"
+    config = tmp_path / "b.yaml"
+    config.write_text(f"target: {pair / 'target'}\ndrafter: {pair / 'drafter'}\noutput: {tmp_path / 'e'}\n"
+                      "backend: onnxruntime\ntp_size: 2\n")
+    assert main(["build", str(config)]) == 2
+    assert "backend onnxruntime builds tp_size 1 engines for now, not 2" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.fixture(scope="module")
+def rtx():
+    return pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
+
+
+@pytest.mark.parametrize("tp", SIZES)
+def test_tensorrt_rtx_builds_every_rank_for_sm89_and_sm120(rtx, tp_engines, tp):
+    engine = tp_engines[tp]
+    cfg = read_engine_config(engine)
+    shapes = engine_shapes(cfg)
+    expected = expected_collectives(engine)
+    for rank in range(tp):
+        for graph in GRAPHS:
+            path = graph_dir(engine, rank) / f"{graph}.onnx"
+            parsed = parse_graph(rtx, path, static_dims={"max_len": shapes["max_len"].max})
+            assert layer_types(parsed.network)["DIST_COLLECTIVE"] == sum(expected[graph].values())
+            plan = build_plan(rtx, path, dtype_note=cfg.dtype, shapes=shapes, targets=["SM89", "SM120"])
+            assert len(plan) > 50_000, (rank, graph)

@@ -1,0 +1,112 @@
+"""gpt-oss's mixture-of-experts MLP, numerically as transformers' `GptOssMLP` (router + `GptOssExperts`).
+
+Per token x [hidden]:
+
+    logits = router.weight @ x + router.bias                        [num_experts]
+    top, idx = topk(logits, k); w = softmax(top)                    softmax over the k chosen experts only
+    for each chosen expert e (weight w_e):
+        gate_up = x @ gate_up_proj[e] + gate_up_proj_bias[e]        [2 * I], gate / up interleaved: 0::2 / 1::2
+        gate = min(gate, 7); up = clamp(up, -7, 7)
+        h = (up + 1) * gate * sigmoid(1.702 * gate)                 [I]
+        out += w_e * (h @ down_proj[e] + down_proj_bias[e])         [hidden]
+
+Parallelism (`moe_parallel`): "tp" gives every rank a contiguous slice of every expert's intermediate
+features (the interleaved gate/up columns 2i, 2i+1 stay together); "ep" gives every rank whole experts.
+Either way each rank adds its partial sums and the ranks' outputs are all-reduced; the router is replicated.
+Under "tp" the down_proj bias is added by rank 0 only, as the dense row-parallel biases are.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_dflash.models.spec import DecoderSpec
+from trtllm_dflash.parallel.group import SINGLE, TPGroup
+
+MoEParallel = Literal["tp", "ep"]
+
+# transformers' GptOssExperts constants (not read from config.json there either)
+ALPHA = 1.702
+LIMIT = 7.0
+
+
+def gated_activation(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] interleaved gate/up -> [..., I]: the clamped, shifted SwiGLU of gpt-oss."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=LIMIT)
+    up = up.clamp(min=-LIMIT, max=LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
+
+
+def local_experts(spec: DecoderSpec, size: int, rank: int, parallel: MoEParallel) -> range:
+    """The experts rank holds (all of them under "tp")."""
+    if parallel == "tp":
+        return range(spec.num_experts)
+    per = spec.num_experts // size
+    return range(rank * per, (rank + 1) * per)
+
+
+class Router(nn.Module):
+    """HF `mlp.router`: a linear with bias over the experts, top-k, softmax over the k logits."""
+
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.top_k = spec.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(spec.num_experts, spec.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, hidden] -> weights [N, k] (x's dtype), expert ids [N, k]
+        top, idx = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return torch.softmax(top, dim=1, dtype=top.dtype), idx
+
+
+class Experts(nn.Module):
+    """HF `mlp.experts` tensors (this rank's experts and intermediate slice), stored as HF stores them:
+    gate_up_proj [E, hidden, 2 * I] (x @ W), down_proj [E, I, hidden]."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, parallel: MoEParallel):
+        super().__init__()
+        experts = local_experts(spec, tp.size, tp.rank, parallel)
+        inter = spec.intermediate_size // (tp.size if parallel == "tp" else 1)
+        e, h = len(experts), spec.hidden_size
+        self.first = experts.start
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * inter))
+        self.down_proj = nn.Parameter(torch.zeros(e, inter, h))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+        # Under "tp" every rank holds every expert's full down_proj bias, but it must be added once in the sum.
+        self.adds_down_bias = parallel == "ep" or tp.rank == 0
+
+
+class MoEMLP(nn.Module):
+    """HF `mlp` of a gpt-oss layer: `router` and `experts`."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE, parallel: MoEParallel = "tp"):
+        super().__init__()
+        self.tp = tp
+        self.router = Router(spec)
+        self.experts = Experts(spec, tp, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, hidden] -> [B, T, hidden]
+        flat = x.flatten(0, -2)
+        weights, idx = self.router(flat)
+        ex = self.experts
+        out = torch.zeros_like(flat)
+        # Expert by expert over the tokens routed to it, in expert order, as transformers does (so the sums
+        # of the k contributions are added in the same order).
+        for local in range(ex.gate_up_proj.shape[0]):
+            token, slot = torch.where(idx == ex.first + local)
+            if token.numel() == 0:
+                continue
+            h = gated_activation(flat[token] @ ex.gate_up_proj[local] + ex.gate_up_proj_bias[local])
+            y = h @ ex.down_proj[local]
+            if ex.adds_down_bias:
+                y = y + ex.down_proj_bias[local]
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return self.tp.all_reduce(out).view_as(x)
