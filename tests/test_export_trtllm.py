@@ -1,0 +1,379 @@
+"""`trtllm-dflash export trtllm`: the directory TensorRT-LLM's PyTorch backend loads.
+
+TensorRT-LLM is not installed here, so the directory is checked against what TensorRT-LLM reads, as found in
+its published source (and ModelOpt's, installed here):
+
+- `speculative_config` fields: `DFlashDecodingConfig` (`decoding_type: Literal['DFlash']`, `max_draft_len`,
+  `speculative_model`, `mask_token_id`, `target_layer_ids`), NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py
+  as rendered in the API reference llm-api/reference/DFlashDecodingConfig.html (releases 1.3.0rc27 and
+  1.4.0rc1), and docs/source/features/speculative-decoding.md at commit
+  04c8822cc42ffd1f5b6270874e5b9a64a20e7a58 ("DFlash" section; YAML `speculative_config` with `decoding_type`).
+- The drafter TensorRT-LLM builds from `speculative_model`: `dflash_config.mask_token_id`,
+  `dflash_config.target_layer_ids`, `block_size`, the architecture resolved from `model_type` when
+  `DFlashDraftModel` is not registered: tensorrt_llm/_torch/models/modeling_dflash.py at commit
+  009d8fa431bd3de92245aab80f8b57dc70da1ac4; drafts at block positions 1..max_draft_len:
+  tensorrt_llm/_torch/speculative/dflash.py (NVIDIA/TensorRT-LLM, commit 2fc4bbbc414379ffe56f44bce35ff22c02ff91c8).
+- `kv_cache_config.free_gpu_memory_fraction`, `cuda_graph_config.{batch_sizes, enable_padding}`: the API reference
+  DecodeCudaGraphConfig.html (1.3.0rc27) and examples/llm_runtime.py (KvCacheConfig, CudaGraphConfig).
+- Commands: tensorrt_llm/commands/serve.py at commit 00209af149e7774406881a37283dce303571eb11 (`trtllm-serve
+  MODEL`, `--tp_size`, `--config` / `--extra_llm_api_options`), tensorrt_llm/commands/bench.py at commit
+  0c9a37db1f06912c2109c13272029bd7a13cb248 (`--model`, `--model_path`) and
+  tensorrt_llm/bench/benchmark/throughput.py at commit 000a01de66f0eab4ab05640711f0253f50f5209c (`throughput
+  --backend --tp --dataset --extra_llm_api_options`).
+- hf_quant_config.json and config.json `quantization_config`: compared here with what ModelOpt's own
+  export_hf_checkpoint writes for the same target (modelopt installed in this environment).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from trtllm_dflash.checkpoint.formats import load_drafter
+from trtllm_dflash.cli import main
+from trtllm_dflash.config import BuildConfig
+from trtllm_dflash.engine.builder import build_engine
+from trtllm_dflash.engine_dir import write_manifest
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.export.trtllm import merge_shards
+from trtllm_dflash.models.quantized import dequantize_state_dict
+from trtllm_dflash.models.shard import Split, shard_tensor, split_for
+from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
+from trtllm_dflash.train.random_pair import write_random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = {".trtllm-dflash", "README.md", "extra_llm_api_options.yaml", "drafter/config.json",
+         "drafter/model.safetensors", "target/config.json", "target/model.safetensors",
+         "target/generation_config.json"}
+
+
+def build(pair: Path, out: Path, tp: int = 1, **kw) -> Path:
+    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=out, dtype="float32", tp_size=tp,
+                      max_batch_size=6, max_seq_len=512, **kw)
+    return build_engine(cfg, progress=False)
+
+
+def export(engine: Path, out: Path, *extra: str) -> Path:
+    assert main(["export", "trtllm", str(engine), "--output", str(out), *extra]) == 0
+    return out
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                    b.reshape(-1).view(torch.uint8))
+
+
+def resharded_equal_rank_files(export_dir: Path, engine: Path) -> None:
+    """merge_shards is the exact inverse of the split: cutting the exported tensors again gives every rank file
+    (the target, and an unquantized drafter)."""
+    cfg = json.loads((engine / "config.json").read_text())
+    tp = cfg["mapping"]["tp_size"]
+    exported = {"target": tensors(export_dir / "target" / "model.safetensors"),
+                "drafter": tensors(export_dir / "drafter" / "model.safetensors")}
+    if cfg["quantization"].get("drafter") == "quantized":
+        del exported["drafter"]  # exported dequantized: checked against the engine by value instead
+    for part, full in exported.items():
+        spec = DecoderSpec.from_hf(hf_config_from_dict(cfg[part], part))
+        for r in range(tp):
+            rank = {k[len(part) + 1:]: v for k, v in tensors(engine / f"rank{r}.safetensors").items()
+                    if k.startswith(part + ".")}
+            assert rank.keys() == full.keys(), part
+            for key, t in rank.items():
+                assert same(shard_tensor(full[key], split_for(key, spec, tp, r)), t), (part, r, key)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure: merging rank slices
+# ---------------------------------------------------------------------------------------------------------
+
+def test_merge_shards_inverts_every_kind_of_split():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 8, generator=g)
+    rows = [Split(0, 0, 3, 6), Split(0, 3, 6, 6)]
+    assert torch.equal(merge_shards([shard_tensor(w, s) for s in rows], rows, "rows"), w)
+    # NVFP4 packing: 2 inputs per byte, so logical columns [0, 8) of 16 are stored columns [0, 4).
+    packed = torch.randint(0, 255, (4, 8), dtype=torch.uint8, generator=g)
+    cols = [Split(1, 0, 8, 16), Split(1, 8, 16, 16)]
+    assert torch.equal(merge_shards([shard_tensor(packed, s) for s in cols], cols, "packed"), packed)
+    # The vocabulary (5 rows) padded to 8 over 4 ranks: ranks 2 and 3 hold a row and zero rows.
+    vocab = [Split(0, 2 * r, 2 * r + 2, 5) for r in range(4)]
+    parts = [shard_tensor(w[:5], s) for s in vocab]
+    assert [p.shape[0] for p in parts] == [2, 2, 2, 2] and not parts[3].any()
+    assert torch.equal(merge_shards(parts, vocab, "vocab"), w[:5])
+    # One KV head shared by two ranks; a replicated norm.
+    kv = [Split(0, 0, 3, 3), Split(0, 0, 3, 3)]
+    assert torch.equal(merge_shards([w[:3], w[:3]], kv, "kv"), w[:3])
+    assert torch.equal(merge_shards([w[0], w[0]], [None, None], "norm"), w[0])
+    # Anything else is not one tensor cut in pieces.
+    with pytest.raises(UserError, match="replicated tensor differs"):
+        merge_shards([w[0], w[1]], [None, None], "norm")
+    with pytest.raises(UserError, match="held by several ranks differs"):
+        merge_shards([w[:3], w[3:]], kv, "kv")
+    with pytest.raises(UserError, match="padding is not zero"):
+        merge_shards(parts[:3] + [torch.ones_like(parts[3])], vocab, "vocab")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The demo engine: loads in transformers with our logits, the drafter as the engine holds it
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from trtllm_dflash.config import load_build_config
+
+    tmp = tmp_path_factory.mktemp("demo_export")
+    engine = build_engine(load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp / "engine"),
+                          progress=False)
+    return engine, export(engine, tmp / "trtllm")
+
+
+def test_every_file_is_there(demo):
+    engine, out = demo
+    tokenizer = {f"target/{p.name}" for p in (engine / "tokenizer").iterdir()}
+    assert set(files(out)) == FILES | tokenizer
+    assert json.loads((out / ".trtllm-dflash").read_text())["kind"] == "trtllm export"
+    assert not (out / "target" / "hf_quant_config.json").exists()
+
+
+def test_yaml_has_exactly_the_documented_fields(demo):
+    engine, out = demo
+    cfg = json.loads((engine / "config.json").read_text())
+    options = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())
+    assert options == {
+        "tensor_parallel_size": 1,
+        "max_batch_size": cfg["max_batch_size"],
+        "max_seq_len": cfg["max_seq_len"],
+        "kv_cache_config": {"free_gpu_memory_fraction": 0.8},
+        "cuda_graph_config": {"batch_sizes": [1, 2, 4, 8], "enable_padding": True},
+        "speculative_config": {"decoding_type": "DFlash", "max_draft_len": cfg["dflash"]["block_size"] - 1,
+                               "speculative_model": "drafter",
+                               "mask_token_id": cfg["dflash"]["mask_token_id"],
+                               "target_layer_ids": cfg["dflash"]["target_layer_ids"]},
+    }
+    types = {k: type(v) for k, v in options["speculative_config"].items()}
+    assert types == {"decoding_type": str, "max_draft_len": int, "speculative_model": str, "mask_token_id": int,
+                     "target_layer_ids": list}
+    assert (out / options["speculative_config"]["speculative_model"] / "config.json").is_file()
+    readme = (out / "README.md").read_text()
+    assert ("trtllm-serve target --backend pytorch --tp_size 1 --extra_llm_api_options extra_llm_api_options.yaml"
+            in readme)
+    assert ("trtllm-bench --model target --model_path target throughput --backend pytorch --tp 1 --dataset "
+            "DATASET.jsonl --extra_llm_api_options extra_llm_api_options.yaml") in readme
+
+
+def test_target_loads_in_transformers_with_our_logits(demo):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trtllm_dflash.runtime.runner import Engine
+
+    engine_dir, out = demo
+    hf = AutoModelForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    tokenizer = AutoTokenizer.from_pretrained(str(out / "target"))
+    ids = torch.tensor(tokenizer("def fibonacci(n):\n    ")["input_ids"])
+    engine = Engine.load(engine_dir)
+    target = engine.executor.target
+    ours = target(ids[None], torch.arange(len(ids))[None], torch.tensor([0]), target.new_cache(1, 64)).logits
+    with torch.no_grad():
+        ref = hf(ids[None]).logits
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    assert hf.generation_config.eos_token_id in (engine.config.eos_token_ids, engine.config.eos_token_ids[0])
+
+
+def test_drafter_is_the_engines_in_the_z_lab_format(demo):
+    engine, out = demo
+    drafter = load_drafter(out / "drafter")
+    cfg = json.loads((engine / "config.json").read_text())
+    assert drafter.hf_config["architectures"] == ["DFlashDraftModel"]
+    assert drafter.params.block_size == cfg["dflash"]["block_size"]
+    assert list(drafter.params.target_layer_ids) == cfg["dflash"]["target_layer_ids"]
+    assert drafter.params.mask_token_id == cfg["dflash"]["mask_token_id"]
+    rank = tensors(engine / "rank0.safetensors")
+    exported = load_file(str(out / "drafter" / "model.safetensors"))
+    assert exported.keys() == {k[len("drafter."):] for k in rank if k.startswith("drafter.")}
+    assert all(same(v, rank["drafter." + k]) for k, v in exported.items())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor parallelism, determinism, --force
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("export_pair")
+    write_random_pair(root, "qwen3", seed=5)
+    return root
+
+
+def test_tp2_exports_the_tp1_target_and_re_export_is_byte_identical(pair, tmp_path):
+    one, two = build(pair, tmp_path / "tp1"), build(pair, tmp_path / "tp2", tp=2)
+    a, b = export(one, tmp_path / "a"), export(two, tmp_path / "b")
+    for name in ("target/model.safetensors", "drafter/model.safetensors", "drafter/config.json",
+                 "target/config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    resharded_equal_rank_files(b, two)
+    first = files(b)
+    assert export(two, b, "--force") == b and files(b) == first  # --force replaces an export, same bytes
+    assert files(export(two, tmp_path / "c")) == first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4: ModelOpt's unified format, as ModelOpt writes it
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nvfp4(pair, tmp_path_factory):
+    pytest.importorskip("modelopt.torch.quantization")
+    tmp = tmp_path_factory.mktemp("nvfp4_export")
+    q = dict(quantization="nvfp4", quantize_drafter=True, calibration_samples=4, calibration_max_tokens=32)
+    one, two = build(pair, tmp / "tp1", **q), build(pair, tmp / "tp2", tp=2, **q)
+    return one, two, export(one, tmp / "a"), export(two, tmp / "b")
+
+
+def modelopt_export(target: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from trtllm_dflash.quantize.modelopt_cpu import calibrate, export_unified
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).eval()
+    calibrate(model, "nvfp4", [torch.arange(4, 20)[None]])
+    export_unified(model, out)
+    return out
+
+
+def test_nvfp4_configs_are_modelopts(nvfp4, pair, tmp_path):
+    _, _, a, _ = nvfp4
+    theirs = modelopt_export(pair / "target", tmp_path / "modelopt")
+    assert (a / "target" / "hf_quant_config.json").read_text() == (theirs / "hf_quant_config.json").read_text()
+    ours_cfg = json.loads((a / "target" / "config.json").read_text())
+    their_cfg = json.loads((theirs / "config.json").read_text())
+    assert ours_cfg["quantization_config"] == their_cfg["quantization_config"]
+    assert list(ours_cfg)[-1] == list(their_cfg)[-1] == "quantization_config"
+    # The same tensor names, and the quantized ones with ModelOpt's dtypes and shapes.
+    ours, their = tensors(a / "target" / "model.safetensors"), tensors(theirs / "model.safetensors")
+    assert ours.keys() == their.keys()
+    for k, t in their.items():
+        if t.dtype != torch.bfloat16:
+            assert (ours[k].dtype, ours[k].shape) == (t.dtype, t.shape), k
+
+
+def test_nvfp4_tensors_read_back_equal_the_engines(nvfp4):
+    from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
+    from trtllm_dflash.quantize.nvfp4 import NVFP4Weight
+
+    one, two, a, b = nvfp4
+    engine = tensors(one / "rank0.safetensors")
+    exported = tensors(a / "target" / "model.safetensors")
+    cfg = json.loads((one / "config.json").read_text())
+    modules = [m[len("target."):] for m in cfg["quantization"]["quantized_modules"] if m.startswith("target.")]
+    assert len(modules) == 7 * cfg["target"]["num_hidden_layers"]
+    for m in modules:
+        ours, theirs = read_quantized_linear(exported, m), read_quantized_linear(engine, "target." + m)
+        assert isinstance(ours, NVFP4Weight) and isinstance(theirs, NVFP4Weight)
+        for field in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+            assert same(getattr(ours, field), getattr(theirs, field)), (m, field)
+    assert all(same(v, engine["target." + k]) for k, v in exported.items())
+    # tp 2: the same bytes (the packed row-parallel splits merge back exactly).
+    assert (a / "target" / "model.safetensors").read_bytes() == (b / "target" / "model.safetensors").read_bytes()
+    resharded_equal_rank_files(b, two)
+
+
+def test_quantized_drafter_is_exported_dequantized(nvfp4):
+    one, _, a, b = nvfp4
+    rank = {k[len("drafter."):]: v for k, v in tensors(one / "rank0.safetensors").items() if k.startswith("drafter.")}
+    assert any(k.endswith(".weight_scale") for k in rank)
+    plain, _ = dequantize_state_dict(rank, torch.float32)
+    exported = load_file(str(a / "drafter" / "model.safetensors"))
+    assert exported.keys() == plain.keys() and all(same(v, plain[k]) for k, v in exported.items())
+    assert (a / "drafter" / "model.safetensors").read_bytes() == (b / "drafter" / "model.safetensors").read_bytes()
+    assert "written dequantized" in (a / "README.md").read_text()
+    assert not (a / "drafter" / "hf_quant_config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad inputs: one sentence, exit 2, nothing written
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_engine(pair, tmp_path_factory) -> Path:
+    return build(pair, tmp_path_factory.mktemp("bad_inputs") / "engine")
+
+
+def relabel(engine: Path, dest: Path, model_type: str) -> Path:
+    """A copy of `engine` whose target claims another family, with a manifest that matches (not tampered)."""
+    shutil.copytree(engine, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg["target"]["model_type"] = model_type
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_manifest(dest)
+    return dest
+
+
+def tampered(engine: Path, dest: Path) -> Path:
+    shutil.copytree(engine, dest)
+    with (dest / "rank0.safetensors").open("r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    return dest
+
+
+def occupied(d: Path) -> Path:
+    d.mkdir()
+    (d / "notes.txt").write_text("mine\n")
+    return d
+
+
+CASES = {
+    "tampered engine": (lambda e, t: (tampered(e, t / "e"), t / "out", ()), "does not match manifest.json"),
+    "non-empty output": (lambda e, t: (e, occupied(t / "out"), ()), "is not empty and was not written by"),
+    "--force on a foreign directory": (lambda e, t: (e, occupied(t / "out"), ("--force",)),
+                                       "--force only replaces a directory that trtllm-dflash wrote"),
+    "output inside the engine": (lambda e, t: (e, e / "trtllm", ()), "lies inside the input directory"),
+    "output is the engine": (lambda e, t: (e, e, ()), "is the input directory"),
+    "unsupported family": (lambda e, t: (relabel(e, t / "e", "mistral"), t / "out", ()),
+                           "target model_type 'mistral' is not supported by TensorRT-LLM's DFlash export"),
+    "gpt-oss target": (lambda e, t: (relabel(e, t / "e", "gpt_oss"), t / "out", ()),
+                       "gpt_oss (mixture of experts), which export trtllm does not write yet"),
+    "an engine of another kind at the output": (lambda e, t: (e, Path(shutil.copytree(e, t / "other")), ()),
+                                                "holds a trtllm-dflash engine, not a trtllm export"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_inputs_are_one_sentence_and_write_nothing(case, small_engine, tmp_path, capsys):
+    make, message = CASES[case]
+    engine, out, extra = make(small_engine, tmp_path)
+    before = {d: files(d) for d in (engine, out) if d.exists()}
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["export", "trtllm", str(engine), "--output", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
+    assert {d: files(d) for d in (engine, out) if d.exists()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing  # no temporary directory left behind
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom trtllm_dflash.cli import main\n"
+            "for argv in (['export', '--help'], ['export', 'trtllm', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as exc:\n        assert exc.code == 0, argv\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stderr

@@ -1,0 +1,1 @@
+"""Exports of an engine directory into other runtimes' formats (`trtllm-dflash export ...`)."""
