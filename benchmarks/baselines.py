@@ -61,9 +61,10 @@ def decoders(engine: Engine, hf_model, prompt_lookup_num_tokens: int) -> dict[st
 
 
 def run(engine_dir: Path, target_dir: Path, prompts: Path, num_prompts: int, max_new_tokens: int, repeats: int,
-        prompt_lookup_num_tokens: int = 10) -> dict:
+        prompt_lookup_num_tokens: int = 10, block_size: int | str | None = None) -> dict:
+    """`block_size`: our dflash's (an integer, "auto", or None: the engine's)."""
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, block_size=block_size)
     hf_model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, engine.config.dtype)).eval()
     defaults = Defaults(max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(prompts, engine.tokenizer, defaults)
@@ -106,7 +107,8 @@ def run(engine_dir: Path, target_dir: Path, prompts: Path, num_prompts: int, max
         "engine": _rel(engine_dir), "target": _rel(target_dir), "prompts": _rel(prompts),
         "dtype": engine.config.dtype, "num_prompts": len(requests), "max_new_tokens": max_new_tokens,
         "repeats": repeats, "batch_size": 1, "temperature": 0,
-        "prompt_lookup_num_tokens": prompt_lookup_num_tokens, "block_size": engine.executor.block_size,
+        "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+        "block_size": "auto" if block_size == "auto" else engine.executor.block_size,
         "methods": methods,
     }
 

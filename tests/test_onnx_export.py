@@ -18,6 +18,8 @@ import torch
 
 from tests.conftest import build
 from trtllm_dflash.compile.onnx_export import (
+    ACCEPT,
+    ACCEPT_PLUGIN,
     DRAFTER_CONTEXT,
     DRAFTER_DRAFT,
     TARGET_STEP,
@@ -27,8 +29,6 @@ from trtllm_dflash.compile.onnx_export import (
 )
 from trtllm_dflash.compile.onnx_ops import tensor_scatter
 from trtllm_dflash.models.quantized import quantize_inputs
-from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.parallel.group import TPGroup
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.core import block_input
 
@@ -131,7 +131,10 @@ def test_tensor_scatter_writes_each_row_at_its_index():
 def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     engine, out, files = exported
     assert [f.name for f in files] == [f"{TARGET_STEP}.onnx", f"{DRAFTER_CONTEXT}.onnx", f"{DRAFTER_DRAFT}.onnx",
-                                       WEIGHTS_FILE]
+                                       WEIGHTS_FILE, f"{ACCEPT}.onnx", f"{ACCEPT_PLUGIN}.onnx"]
+    for f in files[:3]:  # which rank of which split (compile checks it)
+        meta = {p.key: p.value for p in onnx.load(str(f), load_external_data=False).metadata_props}
+        assert (meta["rank"], meta["tp_size"]) == ("0", "1")
     layers, draft_layers = engine.executor.target.spec.num_layers, engine.executor.drafter.spec.num_layers
     ops = {}
     for f in files[:3]:
@@ -203,13 +206,13 @@ def test_onnxruntime_equals_the_torch_executor(exported):
         target(torch.randint(0, vocab, (2, 1), generator=g), starts, r0=1)
         starts = starts + 1
 
-    # The caches themselves: TorchExecutor's [layers, slots, max_len, kv_heads, hd], ours [slots, kv, max_len, hd]
+    # The caches themselves: TorchExecutor's per layer [slots, max_len, kv_heads, hd], ours [slots, kv, max_len, hd]
     for i in range(ex.target.spec.num_layers):
         for ours, theirs in ((graphs.target_cache[2 * i], ex.target_cache.k[i]),
                              (graphs.target_cache[2 * i + 1], ex.target_cache.v[i])):
             torch.testing.assert_close(ours, theirs[:NUM_SLOTS].transpose(1, 2), atol=1e-5, rtol=0)
     for i in range(ex.drafter.spec.num_layers):
-        torch.testing.assert_close(graphs.draft_cache[2 * i], ex.draft_cache.k[i, :NUM_SLOTS].transpose(1, 2),
+        torch.testing.assert_close(graphs.draft_cache[2 * i], ex.draft_cache.k[i][:NUM_SLOTS].transpose(1, 2),
                                    atol=1e-5, rtol=0)
 
 
@@ -220,11 +223,14 @@ def test_export_is_deterministic(export_family, tmp_path):
 
 
 def test_refuses_what_it_cannot_export(qwen3_engine_dir, tmp_path):
+    """NVFP4 linears, and FP8 linears whose stored weight was not given back (keep_stored_weights)."""
     ex = Engine.load(qwen3_engine_dir).executor
     quantize_inputs(ex.drafter, {"layers.0.mlp.down_proj": ("fp8", torch.tensor(1.0))})
-    with pytest.raises(ValueError, match=r"drafter\.layers\.0\.mlp\.down_proj: quantized"):
+    with pytest.raises(ValueError, match=r"drafter\.layers\.0\.mlp\.down_proj: fp8 linears are exported only as FP8 "
+                                         r"with their stored weight"):
         export_engine_graphs(ex.target, ex.drafter, tmp_path)
-    with torch.device("meta"):
-        rank0_of_2 = TargetModel(ex.target.spec, TPGroup(rank=0, size=2))
-    with pytest.raises(ValueError, match="rank 0 of tp 2"):
-        export_engine_graphs(rank0_of_2, None, tmp_path)
+    quantize_inputs(ex.target, {"model.layers.1.self_attn.o_proj": ("nvfp4", torch.tensor(1.0))})
+    with pytest.raises(ValueError, match=r"target\.model\.layers\.1\.self_attn\.o_proj: nvfp4 linears .* NVFP4 graphs "
+                                         "are not exported yet"):
+        export_engine_graphs(ex.target, None, tmp_path)
+    assert not list(tmp_path.iterdir())  # refused before anything is written

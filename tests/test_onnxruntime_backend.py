@@ -119,7 +119,7 @@ def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, ca
     refused([run[0], str(qwen3_ort_engine), *run[1:], "--device", "cuda"], "--device cuda")
     assert not (tmp_path / "o.jsonl").exists()
     # What the onnxruntime backend cannot build yet is refused before any work.
-    for key, value in (("tp_size", 2), ("dtype", "bfloat16"), ("quantization", "fp8")):
+    for key, value in (("tp_size", 2), ("dtype", "bfloat16"), ("quantization", "nvfp4")):
         config = tmp_path / f"{key}.yaml"
         config.write_text(f"target: {qwen3_pair / 'target'}\ndrafter: {qwen3_pair / 'drafter'}\n"
                           f"output: {tmp_path / key}\nbackend: onnxruntime\n{key}: {value}\n")
@@ -177,3 +177,74 @@ def test_onnxruntime_missing_is_one_sentence(qwen3_pair, qwen3_ort_engine, tmp_p
     assert main(["build", str(config)]) == 2
     assert "backend onnxruntime needs the onnx extra: pip install 'trtllm-dflash[onnx]'" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "e").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# FP8 engines: the graphs keep ModelOpt's FP8 weights and Q/DQ nodes
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(qwen3_pair, tmp_path_factory):
+    return build(qwen3_pair, tmp_path_factory.mktemp("ort_fp8") / "engine", quantization="fp8",
+                 quantize_drafter=True, calibration_samples=8)
+
+
+def test_fp8_graphs_hold_fp8_weights_and_qdq_nodes(fp8_engine):
+    import onnx
+
+    cfg = json.loads((fp8_engine / "config.json").read_text())
+    quantized = cfg["quantization"]["quantized_modules"]
+    graphs = {}
+    for graph in ("target_step", "drafter_context", "drafter_draft"):
+        path = graph_dir(fp8_engine, 0) / f"{graph}.onnx"
+        onnx.checker.check_model(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+        ops = [n.op_type for n in model.graph.node]
+        fp8 = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN]
+        # An FP8 weight (+ DequantizeLinear) per quantized linear the graph runs, and a Q/DQ pair per quantized
+        # input: linears that read the same input with the same scale (q/k/v, gate/up) share theirs.
+        assert ops.count("DequantizeLinear") == len(fp8) + ops.count("QuantizeLinear") > len(fp8) > 0, graph
+        graphs[graph] = (len(fp8), ops.count("QuantizeLinear"))
+    layers = cfg["target"]["num_hidden_layers"]
+    assert len([m for m in quantized if m.startswith("target.")]) == 7 * layers  # lm_head stays unquantized
+    # target_step: q, k, v, o, gate, up, down per layer; inputs: qkv, o, gate/up, down
+    assert graphs["target_step"] == (7 * layers, 4 * layers)
+
+
+def test_fp8_engine_is_within_a_stated_bound_of_the_torch_emulation(fp8_engine):
+    """FP8 graphs in onnxruntime compute what models/quantized.py emulates, up to accumulation order; an input
+    element next to an FP8 rounding boundary may then round one step the other way. Stated bound: logits
+    within 1e-2 of the torch executor's (their spread here: ~0.16), and the same greedy token wherever the
+    top two logits are further apart than that."""
+    torch_engine, ort_engine = (Engine.load(fp8_engine, backend=b) for b in ("torch", "onnxruntime"))
+    tokens = torch.randint(4, torch_engine.executor.vocab_size, (4, 120), generator=torch.Generator().manual_seed(3))
+    outs = [e.executor.target_forward(tokens, torch.zeros(4, dtype=torch.long), torch.arange(4), capture=True)
+            for e in (torch_engine, ort_engine)]
+    diff = (outs[0].logits - outs[1].logits).abs()
+    assert diff.max() < 1e-2 and diff.median() < 1e-5, (diff.max(), diff.median())
+    top2 = outs[0].logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-2
+    assert torch.equal(outs[0].logits.argmax(-1)[clear], outs[1].logits.argmax(-1)[clear])
+    # the drafter's FP8 graphs: the same drafts as the torch executor for the same context
+    for e, out in zip((torch_engine, ort_engine), outs):
+        e.executor.append_context(out.hidden, torch.zeros(4, dtype=torch.long), torch.arange(4))
+    anchors, starts = tokens[:, -1], torch.full((4,), 120)
+    drafts = [e.executor.draft(anchors, starts, torch.arange(4)) for e in (torch_engine, ort_engine)]
+    assert (drafts[0] == drafts[1]).float().mean() > 0.9
+
+
+def test_fp8_graphs_build_with_tensorrt_rtx(fp8_engine):
+    """Ahead of time on this CPU, for SM89 (Ada, FP8 tensor cores) and SM120: the Q/DQ nodes parse into
+    TensorRT's quantize / dequantize layers around the matrix multiplies."""
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
+    from trtllm_dflash.compile.tensorrt_build import build_plan, engine_shapes, layer_types, parse_graph
+    from trtllm_dflash.engine_dir import read_engine_config
+
+    cfg = read_engine_config(fp8_engine)
+    shapes = engine_shapes(cfg)
+    for graph in ("target_step", "drafter_context", "drafter_draft"):
+        path = graph_dir(fp8_engine, 0) / f"{graph}.onnx"
+        layers = layer_types(parse_graph(rtx, path, static_dims={"max_len": shapes["max_len"].max}).network)
+        assert layers["QUANTIZE"] > 0 and layers["DEQUANTIZE"] > layers["QUANTIZE"], (graph, layers)
+        assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=shapes, targets=["SM89", "SM120"])) > 50_000

@@ -218,8 +218,8 @@ def fake_plans(root: Path, **info) -> None:
     (root / PLANS_DIR / PLANS_INFO).write_text(json.dumps(info))
 
 
-@pytest.mark.parametrize("case", ["no plans", "plugin needed", "plugin missing", "no tensorrt", "other tensorrt",
-                                  "no gpu", "other gpu"])
+@pytest.mark.parametrize("case", ["no plans", "plugin needed", "plugin missing", "other plugin build", "no tensorrt",
+                                  "other tensorrt", "no gpu", "other gpu"])
 def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, monkeypatch):
     root = copy_engine(qwen3_engine_dir, tmp_path)
     cfg = read_engine_config(root)
@@ -234,6 +234,11 @@ def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, mo
         words = ["built with the plugin library libtrtllm_dflash_plugins.so", "--plugin-library"]
     elif case == "plugin missing":
         plugin, words = tmp_path / "missing.so", ["--plugin-library", "no such file"]
+    elif case == "other plugin build":
+        plugin = tmp_path / "libtrtllm_dflash_plugins.so"
+        plugin.write_bytes(b"a plugin library of another build")
+        fake_plans(root, plugin_library=plugin.name, plugin_library_sha256=hashlib.sha256(b"the one compiled").hexdigest())
+        words = ["another build of the plugin library", "compile"]
     elif case == "no tensorrt":
         words = ["--backend tensorrt needs TensorRT 10.15+", "pip install tensorrt"]
     elif case == "other tensorrt":

@@ -170,8 +170,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from trtllm_dflash.bench.options import BenchOptions
-    from trtllm_dflash.bench.report import bench_command
+    from trtllm_dflash.bench.report import bench_command, profile_command
 
+    if args.profile:
+        profile_command(args.engine_dir, args.threads, args.backend)
+        return 0
+    if args.dataset is None:
+        raise UserError("bench needs --dataset (or --profile to only measure the pass costs).")
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
                         args.warmup, args.repeats, args.threads, args.backend)
     bench_command(args.engine_dir, args.dataset, opts, args.report_json, args.plot)
@@ -223,7 +228,7 @@ def _add_serve(sub) -> None:
                    help="a non-decoupled model: one response per request, for Triton's plain infer over HTTP and "
                         "gRPC (default: decoupled, streaming over gRPC streams and HTTP generate_stream)")
     s.add_argument("--mode", choices=("dflash", "ar"), default=d.mode, help="decoding mode")
-    s.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
+    s.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
     s.add_argument("--max-batch-size", type=_positive_int,
                    help="requests decoded together, up to the engine's (default: the engine's)")
     s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
@@ -243,6 +248,28 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"),
                    help="executor: torch (any engine), onnxruntime (engines with ONNX graphs) or tensorrt (engines "
                         "compiled with `trtllm-dflash compile`, on a GPU) (default: what the engine was built for)")
+
+
+BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "
+                   "that maximises expected tokens/s, from pass costs measured once and cached (default: the engine's)")
+
+
+def _block_size(text: str) -> int | str:
+    """--block-size: an integer (checked against the engine when it loads) or `auto`."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
+def _block_sizes(text: str) -> tuple[int | str, ...]:
+    """--block-sizes: comma-separated integers and/or auto, e.g. 4,8,16,auto."""
+    values = tuple(_block_size(x) for x in text.split(","))
+    if any(v != "auto" and v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be positive integers or auto, got {text!r}")
+    return values
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -273,13 +300,17 @@ def _add_bench(sub) -> None:
                                    "{id, prompt} or {prompt} JSONL): for every mode, block size and concurrency, "
                                    "warm-up, then repeated timed runs; prints markdown tables of the medians.")
     b.add_argument("engine_dir", type=Path)
-    b.add_argument("--dataset", type=Path, required=True, help="JSONL: SPEED-Bench records, {id, prompt} or {prompt}")
+    b.add_argument("--dataset", type=Path, help="JSONL: SPEED-Bench records, {id, prompt} or {prompt} (default: none; "
+                                                "needed unless --profile)")
+    b.add_argument("--profile", action="store_true",
+                   help="only measure the engine's pass costs for --block-size auto (again, even if cached), store "
+                        "them where run, compare, bench and serve find them, and print them")
     b.add_argument("--concurrency", type=_int_list, metavar="C,C,...",
                    help="requests in flight (closed loop), each <= the engine's max_batch_size "
                         "(default: 1,2,4,... up to max_batch_size)")
     b.add_argument("--modes", type=_modes, default=d.modes, metavar="ar,dflash", help="decoding modes to run")
-    b.add_argument("--block-sizes", type=_int_list, metavar="B,B,...",
-                   help="DFlash block sizes, 2 .. the engine's (default: the engine's)")
+    b.add_argument("--block-sizes", type=_block_sizes, metavar="B,B,...",
+                   help="DFlash block sizes, 2 .. the engine's, and/or auto (e.g. 4,8,16,auto) (default: the engine's)")
     b.add_argument("--num-requests", type=_positive_int,
                    help="the first N prompts of the dataset (default: all)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, help="per request")
@@ -396,7 +427,7 @@ def parser() -> argparse.ArgumentParser:
                    help="token ids that end a request, in addition to the engine's EOS ids (default: none)")
     r.add_argument("--summary", type=Path, help="write the run summary JSON here (default: not written)")
     r.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
-    r.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
+    r.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
     r.add_argument("--device", choices=("cpu", "cuda"), default=ro.device,
                    help="cuda: rank r runs on GPU r %% device_count, collectives over nccl")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -416,7 +447,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--show", type=_non_negative_int, default=3, help="completions to print")
     c.add_argument("--repeats", type=_positive_int, default=1, help="timed repetitions (medians)")
     c.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
-    c.add_argument("--block-size", type=int, help="tokens per block, 2 .. the engine's (default: the engine's)")
+    c.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
     _add_backend(c)
     c.set_defaults(func=cmd_compare)
 

@@ -22,13 +22,14 @@ acceptance come from the first repeat.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from trtllm_dflash.runtime.decoding import Result
-from trtllm_dflash.runtime.jsonl import summarize
+from trtllm_dflash.runtime.jsonl import summarize, verify_steps
 
 
 @dataclass(frozen=True)
@@ -55,22 +56,31 @@ def _median_block(blocks: list[dict | None]) -> dict | None:
 
 
 def decoding_stats(results: list[Result], block_size: int) -> dict:
-    """DFlash acceptance over all verify steps of the run, plus trtllm-bench's per-request percentile blocks."""
-    drafts_per_step = block_size - 1
+    """DFlash acceptance over all verify steps of the run, plus trtllm-bench's per-request percentile blocks.
+
+    `block_size`: the run's block (with --block-size auto, the largest k it could choose); a verify step of k
+    tokens drafts k - 1, and `verify_length_distribution` gives the share of decoding steps at each k."""
     steps = [n for r in results for n in r.acceptance_lengths]
     verified = [r for r in results if r.acceptance_lengths]  # requests that reached a verify step
-    drafted = [drafts_per_step * len(r.acceptance_lengths) for r in verified]
+    drafted = [sum(k - 1 for k, _ in verify_steps([r], block_size)) for r in verified]
     accepted = [sum(n - 1 for n in r.acceptance_lengths) for r in verified]
     summary = summarize("dflash", results, 1.0, block_size)
     mean_al = sum(steps) / len(steps) if steps else None
+    lengths = Counter(k for r in results for k in r.verify_lengths)
     return {
         "mode": "DFlash",
-        "max_draft_len": drafts_per_step,
+        "max_draft_len": block_size - 1,
         "num_verify_steps": len(steps),
         "acceptance_length": None if mean_al is None else round(mean_al, 4),
-        "draft_acceptance_rate": None if mean_al is None else round((mean_al - 1) / drafts_per_step, 4),
-        # position k = 1 .. block_size-1: share of verify steps whose k-th draft was accepted
+        "draft_acceptance_rate": round(sum(accepted) / sum(drafted), 4) if sum(drafted) else None,
+        # position k = 1 .. block_size-1: share of verify steps (with a k-th draft) whose k-th draft was accepted
         "acceptance_rate_per_position": summary["acceptance_rate_per_position"],
+        # k -> share of decoding steps that verified k tokens per request (k = 1: a plain AR step)
+        "verify_length_distribution": {k: round(n / lengths.total(), 4) for k, n in sorted(lengths.items())},
+        "num_decoding_steps": lengths.total(),
+        # tokens committed per decoding step after the prefill (which commits each request's first token)
+        "tokens_per_decoding_step": round(sum(len(r.output_token_ids) - 1 for r in results) / lengths.total(), 4)
+        if lengths.total() else None,
         "num_draft_tokens_percentiles": percentiles(drafted),
         "num_accepted_draft_tokens_percentiles": percentiles(accepted),
         "draft_acceptance_rate_percentiles": percentiles([a / d for a, d in zip(accepted, drafted)]),
@@ -95,15 +105,18 @@ def _per_user_speed(results: list[Result]) -> float | None:
     return sum(speeds) / len(speeds) if speeds else None
 
 
-def summarize_runs(mode: str, block_size: int | None, concurrency: int, runs: list[TimedRun],
-                   categories: Mapping[str | int, str]) -> dict:
-    """One point of the benchmark (mode, block size, concurrency) from its repeated runs."""
+def summarize_runs(mode: str, block_size: int | str | None, concurrency: int, runs: list[TimedRun],
+                   categories: Mapping[str | int, str], max_block: int | None = None) -> dict:
+    """One point of the benchmark (mode, block size, concurrency) from its repeated runs.
+
+    `block_size` "auto" (--block-size auto) needs `max_block`, the largest verify length it could choose."""
+    max_block = max_block or (block_size if isinstance(block_size, int) else None)
     first = runs[0].results
     num_out = sum(len(r.output_token_ids) for r in first)
     # Same greedy requests, same schedule: every repeat must commit the same tokens.
     assert all(sum(len(r.output_token_ids) for r in run.results) == num_out for run in runs), "repeats differ"
     wall = statistics.median(run.wall_s for run in runs)
-    timing = [summarize(mode, run.results, run.wall_s, block_size or 1) for run in runs]
+    timing = [summarize(mode, run.results, run.wall_s, max_block or 1) for run in runs]
     speed = [_per_user_speed(run.results) for run in runs]
     ttft, tpot = _median_block([t["ttft_ms"] for t in timing]), _median_block([t["tpot_ms"] for t in timing])
     latency = _median_block([t["request_latency_ms"] for t in timing])
@@ -133,7 +146,7 @@ def summarize_runs(mode: str, block_size: int | None, concurrency: int, runs: li
             "ttft_percentiles": ttft,
             "tpot_percentiles": tpot,
         },
-        "decoding_stats": decoding_stats(first, block_size) if mode == "dflash" else None,
+        "decoding_stats": decoding_stats(first, max_block) if mode == "dflash" else None,
     }
     if categories:
         point["per_category"] = per_category(first, categories)

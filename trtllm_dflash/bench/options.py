@@ -12,7 +12,7 @@ from trtllm_dflash.runtime.options import Mode
 class BenchOptions:
     concurrency: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_batch_size and the request count
     modes: tuple[Mode, ...] = ("ar", "dflash")
-    block_sizes: tuple[int, ...] | None = None  # DFlash block sizes (None: the engine's trained one)
+    block_sizes: tuple[int | str, ...] | None = None  # DFlash block sizes and/or "auto" (None: the engine's)
     num_requests: int | None = None  # the first N prompts of the dataset (None: all)
     max_new_tokens: int = 128
     warmup: int = 2  # requests run through every configuration before timing, not measured

@@ -57,6 +57,7 @@ def plot_report(report: dict, path: Path) -> None:
         seen.add(p["block_size"])
         dec = p["decoding_stats"]
         rates = dec["acceptance_rate_per_position"]
+        rates = [float("nan") if r is None else r for r in rates]  # auto: positions no step verified
         right.plot(range(1, len(rates) + 1), rates, marker=".",
                    label=f"block {p['block_size']} (AL {dec['acceptance_length'] or 0:.2f})")
     right.set_xlabel("block position k (k-th draft token)")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from trtllm_dflash.bench.machine import describe
+from trtllm_dflash.config import Backend
 from trtllm_dflash.bench.options import BenchOptions
 from trtllm_dflash.bench.runner import bench
 from trtllm_dflash.outputs import check_output_files, write_text_atomic
@@ -20,8 +21,12 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _block(block_size: int | str) -> str:
+    return "auto" if block_size == "auto" else f"b{block_size}"
+
+
 def _name(point: dict) -> str:
-    return point["mode"] if point["block_size"] is None else f"{point['mode']} b{point['block_size']}"
+    return point["mode"] if point["block_size"] is None else f"{point['mode']} {_block(point['block_size'])}"
 
 
 def performance_table(report: dict) -> list[str]:
@@ -69,10 +74,10 @@ def position_table(report: dict) -> list[str]:
     by_block = _acceptance_by_block(report)
     if not by_block:
         return []
-    lines = ["| block position | " + " | ".join(f"b{b}" for b in by_block) + " |",
+    cells = [p["decoding_stats"]["acceptance_rate_per_position"] for p in by_block.values()]
+    lines = ["| block position | " + " | ".join(_block(b) for b in by_block) + " |",
              "|---|" + "---|" * len(by_block)]
-    for k in range(1, max(by_block)):
-        cells = [p["decoding_stats"]["acceptance_rate_per_position"] for p in by_block.values()]
+    for k in range(1, max(len(c) for c in cells) + 1):
         lines.append(f"| {k} | " + " | ".join(_num(c[k - 1], 3) if k <= len(c) else "" for c in cells) + " |")
     return lines
 
@@ -82,12 +87,30 @@ def category_table(report: dict) -> list[str]:
     if not by_block or "per_category" not in next(iter(by_block.values())):
         return []
     categories = next(iter(by_block.values()))["per_category"]
-    lines = ["| category | requests | " + " | ".join(f"AL b{b}" for b in by_block) + " |",
+    lines = ["| category | requests | " + " | ".join(f"AL {_block(b)}" for b in by_block) + " |",
              "|---|---|" + "---|" * len(by_block)]
     for cat, info in categories.items():
         lines.append(f"| {cat} | {info['num_requests']} | "
                      + " | ".join(_num(p["per_category"][cat]["acceptance_length"], 2) for p in by_block.values())
                      + " |")
+    return lines
+
+
+def verify_length_table(report: dict) -> list[str]:
+    """--block-size auto: the share of decoding steps at each verify length k, per concurrency (k = 1: AR steps)."""
+    auto = [p for p in report["points"] if p["block_size"] == "auto"]
+    if not auto:
+        return []
+    top = auto[0]["decoding_stats"]["max_draft_len"] + 1
+    lines = ["| concurrency | " + " | ".join(f"k={k}" for k in range(1, top + 1)) + " | mean k | tokens per step |",
+             "|---|" + "---|" * (top + 2)]
+    for p in auto:
+        dist = {int(k): v for k, v in p["decoding_stats"]["verify_length_distribution"].items()}
+        mean_k = sum(k * v for k, v in dist.items())
+        steps = p["decoding_stats"]["tokens_per_decoding_step"] or 0.0
+        lines.append(f"| {p['concurrency']} | " + " | ".join(_num(dist.get(k), 2) if dist.get(k) else ""
+                                                             for k in range(1, top + 1))
+                     + f" | {mean_k:.2f} | {steps:.2f} |")
     return lines
 
 
@@ -100,6 +123,10 @@ def markdown(report: dict) -> str:
     parts = [head, "", *performance_table(report)]
     if report["speedup_bound"]:
         parts += ["", "Speedup bound at batch size 1 (pass times at the mean context):", "", *bound_table(report)]
+    lengths = verify_length_table(report)
+    if lengths:
+        parts += ["", "--block-size auto: share of decoding steps verifying k tokens per request (k = 1: plain AR "
+                  "steps), by concurrency:", "", *lengths]
     positions = position_table(report)
     if positions:
         parts += ["", "Acceptance rate per block position (share of verify steps whose k-th draft was accepted):",
@@ -108,6 +135,23 @@ def markdown(report: dict) -> str:
     if categories:
         parts += ["", "Acceptance length per category:", "", *categories]
     return "\n".join(parts) + "\n"
+
+
+def profile_command(engine_dir: Path, threads: int | None, backend: Backend | None) -> None:
+    """`bench --profile`: measure the pass costs again, cache them for --block-size auto, print the step costs."""
+    import torch
+
+    from trtllm_dflash.runtime.costs import costs_table, load_or_measure
+    from trtllm_dflash.runtime.runner import Engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    engine = Engine.load(engine_dir, command="bench", backend=backend)
+    costs, path = load_or_measure(engine_dir, engine.executor, backend or engine.config.backend, remeasure=True,
+                                  report=lambda line: print(line, file=sys.stderr, flush=True))
+    for c in costs.contexts:
+        print("\n".join(costs_table(costs, c)) + "\n")
+    print(f"cost profile written to {path}", file=sys.stderr)
 
 
 def bench_command(engine_dir: Path, dataset: Path, opts: BenchOptions, report_json: Path | None,

@@ -25,6 +25,7 @@ from trtllm_dflash.bench.metrics import TimedRun, summarize_runs
 from trtllm_dflash.bench.options import BenchOptions
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.compare import step_costs
+from trtllm_dflash.runtime.costs import PassCosts
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request
 from trtllm_dflash.runtime.runner import Engine
 
@@ -75,7 +76,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     # Duplicates would only repeat points; AR alone needs one engine at any block size.
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
-    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench", backend=opts.backend)
+    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench", backend=opts.backend, report=progress)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -84,11 +85,13 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     context_len = int(sum(len(r.prompt_token_ids) for r in requests) / len(requests) + opts.max_new_tokens / 2)
 
     points, bounds = [], []
+    cost_profile = None  # with auto: the measured step costs it chose from
     ar_runs: dict[int, TimedRun] = {}  # concurrency -> first timed AR run, for the losslessness check
     for i, block_size in enumerate(block_sizes):
         if i > 0:
-            engine = Engine.load(engine_dir, block_size=block_size, command="bench", backend=opts.backend)
-        b = engine.executor.block_size
+            engine = Engine.load(engine_dir, block_size=block_size, command="bench", backend=opts.backend,
+                                 report=progress)
+        b: int | str = "auto" if block_size == "auto" else engine.executor.block_size
         configs: list[tuple[Mode, int | None]] = []
         if "ar" in opts.modes and i == 0:
             configs.append(("ar", None))
@@ -98,15 +101,18 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
             if warmup:
                 closed_loop(engine.decoder(mode), warmup, min(len(warmup), max(concurrency)))
         runs: dict[tuple[Mode, int], list[TimedRun]] = {(m, c): [] for m, _ in configs for c in concurrency}
+        costs = engine.auto_block.costs if engine.auto_block is not None else None
         for rep in range(opts.repeats):
             for c in concurrency:
                 for mode, _ in (configs if rep % 2 == 0 else configs[::-1]):
                     run = closed_loop(engine.decoder(mode), requests, c)
                     runs[mode, c].append(run)
-                    progress(f"repeat {rep + 1}/{opts.repeats}: {mode if mode == 'ar' else f'dflash b{b}'} C={c}: "
+                    name = mode if mode == "ar" else f"dflash {_label(b)}"
+                    progress(f"repeat {rep + 1}/{opts.repeats}: {name} C={c}: "
                              f"{run.wall_s:.2f} s")
         for (mode, c), timed in runs.items():
-            point = summarize_runs(mode, b if mode == "dflash" else None, c, timed, dataset.categories)
+            point = summarize_runs(mode, b if mode == "dflash" else None, c, timed, dataset.categories,
+                                   engine.executor.block_size)
             if mode == "ar":
                 ar_runs[c] = timed[0]
             elif c in ar_runs:
@@ -116,8 +122,10 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
                 point["outputs_identical_to_ar"] = _same_tokens(ar_runs[c], timed[0])
             points.append(point)
             progress(_progress_line(point))
-        if "dflash" in opts.modes:
+        if "dflash" in opts.modes and b != "auto":
             bounds.append(_speedup_bound(engine, context_len, points, b))
+        if costs is not None:
+            cost_profile = {"context_len": context_len, "step_ms": _step_costs_ms(costs, concurrency, context_len)}
     return {
         "date": started,
         "machine": machine,
@@ -136,7 +144,19 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         "backend": opts.backend or cfg.backend,  # the executor that ran (README "Backends")
         "points": points,
         "speedup_bound": bounds,
+        "auto_step_costs": cost_profile,
     }
+
+
+def _label(block_size: int | str) -> str:
+    return "auto" if block_size == "auto" else f"b{block_size}"
+
+
+def _step_costs_ms(costs: PassCosts, concurrency: tuple[int, ...], context_len: int) -> dict:
+    """Concurrency -> [cost of a step verifying k = 1 .. block_size tokens per request, ms] at the mean context."""
+    top = costs.tokens[-1]
+    return {c: [round(costs.step_seconds(c, context_len, k) * 1e3, 3) for k in range(1, top + 1)]
+            for c in concurrency}
 
 
 def _speedup_bound(engine: Engine, context_len: int, points: list[dict], block_size: int) -> dict:
@@ -157,7 +177,7 @@ def _speedup_bound(engine: Engine, context_len: int, points: list[dict], block_s
 
 
 def _progress_line(p: dict) -> str:
-    name = p["mode"] if p["block_size"] is None else f"{p['mode']} b{p['block_size']}"
+    name = p["mode"] if p["block_size"] is None else f"{p['mode']} {_label(p['block_size'])}"
     al = (p["decoding_stats"] or {}).get("acceptance_length")
     return (f"{name:>10} C={p['concurrency']:<3} {p['performance']['system_output_throughput_tok_s']:8.1f} tokens/s, "
             f"{p['streaming_metrics']['token_output_speed_tok_s'] or 0:7.1f} tps/user"

@@ -17,10 +17,11 @@ from safetensors.torch import save_file
 
 from trtllm_dflash.checkpoint.mxfp4 import BLOCK as MXFP4_BLOCK
 from trtllm_dflash.checkpoint.mxfp4 import MXFP4Dir
-from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors
+from trtllm_dflash.checkpoint.tensors import RenamedSafetensorsDir, SafetensorsDir, check_tensors
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object, require_dir
 from trtllm_dflash.models.spec import (
+    GEMMA4_MULTIMODAL,
     DecoderSpec,
     DFlashParams,
     build_target_layer_ids,
@@ -30,7 +31,9 @@ from trtllm_dflash.models.spec import (
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 
 
-def _layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Tensors of decoder layer `layer` (Gemma 4 layers differ by type: `DecoderSpec.layer_spec`)."""
+    spec = spec.layer_spec(layer)
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
     shapes = {
@@ -49,6 +52,11 @@ def _layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ...]]:
     if spec.attention_bias:
         shapes |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                    "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)}
+    if spec.attention_k_eq_v:  # V is the k_proj output
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("self_attn.v_proj.")}
+    if spec.is_gemma4:
+        shapes |= {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
+                   "layer_scalar": (1,)}
     if spec.mlp_bias:
         shapes |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
     return {f"{prefix}{name}": shape for name, shape in shapes.items()}
@@ -64,7 +72,7 @@ def expert_weight_shapes(spec: DecoderSpec) -> dict[str, tuple[int, int, int]]:
     return shapes
 
 
-def _moe_layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+def _moe_layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, tuple[int, ...]]:
     """gpt-oss: the attention tensors of `_layer_shapes` plus per-head sinks; a router and experts as the MLP."""
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     shapes = {name: shape for name, shape in _layer_shapes(spec, prefix).items() if ".mlp." not in name}
@@ -80,11 +88,12 @@ def _moe_layer_shapes(spec: DecoderSpec, prefix: str) -> dict[str, tuple[int, ..
 
 
 def target_tensor_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
-    """HF names of a Llama / Qwen3 / gpt-oss causal LM's tensors -> shapes (gpt-oss experts dequantized)."""
+    """HF names of a Llama / Qwen3 / gpt-oss / Gemma 4 causal LM's tensors -> shapes (gpt-oss experts
+    dequantized; a multimodal Gemma 4 directory's text weights renamed from `model.language_model.`)."""
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
     layer_shapes = _moe_layer_shapes if spec.num_experts else _layer_shapes
     for i in range(spec.num_layers):
-        shapes |= layer_shapes(spec, f"model.layers.{i}.")
+        shapes |= layer_shapes(spec, f"model.layers.{i}.", i)
     shapes["model.norm.weight"] = (spec.hidden_size,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
@@ -145,9 +154,11 @@ class DrafterCheckpoint:
 
 def _spec_from(raw: dict, config_path: Path) -> DecoderSpec:
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    multimodal = raw.get("model_type") == GEMMA4_MULTIMODAL  # (its text_config holds the fields)
+    fields = raw.get("text_config") if multimodal else raw
     for key in required:
-        if key not in raw:
-            raise UserError(f"{config_path}: field {key!r} is missing.")
+        if not isinstance(fields, dict) or key not in fields:
+            raise UserError(f"{config_path}: field {'text_config.' if multimodal else ''}{key!r} is missing.")
     try:
         spec = DecoderSpec.from_hf(hf_config_from_dict(raw, str(config_path)))
     except (TypeError, ValueError) as exc:
@@ -156,6 +167,11 @@ def _spec_from(raw: dict, config_path: Path) -> DecoderSpec:
         raise UserError(
             f"{config_path}: num_attention_heads {spec.num_heads} is not a multiple of "
             f"num_key_value_heads {spec.num_kv_heads}."
+        )
+    if spec.num_global_kv_heads and spec.num_heads % spec.num_global_kv_heads:
+        raise UserError(
+            f"{config_path}: num_attention_heads {spec.num_heads} is not a multiple of "
+            f"num_global_key_value_heads {spec.num_global_kv_heads}."
         )
     if spec.head_dim % 2:
         raise UserError(f"{config_path}: head_dim {spec.head_dim} must be even for rotary embeddings.")
@@ -171,8 +187,18 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# A multimodal Gemma 4 directory (Gemma4ForConditionalGeneration) stores its text model under this prefix; its
+# vision / audio towers are not read.
+GEMMA4_TEXT_PREFIX = "model.language_model."
+
+
 def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: Path) -> SafetensorsDir:
     """The target's tensors under their HF names; a published MXFP4 gpt-oss checkpoint's experts dequantized."""
+    if raw.get("model_type") == GEMMA4_MULTIMODAL:
+        if isinstance(raw.get("quantization_config"), dict):
+            raise UserError(f"{config_path}: quantized Gemma 4 checkpoints (quantization_config) are not supported; "
+                            "use the bfloat16 checkpoint.")
+        return RenamedSafetensorsDir(directory, {GEMMA4_TEXT_PREFIX: "model."})
     quant = raw.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if not spec.num_experts or method is None:
@@ -234,7 +260,14 @@ def parse_drafter_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFl
     if block_size < 2:
         raise UserError(f"{config_path}: field 'block_size' is {block_size}, but a DFlash block needs at least 2 tokens.")
     # The reference drafter is built from Qwen3 layers whatever its target (q_norm/k_norm always present).
-    spec = dataclasses.replace(_spec_from({**raw, "model_type": "qwen3"}, config_path), qk_norm=True)
+    # Its block embeddings are the target's raw rows times dflash_config.input_embedding_scale (or the top-level
+    # key, as the reference's _draft_value reads it).
+    scale = dflash.get("input_embedding_scale", raw.get("input_embedding_scale", 1.0))
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < float("inf"):
+        raise UserError(f"{config_path}: field 'dflash_config.input_embedding_scale' must be a positive number, "
+                        f"got {scale!r}.")
+    raw = {**raw, "model_type": "qwen3", "input_embedding_scale": float(scale)}
+    spec = dataclasses.replace(_spec_from(raw, config_path), qk_norm=True)
     params = DFlashParams(block_size, mask_token_id, tuple(layer_ids))
     return spec, params, num_target_layers if isinstance(num_target_layers, int) else None
 
@@ -316,13 +349,15 @@ def save_drafter(directory: Path, spec: DecoderSpec, params: DFlashParams, num_t
                  state_dict: dict, dtype: str) -> None:
     """Write a drafter in the z-lab format (config.json + model.safetensors) that `load_drafter` reads."""
     directory.mkdir(parents=True, exist_ok=True)
+    fields = spec.to_hf_dict()
+    scale = {"input_embedding_scale": fields.pop("input_embedding_scale")} if "input_embedding_scale" in fields else {}
     config = {
         "architectures": [DRAFTER_ARCHITECTURE],
-        **spec.to_hf_dict(),
+        **fields,
         "model_type": "qwen3",
         "block_size": params.block_size,
         "dflash_config": {"mask_token_id": params.mask_token_id,
-                          "target_layer_ids": list(params.target_layer_ids)},
+                          "target_layer_ids": list(params.target_layer_ids), **scale},
         "num_target_layers": num_target_layers,
         "layer_types": ["full_attention"] * spec.num_layers,
         "dtype": dtype,

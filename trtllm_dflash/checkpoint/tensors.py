@@ -65,12 +65,38 @@ class SafetensorsDir:
             return tuple(sl.get_shape()), sl.get_dtype()
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.files[name]
+        return self._read(self.files[name], name, name)
+
+    @staticmethod
+    def _read(path: Path, stored: str, name: str) -> torch.Tensor:
         try:
             with safe_open(path, framework="pt") as f:
-                return f.get_tensor(name)
+                return f.get_tensor(stored)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise UserError(f"{path}: tensor {name!r} cannot be read ({exc}); the file may be truncated.") from None
+
+
+class RenamedSafetensorsDir(SafetensorsDir):
+    """A checkpoint directory whose tensors are presented under renamed prefixes ({stored prefix: our prefix});
+    tensors under no listed prefix are left out. E.g. {"model.language_model.": "model."} reads the text model of a
+    multimodal Gemma 4 directory as a causal LM's."""
+
+    def __init__(self, directory: Path, prefixes: dict[str, str]):
+        super().__init__(directory)
+        self.stored: dict[str, str] = {}  # our name -> stored name
+        for name in list(self.files):
+            for old, new in prefixes.items():
+                if name.startswith(old):
+                    self.stored[new + name[len(old):]] = name
+        self.files = {ours: self.files[stored] for ours, stored in self.stored.items()}
+
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+        with safe_open(self.files[name], framework="pt") as f:
+            sl = f.get_slice(self.stored[name])
+            return tuple(sl.get_shape()), sl.get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        return super()._read(self.files[name], self.stored[name], name)
 
 
 # safetensors dtype names that hold model weights in our formats

@@ -34,17 +34,28 @@ reduce_op "none" for these two operations; `groups` lists the ranks (or is empty
 parser leaves the layer's `num_ranks` at 1, which sizes an all_gather's output: compile/tensorrt_build.py
 sets it to the graph's group_size after parsing. onnxruntime cannot run these nodes: tp > 1 graphs are for
 TensorRT only.
+
+## FP8 linears: QuantizeLinear / DequantizeLinear (ONNX's own, float8e4m3fn)
+An FP8 engine's linear keeps ModelOpt's stored format in the graph: its weight is a FLOAT8E4M3FN initializer
+read through DequantizeLinear(weight, weight_scale), its input goes through QuantizeLinear(x, input_scale,
+saturating) + DequantizeLinear, both in float32 (as models/quantized.py emulates them), and the MatMul
+follows. This is the Q/DQ pattern TensorRT fuses into FP8 GEMMs (on GPUs with FP8: SM89+); onnxruntime's
+CPU kernels run the same nodes exactly.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from onnx import TensorProto
 from onnx.defs import OpSchema
 from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
+from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
+
 TENSOR_SCATTER_OPSET = 24
+FLOAT, FLOAT8E4M3FN = TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN
 COLLECTIVE_DOMAIN, COLLECTIVE_OP = "trt", "DistCollective"
 
 
@@ -139,8 +150,41 @@ def _all_gather_last_onnx(x, group_size: int):
     return opset24.Transpose(gathered, perm=back)
 
 
+@torch.library.custom_op("dflash_onnx::fp8_qdq", mutates_args=())
+def fp8_qdq(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 activation quantize-dequantize (quantize/fp8.py's fake_quant_fp8_activation), in x's dtype."""
+    return fake_quant_fp8_activation(x, input_scale)
+
+
+@fp8_qdq.register_fake
+def _(x, input_scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash_onnx::fp8_dequantize", mutates_args=())
+def fp8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight [out, in] as float32 (quantize/fp8.py's dequantize_fp8)."""
+    return weight.float() * weight_scale.float()
+
+
+@fp8_dequantize.register_fake
+def _(weight, weight_scale):
+    return torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def _fp8_qdq_onnx(x, input_scale):
+    q = opset24.QuantizeLinear(opset24.Cast(x, to=FLOAT), input_scale, output_dtype=FLOAT8E4M3FN, saturate=1)
+    return opset24.CastLike(opset24.DequantizeLinear(q, input_scale), x)
+
+
+def _fp8_dequantize_onnx(weight, weight_scale):
+    return opset24.DequantizeLinear(weight, weight_scale)
+
+
 # custom_translation_table for torch.onnx.export
 TRANSLATIONS = {
+    torch.ops.dflash_onnx.fp8_qdq.default: _fp8_qdq_onnx,
+    torch.ops.dflash_onnx.fp8_dequantize.default: _fp8_dequantize_onnx,
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,

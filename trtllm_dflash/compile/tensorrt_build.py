@@ -34,6 +34,7 @@ Graph-specific choices (found with TensorRT-RTX 1.7.1, see tests/test_tensorrt_b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -375,6 +376,10 @@ def _missing_graphs(root: Path, ranks: int, plugin: bool) -> list[Path]:
     return [path for r in range(ranks) for g in PLANS if not (path := plan_source(root, r, g, plugin)).is_file()]
 
 
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def _link_tree(src: Path, dst: Path, skip: Iterable[Path]) -> None:
     """Hard-link every file under `src` into `dst` (same relative paths), except those under `skip`.
 
@@ -438,6 +443,8 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             "tp_size": ranks,
             "shapes": {name: [r.min, r.opt, r.max] for name, r in shapes.items()},
             "plugin_library": Path(plugin_library).name if plugin_library is not None else None,
+            # the run must load this very library: a plugin of another build may read its fields differently
+            "plugin_library_sha256": file_sha256(plugin_library) if plugin_library is not None else None,
         }
         (tmp / PLANS_DIR / PLANS_INFO).write_text(json.dumps(info, indent=2) + "\n")
         write_manifest(tmp)

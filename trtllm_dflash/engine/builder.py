@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from rich.progress import Progress
+from safetensors.torch import load_file
 
 from trtllm_dflash import __version__
 from trtllm_dflash.checkpoint.formats import (
@@ -59,15 +60,17 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
     """What `backend: onnxruntime | tensorrt` can build today (see README "Backends")."""
     if cfg.backend == "torch":
         return
-    limits = [("quantization", cfg.quantization, "none")]
+    # NVFP4 graphs would need ModelOpt's FP4 quantize nodes (TensorRT-only): not exported yet.
+    supported: dict[str, tuple] = {"quantization": ("none", "fp8")}
     if cfg.backend == "onnxruntime":
         # onnxruntime cannot run TensorRT's DistCollective nodes (tensorrt engines export one graph per rank),
         # and its CPU kernels have no bfloat16 MatMul.
-        limits = [("tp_size", cfg.tp_size, 1), *limits, ("dtype", cfg.dtype, "float32")]
-    for key, value, supported in limits:
-        if value != supported:
-            raise UserError(f"{source}: backend {cfg.backend} builds {key} {supported} engines for now, not {value}; "
-                            "use backend: torch for this engine.")
+        supported = {"tp_size": (1,), **supported, "dtype": ("float32",)}
+    for key, allowed in supported.items():
+        value = getattr(cfg, key)
+        if value not in allowed:
+            raise UserError(f"{source}: backend {cfg.backend} builds {key} {' or '.join(map(str, allowed))} engines "
+                            f"for now, not {value}; use backend: torch for this engine.")
     try:
         import onnxruntime  # noqa: F401 - the graphs are checked in it after export
         import onnxscript  # noqa: F401
@@ -88,6 +91,19 @@ def check_moe_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
                         "sinks and mixture-of-experts layers); use backend: torch for this engine.")
 
 
+def check_gemma4_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
+    """What a Gemma 4 target can be built into today: the torch executor (the exported graphs have one head_dim
+    and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in yet)."""
+    if not spec.is_gemma4:
+        return
+    if cfg.quantization != "none":
+        raise UserError(f"{source}: quantization {cfg.quantization} of {spec.model_type} targets is not supported "
+                        "yet; use quantization: none.")
+    if cfg.backend != "torch":
+        raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (per-layer-type "
+                        "head dims, attention scale 1, soft-capped logits); use backend: torch for this engine.")
+
+
 def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: str) -> None:
     """A drafter with its own lm_head (a speculators drafter whose lm_head is not the target's, e.g. over a
     pruned vocabulary) runs on the torch executor only: the exported graphs draft with the target's lm_head,
@@ -103,11 +119,15 @@ def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: st
 
 def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
     """Export rank `rank`'s graphs from the very torch modules the torch executor builds from ROOT's weights."""
-    from trtllm_dflash.compile.onnx_export import export_engine_graphs
+    from trtllm_dflash.compile.onnx_export import export_engine_graphs, keep_stored_weights
     from trtllm_dflash.runtime.executor import TorchExecutor
 
     tp = TPGroup(rank, cfg.mapping.tp_size)  # collectives become DistCollective nodes under export
     modules = TorchExecutor.from_engine(root, cfg, rank, tp, "cpu", None)
+    if cfg.quantization.get("quant_algo"):  # FP8 linears keep their stored weights in the graph
+        weights = load_file(str(Path(root) / rank_file(rank)))
+        for prefix, model in ((TARGET_PREFIX, modules.target), (DRAFTER_PREFIX, modules.drafter)):
+            keep_stored_weights(model, {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
     # torch.export's deprecation warnings and its "torchvision is not installed" log line say nothing to a user.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -145,6 +165,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 f"{target.spec.max_position_embeddings}."
             )
         check_moe_target(cfg, target.spec, source)
+        check_gemma4_target(cfg, target.spec, source)
         check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none",
                  cfg.moe_parallel)
         check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)

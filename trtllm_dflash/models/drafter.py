@@ -9,6 +9,8 @@ ctx = hidden_norm(fc(concat(target hidden of target_layer_ids))):
     x = x + o_proj(softmax(Q K^T / sqrt(hd)) V)       non-causal: every block query sees all of K
     x = x + mlp(post_attention_layernorm(x))
 
+`x` starts as the target's raw embedding rows of the block times `input_embedding_scale` (1 unless the
+drafter's config says otherwise: the target's own scale, e.g. Gemma's sqrt(hidden), is not applied).
 `ctx` is the same for every layer and never passes through input_layernorm or an MLP. Its K/V do not
 depend on the block, so they are computed once per committed position (`append_context`) and cached,
 exactly what the reference's DynamicCache + crop achieves. The drafter has no embedding: the target's is
@@ -99,7 +101,7 @@ class DFlashDrafter(nn.Module):
         With mask = (context keys < the block's anchor) + (keys of its own block), each block gets exactly
         what `forward` gives it at inference.
         """
-        x = block_embeds
+        x = self.scale_embeddings(block_embeds)
         S = target_hidden.shape[1]
         ctx = self.hidden_norm(self.fc(target_hidden))
         cos_c, sin_c = self.rotary(torch.arange(S, device=x.device).expand(x.shape[0], S), x.dtype)
@@ -115,6 +117,10 @@ class DFlashDrafter(nn.Module):
             x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
+
+    def scale_embeddings(self, block_embeds: torch.Tensor) -> torch.Tensor:
+        scale = self.spec.input_embedding_scale
+        return block_embeds if scale == 1.0 else block_embeds * scale
 
     def greedy_tokens(self, hidden: torch.Tensor,  # [B, K, hidden] final-normed
                       target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -150,7 +156,7 @@ class DFlashDrafter(nn.Module):
         cache: KVCache,
     ) -> torch.Tensor:
         """One non-causal pass over the block; returns the final-normed hidden states [B, block, hidden]."""
-        x = block_embeds
+        x = self.scale_embeddings(block_embeds)
         block = x.shape[1]
         kv_len = int(context_len.max())
         cos, sin = self.rotary(block_positions, x.dtype)

@@ -28,8 +28,8 @@ def exporting() -> bool:
 
 
 class RMSNorm(nn.Module):
-    """`weight_in_fp32`: gpt-oss scales by the weight before casting back (one rounding in bf16), Llama / Qwen3
-    after."""
+    """`weight_in_fp32`: gpt-oss and Gemma 4 scale by the weight before casting back (one rounding in bf16),
+    Llama / Qwen3 after."""
 
     def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
@@ -45,13 +45,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class Rotary(nn.Module):
-    """cos/sin tables for absolute positions; `positions` may differ per request."""
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, in fp32 (Gemma 4's v_norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    def __init__(self, spec: DecoderSpec):
+
+class Rotary(nn.Module):
+    """cos/sin tables for absolute positions; `positions` may differ per request. `layer_type`: Gemma 4's
+    RoPE of that layer type."""
+
+    def __init__(self, spec: DecoderSpec, layer_type: str | None = None):
         super().__init__()
         with torch.device("cpu"):  # real tables even when the model is built on the meta device
-            inv_freq, scaling = spec.rope_inv_freq()
+            inv_freq, scaling = spec.rope_inv_freq(layer_type)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = scaling
 
@@ -75,6 +82,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+# hidden_act -> the gate's activation: SiLU (Llama / Qwen3), tanh-approximated GELU (Gemma 4)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
     """gate/up column-parallel, down row-parallel (its partial sums all-reduced) over `tp`."""
 
@@ -85,15 +96,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        if spec.hidden_act != "silu":
-            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        if spec.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported (only {', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class AttentionProjections(nn.Module):
-    """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints.
+    """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints. `spec` is the
+    layer's (`DecoderSpec.layer_spec`): Gemma 4 full layers have their own head_dim and KV heads, and with
+    attention_k_eq_v no v_proj (V = the k_proj output); Gemma 4 also norms V (without a weight).
 
     Under tensor parallelism (models/shard.py) this rank holds its query and KV heads, and the o_proj
     input columns it multiplies (`o_columns`, a slice of its attention output); `output` all-reduces.
@@ -108,11 +122,13 @@ class AttentionProjections(nn.Module):
         self.o_columns = slice(cols.start - heads.start * hd, cols.stop - heads.start * hd)
         self.q_proj = nn.Linear(h, len(heads) * hd, bias=bias)
         self.k_proj = nn.Linear(h, len(kv) * hd, bias=bias)
-        self.v_proj = nn.Linear(h, len(kv) * hd, bias=bias)
+        self.v_proj = None if spec.attention_k_eq_v else nn.Linear(h, len(kv) * hd, bias=bias)
+        self.v_norm_eps = spec.rms_norm_eps if spec.is_gemma4 else None
+        self.scale = spec.attention_scale  # None: SDPA's default head_dim ** -0.5
         self.o_proj = nn.Linear(len(cols), h, bias=bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.is_gemma4)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.is_gemma4)
         else:
             self.q_norm = self.k_norm = None
         # gpt-oss: one learned sink logit per query head (this rank's heads under tp)
@@ -126,7 +142,9 @@ class AttentionProjections(nn.Module):
     def key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, T, hidden] -> k, v: [B, T, kv_heads, head_dim] (k normed, not yet roped)
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = k if self.v_proj is None else self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.v_norm_eps is not None:
+            v = rms_normalize(v, self.v_norm_eps)
         return (self.k_norm(k) if self.k_norm is not None else k), v
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
@@ -164,12 +182,15 @@ def drop_replicated_biases(model: nn.Module, tp: TPGroup) -> None:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Masked multi-head attention with grouped KV heads.
 
     q: [B, Tq, heads, hd]; k, v: [B, Tk, kv_heads, hd]; mask: [B, Tq, Tk] bool (True = may attend);
-    sinks: [heads] or None. Returns [B, Tq, heads * hd].
+    sinks: [heads] or None; scale: of q.k (None: hd ** -0.5). Returns [B, Tq, heads * hd].
     """
+    if scale is not None and (sinks is not None or exporting()):
+        raise ValueError("an attention scale other than head_dim ** -0.5 (Gemma 4) is only supported by the "
+                         "torch executor, without sinks; use backend: torch for this engine.")
     if sinks is not None:
         if exporting():
             raise ValueError("ONNX export of attention with sinks (gpt-oss) is not supported yet; "
@@ -181,7 +202,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return out.transpose(1, 2).flatten(2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2],
+        attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2], scale=scale,
     )  # [B, heads, Tq, hd]
     return out.transpose(1, 2).flatten(2)
 
@@ -202,18 +223,21 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 class KVCache:
-    """Static per-slot KV cache: one [num_slots, capacity, kv_heads, head_dim] tensor pair per layer.
+    """Static per-slot KV cache: one [num_slots, capacity, kv_heads, head_dim] tensor pair per layer
+    (`num_kv_heads` / `head_dim` per layer where layers differ, as Gemma 4's sliding and full layers do).
 
     A request owns one slot. Entries are addressed by absolute position; "cropping" is free because
     readers mask by position, and stale entries past a request's valid length are overwritten before
     they can become visible.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_slots, capacity, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int | list[int],
+                 head_dim: int | list[int], dtype: torch.dtype, device: torch.device | str = "cpu"):
+        kv = num_kv_heads if isinstance(num_kv_heads, list) else [num_kv_heads] * num_layers
+        hd = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
+        assert len(kv) == len(hd) == num_layers, (kv, hd, num_layers)
+        self.k = [torch.zeros(num_slots, capacity, n, d, dtype=dtype, device=device) for n, d in zip(kv, hd)]
+        self.v = [torch.zeros(num_slots, capacity, n, d, dtype=dtype, device=device) for n, d in zip(kv, hd)]
         self.capacity = capacity
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
@@ -225,4 +249,4 @@ class KVCache:
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # -> k, v: [B, length, kv_heads, hd]
-        return self.k[layer, slots, :length], self.v[layer, slots, :length]
+        return self.k[layer][slots, :length], self.v[layer][slots, :length]

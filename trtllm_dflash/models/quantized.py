@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trtllm_dflash.quantize.fp8 import FP8Weight, dequantize_fp8, fake_quant_fp8_activation
@@ -22,14 +23,31 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 
 
 class QuantizedInput(nn.Module):
-    """Wraps a linear whose weight is already dequantized; quantizes its input like the real kernel."""
+    """Wraps a linear whose weight is already dequantized; quantizes its input like the real kernel.
+
+    For an ONNX export (compile/onnx_export.py) an FP8 linear is given its stored weight back
+    (`keep_stored_weight`): the graph then holds the FP8 weight and Q/DQ nodes (compile/onnx_ops.py) that
+    compute exactly what `forward` computes eagerly."""
 
     def __init__(self, linear: nn.Linear, fmt: Literal["nvfp4", "fp8"], input_scale: torch.Tensor):
         super().__init__()
         self.linear, self.fmt = linear, fmt
         self.register_buffer("input_scale", input_scale.float(), persistent=False)
+        # float8_e4m3fn [out, in] and its fp32 scale: set for an export only
+        self.register_buffer("stored_weight", None, persistent=False)
+        self.register_buffer("stored_weight_scale", None, persistent=False)
+
+    def keep_stored_weight(self, q: FP8Weight) -> None:
+        """Hold the checkpoint's FP8 weight (the same values as the dequantized one) for an export."""
+        self.stored_weight, self.stored_weight_scale = q.weight.contiguous(), q.weight_scale.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():
+            if self.fmt != "fp8" or self.stored_weight is None:
+                raise ValueError(f"{self.fmt} linears export only as FP8 with their stored weight "
+                                 "(keep_stored_weight); NVFP4 graphs are not exported yet")
+            weight = torch.ops.dflash_onnx.fp8_dequantize(self.stored_weight, self.stored_weight_scale)
+            return F.linear(torch.ops.dflash_onnx.fp8_qdq(x, self.input_scale), weight.to(x.dtype), self.linear.bias)
         quant = fake_quant_nvfp4_activation if self.fmt == "nvfp4" else fake_quant_fp8_activation
         return self.linear(quant(x, self.input_scale).to(x.dtype))
 

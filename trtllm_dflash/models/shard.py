@@ -10,6 +10,8 @@ The rules are TensorRT-LLM's (TRTLLM.md §4), applied to HF / z-lab tensor names
   intermediate features (`moe_parallel` "tp", TensorRT-LLM's default: gate_up_proj's interleaved gate/up
   columns 2i, 2i+1 stay on one rank, down_proj by rows, down_proj_bias replicated and added by rank 0) or
   by whole experts ("ep": every expert tensor by dim 0);
+- Gemma 4: each layer split by its own head_dim and KV heads (full layers: global_head_dim,
+  num_global_key_value_heads; `DecoderSpec.layer_spec`); its layer_scalar replicated like the norms;
 - replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
   (added by rank 0 only), and the per-tensor scales of quantized linears (weight_scale_2 / input_scale
   for NVFP4, weight_scale / input_scale for FP8), so global scales are identical on every rank.
@@ -36,7 +38,7 @@ from trtllm_dflash.models.spec import DecoderSpec
 # Quantized linears are cut in blocks of this many inputs (NVFP4's weight_scale block).
 ROW_ALIGN = 16
 
-_LINEAR = re.compile(r"(?:^|\.)layers\.\d+\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$")
+_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
 _EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
@@ -112,7 +114,8 @@ def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_paralle
     m = _LINEAR.search(name)
     if m is None:
         return None
-    module, leaf = m.groups()
+    layer, module, leaf = m.groups()
+    spec = spec.layer_spec(int(layer))  # (Gemma 4's full layers have their own head_dim and KV heads)
     if leaf not in ("weight", "bias", "weight_scale"):
         return None  # per-tensor scales: replicated
     hd, inter = spec.head_dim, spec.intermediate_size
@@ -157,9 +160,14 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
 
     divisible("num_attention_heads", spec.num_heads)
     divisible("num_key_value_heads", spec.num_kv_heads)
-    if spec.num_heads < tp_size and spec.head_dim % _replicas(spec.num_heads, tp_size):
-        raise UserError(f"{what}: head_dim {spec.head_dim} cannot be shared by the "
-                        f"{_replicas(spec.num_heads, tp_size)} ranks of each of its {spec.num_heads} heads.")
+    if spec.num_global_kv_heads:
+        divisible("num_global_key_value_heads", spec.num_global_kv_heads)
+    head_dims = {("head_dim", spec.head_dim)} | ({("global_head_dim", spec.global_head_dim)}
+                                                  if spec.global_head_dim else set())
+    for field, hd in sorted(head_dims):
+        if spec.num_heads < tp_size and hd % _replicas(spec.num_heads, tp_size):
+            raise UserError(f"{what}: {field} {hd} cannot be shared by the "
+                            f"{_replicas(spec.num_heads, tp_size)} ranks of each of its {spec.num_heads} heads.")
     if spec.num_experts and moe_parallel == "ep":
         if spec.num_experts % tp_size:
             raise UserError(f"{what}: num_local_experts {spec.num_experts} is not divisible by tp_size {tp_size}, "
@@ -167,7 +175,8 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
     elif spec.intermediate_size % tp_size:
         raise UserError(f"{what}: intermediate_size {spec.intermediate_size} is not divisible by tp_size {tp_size}.")
     if quantized:
-        cut = len(o_proj_columns(spec, tp_size, 0))
+        cuts = [len(o_proj_columns(spec.layer_spec(i), tp_size, 0)) for i in range(spec.num_layers)]
+        cut = next((c for c in cuts if c % ROW_ALIGN), cuts[0])  # (per layer type for Gemma 4)
         for field, n in (("o_proj input columns per rank", cut),
                          ("intermediate_size / tp_size", spec.intermediate_size // tp_size)):
             if n % ROW_ALIGN:

@@ -3,14 +3,20 @@
 Both are read from Hugging Face `config.json` dicts. Transformers' own config classes normalise the
 fields (e.g. legacy `rope_theta` / `rope_scaling` into `rope_parameters`), and its RoPE initialisers
 compute the inverse frequencies, so our RoPE equals HF's for every rope type it supports.
+
+Gemma 4 (`gemma4_text`, or the text part of a `gemma4` multimodal directory) is supported in its dense shape
+(the 31B): per-layer-type attention (sliding layers: head_dim / num_key_value_heads and one RoPE; full layers:
+global_head_dim / num_global_key_value_heads, V = K's projection when attention_k_eq_v, and another RoPE),
+which `DecoderSpec.layer_spec(i)` resolves into a plain per-layer spec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import GptOssConfig, LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import Gemma4TextConfig, GptOssConfig, LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trtllm_dflash.errors import UserError
@@ -20,7 +26,11 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], bool]] = {
     "qwen3": (Qwen3Config, True),
     "llama": (LlamaConfig, False),
     "gpt_oss": (GptOssConfig, False),  # mixture-of-experts MLP, attention sinks, sliding-window layers
+    "gemma4_text": (Gemma4TextConfig, True),  # sandwich norms, per-layer-type head dims and RoPE, soft-capped logits
 }
+# A multimodal Gemma 4 directory (Gemma4ForConditionalGeneration): its `text_config` is a gemma4_text config, and
+# its text weights are stored under `model.language_model.` (checkpoint/formats.py).
+GEMMA4_MULTIMODAL = "gemma4"
 
 # Every HF config key we read; the engine keeps exactly these, so a config.json round-trips.
 _HF_KEYS = (
@@ -28,19 +38,48 @@ _HF_KEYS = (
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
     "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias",
     "tie_word_embeddings", "num_local_experts", "num_experts_per_tok", "layer_types", "sliding_window",
+    "hidden_activation", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+    "final_logit_softcapping", "hidden_size_per_layer_input", "input_embedding_scale",
 )
+
+# Gemma 4 parts outside the dense text model (the 31B), each refused with its own sentence: (field, is_used, what).
+_GEMMA4_UNSUPPORTED = (
+    ("hidden_size_per_layer_input", lambda v: bool(v), "per-layer input embeddings (the E2B / E4B models)"),
+    ("num_kv_shared_layers", lambda v: bool(v), "KV sharing across layers"),
+    ("enable_moe_block", lambda v: bool(v), "mixture-of-experts blocks (the 26B-A4B model)"),
+    ("use_bidirectional_attention", lambda v: v == "all", "bidirectional attention"),
+)
+
+
+def gemma4_text_dict(raw: dict) -> dict:
+    """The gemma4_text config of a multimodal Gemma 4 config.json (its `text_config`; the top-level
+    tie_word_embeddings decides whether the lm_head is the embedding, as in Gemma4ForConditionalGeneration)."""
+    text = dict(raw.get("text_config") or {})
+    text["model_type"] = "gemma4_text"
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return text
 
 
 def hf_config_from_dict(raw: dict, source: str) -> PretrainedConfig:
     """Parse a config.json dict with transformers' class for its `model_type` (no remote code)."""
     model_type = raw.get("model_type")
+    if model_type == GEMMA4_MULTIMODAL:
+        raw, model_type = gemma4_text_dict(raw), "gemma4_text"
     if model_type not in FAMILIES:
         raise UserError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}."
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}, "
+            f"{GEMMA4_MULTIMODAL} (its text part)."
         )
     cls, _ = FAMILIES[model_type]
     fields = {k: v for k, v in raw.items() if k not in ("transformers_version", "auto_map")}
-    return cls(**fields)
+    cfg = cls(**fields)
+    if model_type == "gemma4_text":
+        for field, used, what in _GEMMA4_UNSUPPORTED:
+            if used(getattr(cfg, field, None)):
+                raise UserError(f"{source}: {field} {getattr(cfg, field)!r} asks for {what}, which is not supported; "
+                                "only the dense Gemma 4 text model (the 31B shape) is.")
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -72,14 +111,48 @@ class DecoderSpec:
     sliding_window: int | None = None
     # gpt-oss: a learned per-head logit `sinks` joins every softmax denominator (and takes no value).
     attention_sinks: bool = False
+    # Gemma 4: full-attention layers have their own head_dim and KV heads, and with attention_k_eq_v no v_proj
+    # (V is the k_proj output, before k_norm and RoPE). None = as the sliding layers.
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    # Softmax scale of q.k; None = head_dim ** -0.5 (Gemma 4: 1.0, its q_norm / k_norm set the scale)
+    attention_scale: float | None = None
+    # Gemma 4: logits = cap * tanh(logits / cap)
+    final_logit_softcapping: float | None = None
+    # A drafter's block embeddings are the target's raw embedding rows times this (z-lab dflash_config
+    # `input_embedding_scale`; the target's own embedding scale, e.g. Gemma's sqrt(hidden), is not applied).
+    input_embedding_scale: float = 1.0
 
     @property
     def is_gpt_oss(self) -> bool:
         """gpt-oss numerics: RMSNorm multiplies its weight in fp32, MoE MLP, attention sinks."""
         return self.model_type == "gpt_oss"
 
+    @property
+    def is_gemma4(self) -> bool:
+        """Gemma 4 numerics: RMSNorm multiplies its weight in fp32, sandwich norms around attention and MLP, a
+        learned per-layer output scalar, V normed without weight, embeddings scaled by sqrt(hidden)."""
+        return self.model_type == "gemma4_text"
+
+    @property
+    def embed_scale(self) -> float:
+        """The target multiplies its embeddings by this (in the compute dtype, as transformers does)."""
+        return self.hidden_size**0.5 if self.is_gemma4 else 1.0
+
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types is not None else "full_attention"
+
+    def layer_spec(self, layer: int) -> "DecoderSpec":
+        """The spec of one layer's attention: a Gemma 4 full-attention layer's own head_dim / KV heads / k_eq_v;
+        every other layer (and family) has the model's."""
+        if not self.is_gemma4 or self.is_sliding(layer):
+            return dataclasses.replace(self, attention_k_eq_v=False) if self.attention_k_eq_v else self
+        return dataclasses.replace(self, head_dim=self.global_head_dim or self.head_dim,
+                                   num_kv_heads=self.num_global_kv_heads or self.num_kv_heads)
 
     @classmethod
     def from_hf(cls, cfg: PretrainedConfig) -> "DecoderSpec":
@@ -90,6 +163,8 @@ class DecoderSpec:
         window = getattr(cfg, "sliding_window", None)
         if window is None or "sliding_attention" not in layer_types:
             layer_types, window = (), None
+        gemma4 = cfg.model_type == "gemma4_text"
+        k_eq_v = gemma4 and bool(cfg.attention_k_eq_v)
         return cls(
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
@@ -104,7 +179,7 @@ class DecoderSpec:
             attention_bias=bool(getattr(cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            hidden_act=cfg.hidden_act,
+            hidden_act=cfg.hidden_activation if gemma4 else cfg.hidden_act,
             rope_parameters=dict(cfg.rope_parameters),
             max_position_embeddings=cfg.max_position_embeddings,
             num_experts=int(getattr(cfg, "num_local_experts", 0) or 0),
@@ -112,6 +187,12 @@ class DecoderSpec:
             layer_types=layer_types or None,
             sliding_window=window,
             attention_sinks=cfg.model_type == "gpt_oss",
+            global_head_dim=cfg.global_head_dim if gemma4 else None,
+            num_global_kv_heads=(cfg.num_global_key_value_heads or cfg.num_key_value_heads) if k_eq_v else None,
+            attention_k_eq_v=k_eq_v,
+            attention_scale=1.0 if gemma4 else None,
+            final_logit_softcapping=cfg.final_logit_softcapping if gemma4 else None,
+            input_embedding_scale=float(getattr(cfg, "input_embedding_scale", None) or 1.0),
         )
 
     def to_hf_dict(self) -> dict:
@@ -138,21 +219,40 @@ class DecoderSpec:
         if self.layer_types is not None:
             fields |= {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
                        "use_sliding_window": True}  # Qwen3Config drops sliding_window without it
-        elif self.is_gpt_oss:  # GptOssConfig's default layer_types alternate sliding / full
+        elif self.is_gpt_oss or self.is_gemma4:  # their configs' default layer_types mix sliding / full
             fields["layer_types"] = ["full_attention"] * self.num_layers
+        if self.is_gemma4:
+            fields |= {"hidden_activation": self.hidden_act, "global_head_dim": self.global_head_dim,
+                       "attention_k_eq_v": self.attention_k_eq_v,
+                       "final_logit_softcapping": self.final_logit_softcapping,
+                       "hidden_size_per_layer_input": 0}  # (Gemma4TextConfig's default turns per-layer inputs on)
+            if self.attention_k_eq_v:
+                fields["num_global_key_value_heads"] = self.num_global_kv_heads
+        if self.input_embedding_scale != 1.0:
+            fields["input_embedding_scale"] = self.input_embedding_scale
         return fields
 
-    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """(inv_freq [head_dim/2] fp32, attention_scaling), exactly as transformers computes them."""
-        rope_type = self.rope_parameters.get("rope_type", "default")
+    def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+        """(inv_freq [head_dim/2] fp32, attention_scaling), exactly as transformers computes them. Gemma 4 has
+        one RoPE per `layer_type` (rope_parameters is keyed by it); its full layers' "proportional" RoPE spans
+        global_head_dim and leaves the last dims unrotated (inv_freq 0)."""
+        params = self.rope_parameters[layer_type] if self.is_gemma4 else self.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        full = self.is_gemma4 and layer_type == "full_attention"
+        head_dim = (self.global_head_dim or self.head_dim) if full else self.head_dim
         if rope_type == "default":
-            base = self.rope_parameters["rope_theta"]
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            base = params["rope_theta"]
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             return 1.0 / (base**exponents), 1.0
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise UserError(f"rope_parameters.rope_type {rope_type!r} is not supported.")
         cfg = hf_config_from_dict(self.to_hf_dict(), "rope_parameters")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        kwargs = {}
+        if self.is_gemma4:
+            kwargs = {"layer_type": layer_type}
+            if layer_type == "full_attention" and rope_type == "proportional":
+                kwargs["head_dim_key"] = "global_head_dim"
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **kwargs)
         return inv_freq.float(), float(scaling)
 
 

@@ -1,9 +1,18 @@
-"""The target model: a Llama-3.x / Qwen3 / gpt-oss decoder with a static per-slot KV cache and hidden-state capture.
+"""The target model: a Llama-3.x / Qwen3 / gpt-oss / Gemma 4 decoder with a static per-slot KV cache and
+hidden-state capture.
 
-Module and parameter names mirror transformers' `LlamaForCausalLM` / `Qwen3ForCausalLM` / `GptOssForCausalLM`,
-so an HF state dict loads as is. gpt-oss layers differ in three places: a mixture-of-experts MLP (models/moe.py),
-a learned sink logit per head in the attention softmax, and every other layer attending to a sliding window
-of keys (a mask condition here: the cache keeps every position).
+Module and parameter names mirror transformers' `LlamaForCausalLM` / `Qwen3ForCausalLM` / `GptOssForCausalLM` /
+`Gemma4ForCausalLM`, so an HF state dict loads as is. gpt-oss layers differ in three places: a mixture-of-experts
+MLP (models/moe.py), a learned sink logit per head in the attention softmax, and every other layer attending to a
+sliding window of keys (a mask condition here: the cache keeps every position). Gemma 4 (transformers'
+Gemma4TextDecoderLayer) per layer:
+
+    x = x + post_attention_layernorm(attn(input_layernorm(x)))        attention scale 1, V = rms(v) without weight
+    x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))      mlp: GELU (tanh) gate
+    x = x * layer_scalar
+
+with sliding / full layers of different head_dim, KV heads and RoPE, embeddings scaled by sqrt(hidden) and the
+logits soft-capped: cap * tanh(logits / cap).
 
 Each request in a batch has its own absolute positions and its own cache slot; the causal mask is built from
 absolute positions, so requests of different lengths batch together without any per-request bookkeeping here.
@@ -42,12 +51,18 @@ class TargetOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, tp: TPGroup, moe_parallel: MoEParallel = "tp"):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, moe_parallel: MoEParallel = "tp", layer: int = 0):
         super().__init__()
-        self.self_attn = AttentionProjections(spec, tp)
+        fp32_weight = spec.is_gpt_oss or spec.is_gemma4
+        self.self_attn = AttentionProjections(spec.layer_spec(layer), tp)
         self.mlp = MoEMLP(spec, tp, moe_parallel) if spec.num_experts else MLP(spec, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
+        self.sandwich = spec.is_gemma4  # Gemma 4: norms after attention and around the MLP, and a layer scalar
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
+            self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask):
         attn = self.self_attn
@@ -56,8 +71,13 @@ class DecoderLayer(nn.Module):
         k, v = attn.key_value(h)
         cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
         k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1])
-        x = x + attn.output(attend(q, k_all, v_all, mask, attn.sinks))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = attn.output(attend(q, k_all, v_all, mask, attn.sinks, attn.scale))
+        if not self.sandwich:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attended)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * self.layer_scalar
 
 
 class DecoderBody(nn.Module):
@@ -66,8 +86,8 @@ class DecoderBody(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: TPGroup, moe_parallel: MoEParallel = "tp"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp, moe_parallel) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp, moe_parallel, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss or spec.is_gemma4)
 
 
 class TargetModel(nn.Module):
@@ -81,19 +101,26 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, padded_vocab(spec.vocab_size, tp.size) // tp.size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(spec)
+        # One RoPE per layer type where they differ (Gemma 4), else one ("all") for every layer.
+        self.rope_keys = [spec.layer_type(i) if spec.is_gemma4 else "all" for i in range(spec.num_layers)]
+        self.rotary = nn.ModuleDict({t: Rotary(spec, None if t == "all" else t) for t in sorted(set(self.rope_keys))})
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         s, p = self.spec, self.lm_head.weight
-        kv = self.model.layers[0].self_attn.num_kv_heads
-        return KVCache(s.num_layers, num_slots, capacity, kv, s.head_dim, p.dtype, p.device)
+        attn = [layer.self_attn for layer in self.model.layers]
+        return KVCache(s.num_layers, num_slots, capacity, [a.num_kv_heads for a in attn], [a.head_dim for a in attn],
+                       p.dtype, p.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The raw embedding rows (what a drafter's block is made of); `forward` scales them by spec.embed_scale."""
         return self.model.embed_tokens(token_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head of already-normed hidden states, in fp32 (gathered over the vocabulary shards)."""
-        return self.tp.all_gather_last(self.lm_head(hidden).float())[..., : self.spec.vocab_size]
+        """lm_head of already-normed hidden states, in fp32 (gathered over the vocabulary shards), soft-capped
+        where the model does it (Gemma 4)."""
+        logits = self.tp.all_gather_last(self.lm_head(hidden).float())[..., : self.spec.vocab_size]
+        cap = self.spec.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @classmethod
     def from_state_dict(cls, spec: DecoderSpec, state_dict: dict[str, torch.Tensor],
@@ -125,7 +152,9 @@ class TargetModel(nn.Module):
     ) -> TargetOutput:
         kv_len = int(positions.max()) + 1
         x = self.embed(token_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        if self.spec.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype first
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
         key_pos = torch.arange(kv_len, device=x.device)
         causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
         window = self.spec.sliding_window
@@ -133,6 +162,7 @@ class TargetModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             mask = sliding if self.spec.is_sliding(i) else causal
+            cos, sin = rope[self.rope_keys[i]]
             x = layer(x, cos, sin, cache, i, slots, positions, mask)
             if i in capture_layers:
                 captured[i] = x

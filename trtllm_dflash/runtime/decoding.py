@@ -25,6 +25,12 @@ import torch
 from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.runtime.options import Mode
 from trtllm_dflash.speculative.core import sample_tokens
+from trtllm_dflash.speculative.schedule import AutoBlockSize
+
+
+# --block-size auto: plain AR steps hold back at most this many positions' features from the drafter (memory:
+# slots x this x len(target_layer_ids) x hidden_size), then add them in one call.
+MAX_PENDING_CONTEXT = 64
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,9 @@ class Result:
     acceptance_lengths: list[int]  # tokens committed per verify step (accepted drafts + 1)
     ttft_s: float = 0.0  # submission -> first output token (includes queueing for a free slot)
     e2e_s: float = 0.0  # submission -> last output token
+    # dflash mode: tokens per request of each step's target pass after the prefill (block_size with a fixed
+    # block; with --block-size auto the chosen k, 1 for a plain AR step, which has no acceptance length)
+    verify_lengths: list[int] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -68,6 +77,11 @@ class _Active:
     submitted: float
     output: list[int] = field(default_factory=list)  # committed tokens; the last one is the anchor
     acceptance_lengths: list[int] = field(default_factory=list)
+    verify_lengths: list[int] = field(default_factory=list)
+    # --block-size auto: target features [F] of the positions before `start` that plain AR steps committed and
+    # the drafter's context does not hold yet (added in one call before the next draft: one call per position
+    # would cost a tenth of an AR step on a small model)
+    pending_context: list[torch.Tensor] = field(default_factory=list)
     finish_reason: Literal["stop", "length"] | None = None
     first_token_at: float | None = None
 
@@ -95,7 +109,8 @@ class _Active:
     def result(self) -> Result:
         now = time.perf_counter()
         return Result(self.request, self.output, self.finish_reason, self.acceptance_lengths,
-                      ttft_s=self.first_token_at - self.submitted, e2e_s=now - self.submitted)
+                      ttft_s=self.first_token_at - self.submitted, e2e_s=now - self.submitted,
+                      verify_lengths=self.verify_lengths)
 
 
 class Decoder:
@@ -105,10 +120,15 @@ class Decoder:
     prefill), runs one decoding step (a draft + verify pass, or one AR token) for every running
     request and returns what each request committed. Finished requests free their slot in the
     same step, so the next step admits new ones. `generate` is the batch-job loop over it.
+
+    With `auto_block` (`--block-size auto`), each dflash step verifies k tokens per request, chosen for the
+    running batch (speculative/schedule.py): one k per step, not per request, because an executor's
+    target pass takes one [B, T] block (ragged lengths would pad to the longest and cost as much).
     """
 
-    def __init__(self, executor: Executor, mode: Mode, stop_token_ids: Iterable[int]):
-        self.executor, self.mode = executor, mode
+    def __init__(self, executor: Executor, mode: Mode, stop_token_ids: Iterable[int],
+                 auto_block: AutoBlockSize | None = None):
+        self.executor, self.mode, self.auto_block = executor, mode, auto_block
         self.stop_ids = frozenset(stop_token_ids)
         self._pending: deque[tuple[Request, float]] = deque()
         self._free = list(range(executor.num_slots))
@@ -197,20 +217,54 @@ class Decoder:
     def _dflash_step(self, active: list[_Active]) -> None:
         slots, starts, temps, seeds = self._batch(active)
         anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
+        k = self.executor.block_size
+        if self.auto_block is not None:
+            k = self.auto_block.choose(len(active), max(a.start for a in active))
 
-        draft = self.executor.draft(anchors, starts, slots)  # [B, K] greedy, one drafter pass
-        block = torch.cat([anchors[:, None], draft], dim=1)  # [B, K+1]
-        out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
-        accepted, bonus = self.executor.accept(draft, out.logits, temps, seeds, starts)  # [B], [B]
-
-        # The anchor and the accepted drafts are now in the target's KV cache: give the drafter their
-        # features. Rows past a request's own accepted length fall at or after its new start and stay
-        # masked until overwritten.
-        self.executor.append_context(out.hidden[:, : int(accepted.max()) + 1], starts, slots)
+        if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
+            block = anchors[:, None]  # [B, 1]
+            out = self.executor.target_forward(block, starts, slots, capture=True)
+            bonus = sample_tokens(out.logits, temps, seeds, (starts + 1)[:, None])[:, 0]
+            accepted = torch.zeros_like(bonus)
+            for row, a in enumerate(active):
+                a.pending_context.append(out.hidden[row, 0])
+            if max(len(a.pending_context) for a in active) >= MAX_PENDING_CONTEXT:
+                self._flush_context(active, slots)
+        else:
+            self._flush_context(active, slots)
+            draft = self.executor.draft(anchors, starts, slots)[:, : k - 1]  # [B, k-1] greedy, one drafter pass
+            block = torch.cat([anchors[:, None], draft], dim=1)  # [B, k]
+            out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
+            accepted, bonus = self.executor.accept(draft, out.logits, temps, seeds, starts)  # [B], [B]
+            # The anchor and the accepted drafts are now in the target's KV cache: give the drafter their
+            # features. Rows past a request's own accepted length fall at or after its new start and stay
+            # masked until overwritten.
+            self.executor.append_context(out.hidden[:, : int(accepted.max()) + 1], starts, slots)
+        if self.auto_block is not None:
+            self.auto_block.observe(k, accepted.tolist())
         for row, a in enumerate(active):
             n = int(accepted[row])
-            a.acceptance_lengths.append(n + 1)
+            a.verify_lengths.append(k)
+            if k > 1:
+                a.acceptance_lengths.append(n + 1)
             a.commit(block[row, 1 : n + 1].tolist() + [int(bonus[row])], self.stop_ids)
+
+    def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:
+        """Give the drafter the features that plain AR steps (k = 1) left pending, one call for the batch.
+
+        Request r's pending rows are positions start_r - n_r .. start_r - 1; shorter lists are padded, and the
+        padding lands at or after start_r, where the cache is garbage until written (the Executor contract)."""
+        n = max(len(a.pending_context) for a in active)
+        if n == 0:
+            return
+        hidden = active[0].pending_context[0].new_zeros(len(active), n, active[0].pending_context[0].shape[-1])
+        for row, a in enumerate(active):
+            if a.pending_context:
+                hidden[row, : len(a.pending_context)] = torch.stack(a.pending_context)
+        starts = torch.tensor([a.start - len(a.pending_context) for a in active], device=slots.device)
+        self.executor.append_context(hidden, starts, slots)
+        for a in active:
+            a.pending_context.clear()
 
 
 def run_to_completion(scheduler, requests: Iterable[Request]) -> Iterator[Result]:

@@ -144,11 +144,32 @@ def percentiles_ms(seconds: list[float]) -> dict | None:
     return {k: round(float(v), 3) for k, v in stats.items()}
 
 
+def verify_steps(results: list[Result], block_size: int) -> list[tuple[int, int]]:
+    """(verify length k, acceptance length) of every verify step; k is block_size unless --block-size auto chose it
+    (auto's k = 1 steps are plain AR steps: no drafts, no acceptance length)."""
+    steps = []
+    for r in results:
+        lengths = [k for k in r.verify_lengths if k > 1] or [block_size] * len(r.acceptance_lengths)
+        steps += zip(lengths, r.acceptance_lengths)
+    return steps
+
+
+def acceptance_per_position(results: list[Result], block_size: int) -> list[float | None]:
+    """For block position j = 1 .. block_size - 1: the share of the verify steps with a j-th draft that accepted it
+    (with a fixed block, every verify step has one; with --block-size auto, None where no step verified j)."""
+    steps = verify_steps(results, block_size)
+    out = []
+    for j in range(1, block_size):
+        had = [n for k, n in steps if k - 1 >= j]
+        out.append(sum(n - 1 >= j for n in had) / len(had) if had else None)
+    return out if steps else []
+
+
 def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: int) -> dict:
     """Run summary. Acceptance rate at block position k: share of verify steps whose k-th draft was accepted."""
     steps = [n for r in results for n in r.acceptance_lengths]
     num_out = sum(len(r.output_token_ids) for r in results)
-    per_position = [sum(n - 1 >= k for n in steps) / len(steps) for k in range(1, block_size)] if steps else []
+    per_position = acceptance_per_position(results, block_size)
     return {
         "mode": mode,
         "num_requests": len(results),
@@ -156,7 +177,7 @@ def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: 
         "wall_time_s": round(wall_time_s, 4),
         "output_tokens_per_s": round(num_out / wall_time_s, 3) if wall_time_s > 0 else None,
         "mean_acceptance_length": round(sum(steps) / len(steps), 4) if steps else (1.0 if mode == "ar" else None),
-        "acceptance_rate_per_position": [round(x, 4) for x in per_position],
+        "acceptance_rate_per_position": [None if x is None else round(x, 4) for x in per_position],
         "ttft_ms": percentiles_ms([r.ttft_s for r in results]),
         "tpot_ms": percentiles_ms([r.tpot_s for r in results if r.tpot_s is not None]),
         "request_latency_ms": percentiles_ms([r.e2e_s for r in results]),

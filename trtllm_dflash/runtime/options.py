@@ -8,6 +8,9 @@ from typing import Literal
 from trtllm_dflash.config import Backend
 
 Mode = Literal["dflash", "ar"]  # dflash: speculative decoding; ar: plain autoregressive decoding
+# Tokens per DFlash block: 2 .. the engine's trained block_size, or "auto" (each step verifies the k in
+# 1 .. block_size that maximises expected tokens/s from measured pass costs: runtime/costs.py).
+BlockSize = int | Literal["auto"]
 # Above this, softmax(logits / T) is uniform to float32 precision: a larger value is a typo, not a choice.
 MAX_TEMPERATURE = 1e6
 
@@ -22,7 +25,7 @@ class RunOptions:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
     threads: int | None = None  # torch CPU threads per rank (None: torch's choice, shared out among ranks)
-    block_size: int | None = None  # tokens per block, <= the engine's trained block_size (None: trained)
+    block_size: BlockSize | None = None  # tokens per block, <= the engine's trained one, or "auto" (None: trained)
     device: str = "cpu"  # "cpu" or "cuda" (rank r uses GPU r % device_count)
     resume: bool = False  # keep the output file's finished requests and run only the others
     progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)

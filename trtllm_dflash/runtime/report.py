@@ -13,17 +13,19 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import require_file
 from trtllm_dflash.runtime.compare import side_by_side
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
+from trtllm_dflash.runtime.options import BlockSize
 from trtllm_dflash.runtime.runner import Engine
 
 
 def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_new_tokens: int, show: int,
-                      repeats: int, threads: int | None, block_size: int | None = None,
+                      repeats: int, threads: int | None, block_size: BlockSize | None = None,
                       backend: Backend | None = None) -> None:
     require_file(input_path, "input file")
     if threads:
         torch.set_num_threads(threads)
     console = Console()
-    engine = Engine.load(engine_dir, block_size=block_size, command="compare", backend=backend)
+    engine = Engine.load(engine_dir, block_size=block_size, command="compare", backend=backend,
+                         report=lambda line: console.print(line, markup=False, highlight=False))
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)
@@ -32,7 +34,8 @@ def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_
     requests = [r for r in requests if r.temperature == 0][:num_prompts]
     if not requests:
         raise UserError(f"{input_path}: no greedy prompts (compare runs the lines without a temperature > 0).")
-    console.print(f"[bold]{engine_dir}[/]: block_size {engine.executor.block_size}, {len(requests)} prompts, "
+    blocks = f"auto (k = 1 .. {engine.executor.block_size})" if engine.auto_block else engine.executor.block_size
+    console.print(f"[bold]{engine_dir}[/]: block_size {blocks}, {len(requests)} prompts, "
                   f"batch size 1, greedy, up to {max_new_tokens} new tokens, {torch.get_num_threads()} threads")
     cmp = side_by_side(engine, requests, repeats)
     tok = engine.tokenizer

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +27,11 @@ from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
-from trtllm_dflash.runtime.options import RunOptions
+from trtllm_dflash.runtime.costs import load_or_measure
+from trtllm_dflash.runtime.options import BlockSize, RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
+from trtllm_dflash.speculative.schedule import AutoBlockSize
 
 TP_COMMANDS = ("run", "serve")  # the commands that run tensor-parallel engines under mpirun
 
@@ -41,12 +43,15 @@ class Engine:
     config: EngineConfig
     tokenizer: object
     executor: TorchExecutor
+    auto_block: AutoBlockSize | None = None  # with --block-size auto: pass costs + acceptance, for every decoder
 
     @classmethod
-    def load(cls, root: Path, device: str = "cpu", block_size: int | None = None,
+    def load(cls, root: Path, device: str = "cpu", block_size: BlockSize | None = None,
              world: World | None = None, command: str = "run", backend: Backend | None = None,
-             plugin_library: Path | None = None) -> "Engine":
-        """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained.
+             plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None) -> "Engine":
+        """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
+        "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
+        here, or read from the cache: runtime/costs.py; `report` hears about it).
         `backend`: the executor (default: what the engine was compiled for); `plugin_library`: the TensorRT
         plugin library the plans were compiled with, if any.
 
@@ -54,6 +59,11 @@ class Engine:
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
         root, world = Path(root), world or World()
         cfg = open_engine(root, rank=world.rank)
+        auto = block_size == "auto"
+        backend = backend or cfg.backend
+        if auto:
+            _check_auto(cfg, backend)
+            block_size = None
         if block_size is not None and not 2 <= block_size <= cfg.dflash.block_size:
             raise UserError(f"--block-size {block_size}: must be between 2 and the engine's trained block_size "
                             f"{cfg.dflash.block_size}.")
@@ -65,7 +75,6 @@ class Engine:
             how = f"mpirun -n {tp} trtllm-dflash run ..." if tp > 1 else "trtllm-dflash run ... (without mpirun)"
             raise UserError(f"{root}: the engine is split for tp_size {tp} but this run has {world.size} "
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
-        backend = backend or cfg.backend
         if backend == "onnxruntime":
             from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
@@ -78,11 +87,27 @@ class Engine:
             executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library)
         else:
             executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
-        return cls(cfg, load_tokenizer(root / TOKENIZER), executor)
+        auto_block = None
+        if auto:
+            costs, _ = load_or_measure(root, executor, backend, report=report)
+            auto_block = AutoBlockSize(costs, executor.block_size)
+        return cls(cfg, load_tokenizer(root / TOKENIZER), executor, auto_block)
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:
-        """A decoder that stops at the engine's EOS ids and `stop_token_ids`."""
-        return Decoder(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids])
+        """A decoder that stops at the engine's EOS ids and `stop_token_ids`. Decoders of one engine share its
+        acceptance estimate (--block-size auto), so each starts from what the previous ones saw."""
+        return Decoder(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids],
+                       self.auto_block if mode == "dflash" else None)
+
+
+def _check_auto(cfg: EngineConfig, backend: Backend) -> None:
+    """--block-size auto runs where its choice is the same on every rank and every verify length can be accepted."""
+    if cfg.mapping.tp_size > 1:
+        raise UserError(f"--block-size auto: not yet for tensor-parallel engines (this one has tp_size "
+                        f"{cfg.mapping.tp_size}: every rank would have to make the same choice); give a block size.")
+    if backend == "tensorrt":
+        raise UserError("--block-size auto: not yet on the tensorrt backend (its accept plan may be built for one "
+                        "block size); use --backend torch or onnxruntime, or give a block size.")
 
 
 def _set_threads(opts: RunOptions, world: World) -> None:
@@ -110,7 +135,8 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
             if input_path is not None:
                 require_file(input_path, "input file")
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
-        engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend)
+        engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
+                             report=lambda line: print(line, file=sys.stderr, flush=True))
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")

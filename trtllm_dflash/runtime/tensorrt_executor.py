@@ -40,6 +40,7 @@ from trtllm_dflash.compile.tensorrt_build import (
     PLANS,
     PLANS_DIR,
     PLANS_INFO,
+    file_sha256,
     import_tensorrt,
     plan_file,
     require_gpu,
@@ -128,6 +129,10 @@ class TensorRTExecutor:
                             "pass its path with --plugin-library.")
         if plugin_library is not None and not Path(plugin_library).is_file():
             raise UserError(f"--plugin-library {plugin_library}: no such file.")
+        if plugin_library is not None and info.get("plugin_library_sha256") not in (None, file_sha256(plugin_library)):
+            raise UserError(f"--plugin-library {plugin_library}: this is another build of the plugin library than "
+                            f"the plans were compiled with ({info.get('plugin_library')}); pass that one, or run "
+                            f"`trtllm-dflash compile {root} --plugin-library {plugin_library}` again.")
         if info.get("tp_size", 1) != cfg.mapping.tp_size:
             raise UserError(f"{root}: the plans were compiled for tp_size {info.get('tp_size', 1)} and the engine is "
                             f"split for tp_size {cfg.mapping.tp_size}; run `trtllm-dflash compile {root}` again.")

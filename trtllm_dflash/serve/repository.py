@@ -63,7 +63,7 @@ class ServeConfig(BaseModel):
 
     engine_dir: str  # absolute path of the engine directory
     mode: Literal["dflash", "ar"] = "dflash"
-    block_size: int | None = None  # tokens per block, <= the engine's (None: the engine's)
+    block_size: int | Literal["auto"] | None = None  # tokens per block, <= the engine's, or "auto" (None: the engine's)
     max_batch_size: int | None = Field(None, ge=1)  # requests decoded together, <= the engine's (None: the engine's)
     max_new_tokens: int = Field(256, ge=1)  # when a request has no sampling_param_max_tokens
     seed: int = Field(0, ge=0)  # when a request has no sampling_param_seed
@@ -80,7 +80,7 @@ def read_serve_config(path: Path) -> ServeConfig:
 
 def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
     """Options that only the engine can judge; shared by `serve` (early) and the model (at load)."""
-    if cfg.block_size is not None and not 2 <= cfg.block_size <= engine.dflash.block_size:
+    if cfg.block_size not in (None, "auto") and not 2 <= cfg.block_size <= engine.dflash.block_size:
         raise UserError(f"--block-size {cfg.block_size}: must be between 2 and the engine's trained block_size "
                         f"{engine.dflash.block_size}.")
     if cfg.max_batch_size is not None and cfg.max_batch_size > engine.max_batch_size:

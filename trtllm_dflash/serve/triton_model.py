@@ -94,7 +94,9 @@ def response(event: Event, block_size: int) -> pb_utils.InferenceResponse:
     result = event.result
     if result is not None:
         steps = result.acceptance_lengths
-        accepted, drafted = sum(n - 1 for n in steps), len(steps) * (block_size - 1)
+        accepted = sum(n - 1 for n in steps)
+        # --block-size auto verifies k - 1 drafts per step (k = 1: none); a fixed block, block_size - 1.
+        drafted = sum(k - 1 for k in result.verify_lengths) if result.verify_lengths else len(steps) * (block_size - 1)
         out += [
             _tensor("finish_reason", [result.finish_reason.encode()], object),
             _tensor("acceptance_lengths", steps, np.int32),

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     LlamaConfig,
@@ -45,6 +47,26 @@ def _random_gpt_oss(common: dict, num_layers: int) -> GptOssForCausalLM:
     return hf
 
 
+def _random_gemma4(common: dict, num_layers: int) -> Gemma4ForCausalLM:
+    """The dense Gemma 4 text shape in small: sliding (window 4, so it matters on short prompts) and full layers
+    alternating, full layers with twice the head_dim, one KV head and V = K (attention_k_eq_v), the default
+    per-layer-type RoPE (proportional, a quarter of the dims rotated, on full layers), tied embeddings and logits
+    soft-capped at 2. Norm weights and layer scalars are spread around 1 (HF initialises them to exactly 1)."""
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    hf = Gemma4ForCausalLM(Gemma4TextConfig(
+        **(common | {"tie_word_embeddings": True}), layer_types=layer_types, sliding_window=4,
+        global_head_dim=2 * common["head_dim"], num_global_key_value_heads=1, attention_k_eq_v=True,
+        final_logit_softcapping=2.0, hidden_size_per_layer_input=0, pad_token_id=0, bos_token_id=None))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        hf.model.embed_tokens.weight.normal_(0.0, 0.15)  # logits of a few units: the cap at 2 bends them
+        for layer in hf.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    return hf
+
+
 def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int = 512, hidden_size: int = 64,
                       num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                       intermediate_size: int = 128, draft_layers: int = 2, block_size: int = 8,
@@ -69,8 +91,10 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         hf = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope))
     elif family == "gpt_oss":
         hf = _random_gpt_oss(common, num_layers)
+    elif family == "gemma4":
+        hf = _random_gemma4(common, num_layers)
     else:
-        raise ValueError(f"family must be qwen3, llama or gpt_oss, got {family!r}")
+        raise ValueError(f"family must be qwen3, llama, gpt_oss or gemma4, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))
@@ -82,6 +106,8 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         rms_norm_eps=1e-6, qk_norm=True, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
         hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         max_position_embeddings=4096,
+        # (a Gemma drafter sees the embedding rows as Gemma's own layers do: scaled by sqrt(hidden))
+        input_embedding_scale=hidden_size**0.5 if family == "gemma4" else 1.0,
     )
     params = DFlashParams(block_size, mask_id, tuple(ids))
     drafter = DFlashDrafter(draft_spec, params)

@@ -1,0 +1,270 @@
+"""`--block-size auto`: the k chooser on hand-made cost tables, the acceptance estimate, losslessness for any
+sequence of verify lengths (greedy and sampled, batched, requests joining mid-run), and the cost-profile cache
+(a foreign or stale profile is measured again, a corrupt one refused in one sentence)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime import costs as costs_module
+from trtllm_dflash.runtime.costs import PassCosts, load_or_measure, profile_key, profile_path, read_profile
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.speculative.schedule import (AcceptanceEstimate, AutoBlockSize, choose_verify_length,
+                                                expected_committed)
+
+# ------------------------------------------------------------------------------------------------
+# The chooser: a pure function of P(accepted >= j) and the step costs
+# ------------------------------------------------------------------------------------------------
+
+GEOMETRIC = [0.6 ** j for j in range(1, 16)]  # P(accepted >= j) for a block of 16
+
+
+def test_expected_committed():
+    assert expected_committed([0.5, 0.25], 1) == 1.0
+    assert expected_committed([0.5, 0.25], 3) == 1.75
+
+
+def test_k_is_1_when_verify_is_expensive():
+    # A step of k tokens costs k AR steps (a CPU at large batch): nothing beats one token per AR step.
+    assert choose_verify_length(GEOMETRIC, [float(k) for k in range(1, 17)]) == 1
+    # Even a free verify does not pay for a drafter pass that costs two AR steps at this acceptance (2.5 < 3).
+    assert choose_verify_length(GEOMETRIC, [1.0] + [3.0] * 15) == 1
+
+
+def test_k_is_the_full_block_when_verify_is_cheap():
+    # Verify as cheap as an AR step and a free drafter (a GPU at batch 1): every extra draft is a free chance.
+    assert choose_verify_length(GEOMETRIC, [1.0] * 16) == 16
+    assert choose_verify_length([1.0] * 7, [1.0] + [1.5] * 7) == 8  # perfect acceptance: 8 / 1.5 > 1
+
+
+@pytest.mark.parametrize("at_least,seconds,k", [
+    # rates E[committed | k] / t_k worked out by hand in the comments
+    ([0.9, 0.8, 0.3, 0.1], [1.0, 1.6, 2.0, 2.9, 3.9], 3),  # 1.0, 1.19, 1.35, 1.03, 0.79
+    ([0.9, 0.1], [1.0, 1.5, 3.0], 2),  # 1.0, 1.27, 0.67
+    ([0.2, 0.1], [1.0, 1.1, 1.15], 3),  # 1.0, 1.09, 1.13
+    ([0.5], [1.0, 1.5], 1),  # 1.0, 1.0: a tie goes to the smaller k
+], ids=["peak-at-3", "peak-at-2", "late-peak", "tie"])
+def test_k_is_the_exact_argmax_in_between(at_least, seconds, k):
+    assert choose_verify_length(at_least, seconds) == k
+
+
+def test_random_tables_match_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        K = rng.randint(1, 15)
+        q = [rng.random() for _ in range(K)]
+        at_least = [float(torch.tensor(q[: j + 1]).prod()) for j in range(K)]
+        seconds = sorted(rng.uniform(0.5, 5) for _ in range(K + 1))
+        rates = [(1 + sum(at_least[: k - 1])) / t for k, t in enumerate(seconds, start=1)]
+        assert choose_verify_length(at_least, seconds) == rates.index(max(rates)) + 1
+
+
+def roofline_ms(batch: int, tokens: int, ar_ms: float = 5.0, capacity: int = 8) -> float:
+    """A made-up machine: a target pass costs the same up to `capacity` tokens, then in proportion (a GPU's shape)."""
+    return ar_ms * max(1.0, batch * tokens / capacity)
+
+
+def hand_costs(draft_ms: float = 1.0) -> PassCosts:
+    batches, tokens = (1, 2, 4, 8), (1, 2, 4, 8)
+    target = tuple(tuple(roofline_ms(b, t) / 1e3 for t in tokens) for b in batches)
+    tiny = tuple(tuple(1e-9 for _ in tokens) for _ in batches)
+    return PassCosts(batches, tokens, (64,), (target,), (tuple(draft_ms / 1e3 for _ in batches),), tiny, tiny)
+
+
+def test_auto_block_size_on_a_hand_made_cost_table():
+    # Tokens free until the batch fills the machine: the whole block at batch 1, plain AR at batch 8.
+    auto = AutoBlockSize(hand_costs(), block_size=8)
+    assert auto.choose(batch=1, context=64) == 8
+    assert auto.choose(batch=8, context=64) == 1
+    # In between, the exact argmax of the table's rates.
+    k = auto.choose(batch=2, context=64)
+    at_least = auto.estimate.accept_at_least()
+    rates = [expected_committed(at_least, j) / auto.costs.step_seconds(2, 64, j) for j in range(1, 9)]
+    assert k == rates.index(max(rates)) + 1 and 1 < k < 8
+    # After steps that accepted everything, long blocks pay at batch 4 too; after steps accepting nothing, k = 1.
+    for _ in range(30):
+        auto.observe(8, [7] * 4)
+    assert auto.choose(batch=4, context=64) > 2
+    for _ in range(200):  # long enough for the rejections to outweigh the (decayed) acceptances
+        auto.observe(8, [0] * 4)
+    assert auto.choose(batch=2, context=64) == 1
+
+
+def test_pass_costs_interpolate_between_grid_points():
+    costs = hand_costs(draft_ms=1.0)
+    # batch 3, 3 tokens: halfway between the grid's batches 2 and 4 and tokens 2 and 4.
+    corners = [roofline_ms(b, t) for b in (2, 4) for t in (2, 4)]
+    assert costs.step_seconds(3, 64, 3) == pytest.approx((sum(corners) / 4 + 1.0) / 1e3, rel=1e-6)
+    assert costs.step_seconds(1, 64, 1) == pytest.approx(5.0 / 1e3, rel=1e-6)  # k = 1: no drafter pass
+    assert costs.step_seconds(1, 4096, 1) == costs.step_seconds(1, 64, 1)  # one context measured: no slope
+
+
+def test_acceptance_estimate_learns_and_forgets():
+    est = AcceptanceEstimate(num_positions=3, prior_rate=0.5, prior_weight=2.0, decay=0.5)
+    assert est.conditional_rates() == [0.5, 0.5, 0.5]
+    est.observe(4, [3, 3, 0, 1])  # d1 verified 4x, accepted 3x; d2 verified 3x, accepted 2x; d3: 2x, 2x
+    rates = est.conditional_rates()  # (accepted + 2 x 0.5) / (verified + 2)
+    assert rates == pytest.approx([(3 + 1) / (4 + 2), (2 + 1) / (3 + 2), (2 + 1) / (2 + 2)])
+    assert est.accept_at_least() == pytest.approx([rates[0], rates[0] * rates[1], rates[0] * rates[1] * rates[2]])
+    est.observe(2, [0])  # k = 2: only d1 was verified
+    assert est.verified[2] == pytest.approx(0.5 * 2)
+    for _ in range(40):  # AR steps (k = 1) verify nothing: the evidence fades back to the prior
+        est.observe(1, [0, 0])
+    assert est.conditional_rates() == pytest.approx([0.5, 0.5, 0.5], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Lossless for every verify length
+# ------------------------------------------------------------------------------------------------
+
+class RandomVerifyLength(AutoBlockSize):
+    """A k in 1 .. block_size drawn at random each step: any sequence of choices must keep the tokens."""
+
+    def __init__(self, block_size: int, seed: int = 0):
+        super().__init__(costs=None, block_size=block_size)
+        self.rng, self.chosen = random.Random(seed), []
+
+    def choose(self, batch: int, context: float) -> int:
+        self.chosen.append(self.rng.randint(1, self.block_size))
+        return self.chosen[-1]
+
+
+def mixed_requests(vocab: int, n: int = 6) -> list[Request]:
+    """n requests (more than the 4 slots: some join mid-run), greedy and sampled."""
+    g = torch.Generator().manual_seed(1)
+    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab, (3 + 5 * i,), generator=g).tolist(),
+                    max_new_tokens=[40, 9, 33, 25, 17, 30][i % 6], temperature=0.0 if i % 2 == 0 else 0.9,
+                    seed=77 + i) for i in range(n)]
+
+
+def decode(executor, mode, reqs, auto=None) -> dict:
+    return {r.request.id: r for r in Decoder(executor, mode, (), auto).generate(reqs)}
+
+
+def test_any_verify_lengths_keep_dflash_equal_to_ar(biased_engines):
+    ex = biased_engines[8].executor
+    reqs = mixed_requests(ex.vocab_size)
+    ar = decode(ex, "ar", reqs)
+    policy = RandomVerifyLength(ex.block_size)
+    auto = decode(ex, "dflash", reqs, policy)
+    for req in reqs:
+        assert auto[req.id].output_token_ids == ar[req.id].output_token_ids, req.id
+        verified = [k for k in auto[req.id].verify_lengths if k > 1]  # the others were plain AR steps
+        assert len(auto[req.id].acceptance_lengths) == len(verified)
+        assert all(1 <= n <= k for n, k in zip(auto[req.id].acceptance_lengths, verified))
+    assert set(policy.chosen) == set(range(1, 9))
+    steps = [n for r in auto.values() for n in r.acceptance_lengths]
+    assert max(steps) > 2  # drafts were accepted after AR steps: the drafter's context was kept up to date
+
+
+@pytest.fixture(scope="module")
+def engine_dir(biased_pairs, tmp_path_factory):
+    from tests.conftest import build
+
+    return build(biased_pairs[8], tmp_path_factory.mktemp("auto") / "engine", max_batch_size=4)
+
+
+def test_measured_auto_equals_ar_and_caches_its_profile(biased_engines, engine_dir, tmp_path, monkeypatch):
+    """The real path: Engine.load measures the pass costs once, caches them, and decodes losslessly."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    lines = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two busy cores measure 5x slower (the profile's key has the threads)
+    try:
+        engine = Engine.load(engine_dir, block_size="auto", report=lines.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.auto_block is not None and any("measuring" in line for line in lines)
+    reqs = mixed_requests(engine.executor.vocab_size)
+    ar = decode(biased_engines[8].executor, "ar", reqs)
+    auto = {r.request.id: r for r in engine.decoder("dflash").generate(reqs)}
+    assert all(auto[r.id].output_token_ids == ar[r.id].output_token_ids for r in reqs)
+    assert all(1 <= k <= 8 for r in auto.values() for k in r.verify_lengths)
+
+    def no_measuring(executor, contexts=None):
+        raise AssertionError("a cached profile with the same key must be reused")
+
+    monkeypatch.setattr(costs_module, "measure", no_measuring)
+    torch.set_num_threads(1)
+    try:
+        again = Engine.load(engine_dir, block_size="auto")
+    finally:
+        torch.set_num_threads(threads)
+    assert again.auto_block.costs == engine.auto_block.costs
+
+
+# ------------------------------------------------------------------------------------------------
+# The profile cache
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cached_profile(biased_engines, engine_dir, tmp_path, monkeypatch):
+    """An engine directory, its executor and a profile cache in tmp_path, with `measure` counted (hand-made costs)."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_measure(executor, contexts=None):
+        calls.append(executor)
+        return hand_costs()
+
+    monkeypatch.setattr(costs_module, "measure", fake_measure)
+    executor = biased_engines[8].executor
+    load_or_measure(engine_dir, executor, "torch")
+    assert len(calls) == 1
+    return engine_dir, executor, profile_path(profile_key(engine_dir, executor, "torch")), calls
+
+
+@pytest.mark.parametrize("field,value", [("device", "another CPU"), ("threads", 977), ("manifest_sha256", "0" * 64),
+                                         ("version", 0)], ids=["foreign-machine", "other-threads", "other-engine",
+                                                               "older-format"])
+def test_foreign_or_stale_profile_is_measured_again(cached_profile, field, value):
+    engine_dir, executor, path, calls = cached_profile
+    load_or_measure(engine_dir, executor, "torch")
+    assert len(calls) == 1  # same key: reused
+    data = json.loads(path.read_text())
+    data["key"][field] = value
+    path.write_text(json.dumps(data))
+    lines = []
+    load_or_measure(engine_dir, executor, "torch", report=lines.append)
+    assert len(calls) == 2 and field in lines[0]
+    assert read_profile(path)[0] == profile_key(engine_dir, executor, "torch")  # replaced by the new measurement
+
+
+@pytest.mark.parametrize("damage", [
+    lambda text: text[: len(text) // 2],  # cut short
+    lambda text: "not json at all",
+    lambda text: json.dumps({"key": json.loads(text)["key"]}),  # no costs
+    lambda text: text.replace("[", "[-1.0, ", 1),  # a grid that is not increasing positive integers
+], ids=["truncated", "garbage", "no-costs", "bad-grid"])
+def test_corrupt_profile_is_refused_in_one_sentence(cached_profile, damage):
+    engine_dir, executor, path, calls = cached_profile
+    path.write_text(damage(path.read_text()))
+    with pytest.raises(UserError, match="not a readable cost profile") as err:
+        load_or_measure(engine_dir, executor, "torch")
+    assert str(err.value).count("\n") == 0 and len(calls) == 1
+
+
+def test_cli_refuses_a_corrupt_profile_with_exit_2(cached_profile, tmp_path, capsys):
+    engine_dir, _, path, _ = cached_profile
+    path.write_text("{")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5, 6, 7]}\n')
+    code = main(["run", str(engine_dir), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+                 "--block-size", "auto"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR
+    assert err.startswith(f"error: {path}: not a readable cost profile") and err.count("\n") == 1
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bad_block_size_words_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "engine", "--stream", "x", "--block-size", "sometimes"])
+    assert exc.value.code == 2 and "must be an integer or auto" in capsys.readouterr().err

@@ -1,0 +1,257 @@
+"""Measured pass costs of one engine on one machine and backend (`--block-size auto`'s cost model).
+
+A DFlash step of a batch of B requests verifying k tokens each costs
+    t_step(B, L, k) = t_target(B, k, L) + t_accept(B, k) [+ t_draft(B, L) + t_context(B, k) for k > 1]
+where L is the batch's longest context (the attention reads that many positions). Each term is measured
+on a small grid (batch 1, 2, 4 .. slots; tokens 1, 2, 4 .. block_size; two context lengths) and
+interpolated linearly in between; beyond the longest measured context, linearly extrapolated.
+
+The measurement takes a few seconds and is cached as JSON, keyed by what changes the numbers: the engine's
+manifest (its exact files), the backend, the CPU or GPU, the torch threads, the block size and slots. A
+profile whose key differs (another machine, other threads, a rebuilt engine copied over) is re-measured and
+replaced; a file that is not a profile at all is refused with one sentence (delete it to re-measure).
+The cache cannot live in the engine directory, whose manifest admits no extra file: it lives under
+$TRTLLM_DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/trtllm-dflash, else ~/.cache/trtllm-dflash.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.bench.machine import cpu_name
+from trtllm_dflash.engine_dir import MANIFEST
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.outputs import write_text_atomic
+from trtllm_dflash.runtime.executor import Executor
+from trtllm_dflash.speculative.core import sample_tokens
+
+PROFILE_VERSION = 1
+REPEATS = 3  # timed calls per grid point after one warm-up; the minimum is kept (other work only adds time)
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """What a profile's numbers depend on; a cached profile with another key is re-measured."""
+
+    version: int
+    manifest_sha256: str  # the engine's manifest.json: its exact files
+    backend: str
+    device: str  # CPU model or GPU name
+    threads: int  # torch intra-op threads
+    block_size: int
+    num_slots: int
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds per pass on a grid; `step_seconds` interpolates (speculative/schedule.py's StepCostModel)."""
+
+    batches: tuple[int, ...]  # batch sizes measured, increasing
+    tokens: tuple[int, ...]  # tokens per request measured, increasing, 1 .. block_size
+    contexts: tuple[int, ...]  # context lengths measured, increasing
+    target_s: tuple[tuple[tuple[float, ...], ...], ...]  # [context][batch][tokens] target pass, hidden captured
+    draft_s: tuple[tuple[float, ...], ...]  # [context][batch] drafter pass over the whole block
+    context_s: tuple[tuple[float, ...], ...]  # [batch][tokens] append_context of that many positions
+    accept_s: tuple[tuple[float, ...], ...]  # [batch][tokens] acceptance (k = 1: sampling) of a k-token pass
+
+    def step_seconds(self, batch: int, context: float, k: int) -> float:
+        """One decoding step of `batch` requests, longest context `context`, verifying k tokens per request."""
+        target = _interp(self.contexts, [_grid2(self.batches, self.tokens, t, batch, k) for t in self.target_s],
+                         context, extrapolate=True)
+        rest = _grid2(self.batches, self.tokens, self.accept_s, batch, k)
+        if k > 1:  # plain AR steps (k = 1) hand their features to the drafter later, many positions per call
+            rest += _grid2(self.batches, self.tokens, self.context_s, batch, k)
+            rest += _interp(self.contexts, [_interp(self.batches, d, batch) for d in self.draft_s], context,
+                            extrapolate=True)
+        return max(target + rest, 1e-9)
+
+
+def _interp(xs: tuple[int, ...], ys, x: float, extrapolate: bool = False) -> float:
+    """Piecewise-linear y(x) through (xs, ys); clamped outside xs, or with `extrapolate` continued past the
+    last point with the last segment's slope (never below the last value). Example: xs (1, 3), ys (2, 4): x 2 -> 3."""
+    if len(xs) == 1 or x <= xs[0]:
+        return float(ys[0])
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    if x > xs[-1] and not extrapolate:
+        return float(ys[-1])
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, float(ys[-1])) if x > xs[-1] else y
+
+
+def _grid2(rows: tuple[int, ...], cols: tuple[int, ...], table, r: float, c: float) -> float:
+    return _interp(rows, [_interp(cols, row, c) for row in table], r)
+
+
+def _doubling(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `limit`, then `limit` itself: (1, 2, 4, 8, 12) for 12."""
+    values = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
+    return (*values, limit)
+
+
+def _fastest(fn: Callable[[], object]) -> float:
+    fn()  # warm-up (first call of a shape: allocations, onnxruntime's kernel choice)
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> PassCosts:
+    """Time the executor's passes on the grid (slots 0 .. batch - 1; their cache rows past position 0 are
+    overwritten, which is harmless before any request runs: a slot's positions past its start are never read)."""
+    ex = executor
+    block = ex.block_size
+    batches, tokens = _doubling(ex.num_slots), _doubling(block)
+    limit = ex.max_seq_len - block
+    contexts = contexts or tuple(sorted({max(1, min(64, limit)), max(1, min(512, limit))}))
+    dev = ex.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, ex.vocab_size, (batches[-1], contexts[-1] + block), generator=g).to(dev)
+    slots = torch.arange(batches[-1], device=dev)
+    zeros = torch.zeros(batches[-1], dtype=torch.long, device=dev)
+    # Fill every slot's context once: the drafter's cache rows then hold numbers, not leftovers.
+    prefill = ex.target_forward(ids[:, : contexts[-1]], zeros, slots, capture=True)
+    ex.append_context(prefill.hidden, zeros, slots)
+    hidden = prefill.hidden[:, :block]  # [slots, block, F]
+    temps = torch.zeros(batches[-1], dtype=torch.float32, device=dev)
+
+    target, draft = [], []
+    for c in contexts:
+        starts = torch.full((batches[-1],), c, device=dev)
+        target.append(tuple(tuple(_fastest(lambda b=b, t=t: ex.target_forward(
+            ids[:b, c:c + t], starts[:b], slots[:b], capture=True)) for t in tokens) for b in batches))
+        draft.append(tuple(_fastest(lambda b=b: ex.draft(ids[:b, c], starts[:b], slots[:b])) for b in batches))
+    c = contexts[0]
+    starts = torch.full((batches[-1],), c, device=dev)
+    context = tuple(tuple(_fastest(lambda b=b, t=t: ex.append_context(hidden[:b, :t], starts[:b], slots[:b]))
+                          for t in tokens) for b in batches)
+    accept = []
+    for b in batches:
+        row = []
+        for t in tokens:
+            logits = ex.target_forward(ids[:b, c:c + t], starts[:b], slots[:b], capture=False).logits
+            if t == 1:
+                row.append(_fastest(lambda b=b, logits=logits: sample_tokens(
+                    logits, temps[:b], [0] * b, (starts[:b] + 1)[:, None])))
+            else:
+                row.append(_fastest(lambda b=b, t=t, logits=logits: ex.accept(
+                    ids[:b, c + 1:c + t], logits, temps[:b], [0] * b, starts[:b])))
+        accept.append(tuple(row))
+    return PassCosts(batches, tokens, contexts, tuple(target), tuple(draft), context, tuple(accept))
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache
+# ------------------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    if os.environ.get("TRTLLM_DFLASH_CACHE_DIR"):
+        return Path(os.environ["TRTLLM_DFLASH_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "trtllm-dflash"
+
+
+def device_name(executor: Executor) -> str:
+    dev = executor.device
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
+
+
+def profile_key(engine_dir: Path, executor: Executor, backend: str) -> ProfileKey:
+    manifest = hashlib.sha256((Path(engine_dir) / MANIFEST).read_bytes()).hexdigest()
+    return ProfileKey(PROFILE_VERSION, manifest, backend, device_name(executor), torch.get_num_threads(),
+                      executor.block_size, executor.num_slots)
+
+
+def profile_path(key: ProfileKey) -> Path:
+    return cache_dir() / "cost_profiles" / f"{key.manifest_sha256[:16]}-{key.backend}.json"
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def read_profile(path: Path) -> tuple[ProfileKey, PassCosts]:
+    """The profile in `path`, or a UserError in one sentence if it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        key = ProfileKey(**data["key"])
+        costs = PassCosts(**{k: _tuples(v) for k, v in data["costs"].items()})
+        _check(costs)
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UserError(f"{path}: not a readable cost profile ({type(exc).__name__}: {exc}); delete it and "
+                        "`--block-size auto` measures the engine again.") from None
+    return key, costs
+
+
+def _check(costs: PassCosts) -> None:
+    """Grids increasing and tables of their shape, every time finite and positive (else ValueError)."""
+    for name in ("batches", "tokens", "contexts"):
+        grid = getattr(costs, name)
+        if not (grid and all(isinstance(x, int) and x > 0 for x in grid) and list(grid) == sorted(set(grid))):
+            raise ValueError(f"{name} is not an increasing list of positive integers")
+    nb, nt, nc = len(costs.batches), len(costs.tokens), len(costs.contexts)
+    shapes = {"target_s": (nc, nb, nt), "draft_s": (nc, nb), "context_s": (nb, nt), "accept_s": (nb, nt)}
+    for name, shape in shapes.items():
+        _check_table(getattr(costs, name), shape, name)
+
+
+def _check_table(table, shape: tuple[int, ...], name: str) -> None:
+    if not shape:
+        if not (isinstance(table, (int, float)) and 0 < table < float("inf")):
+            raise ValueError(f"{name} holds {table!r}, not a positive time")
+        return
+    if not isinstance(table, tuple) or len(table) != shape[0]:
+        raise ValueError(f"{name} does not have the shape of the grids {shape}")
+    for row in table:
+        _check_table(row, shape[1:], name)
+
+
+def write_profile(path: Path, key: ProfileKey, costs: PassCosts) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"key": asdict(key), "costs": asdict(costs)}) + "\n")
+
+
+def load_or_measure(engine_dir: Path, executor: Executor, backend: str, remeasure: bool = False,
+                    report: Callable[[str], None] = lambda line: None) -> tuple[PassCosts, Path]:
+    """The engine's cost profile for this machine and backend: cached, or measured now (and cached)."""
+    key = profile_key(engine_dir, executor, backend)
+    path = profile_path(key)
+    if path.exists() and not remeasure:
+        cached_key, costs = read_profile(path)
+        if cached_key == key:
+            return costs, path
+        changed = next(f for f in ProfileKey.__dataclass_fields__ if getattr(cached_key, f) != getattr(key, f))
+        report(f"{path}: measured with another {changed} ({getattr(cached_key, changed)!r}, now "
+               f"{getattr(key, changed)!r}); measuring the pass costs again.")
+    else:
+        report(f"measuring the pass costs of {engine_dir} for --block-size auto (cached in {path}) ...")
+    start = time.perf_counter()
+    costs = measure(executor)
+    write_profile(path, key, costs)
+    report(f"pass costs measured in {time.perf_counter() - start:.1f} s.")
+    return costs, path
+
+
+def costs_table(costs: PassCosts, context: int | None = None) -> list[str]:
+    """Markdown: step cost per batch size and verify length k, and the cost of k relative to k = 1."""
+    c = context if context is not None else costs.contexts[0]
+    head = "| batch | " + " | ".join(f"k={k} ms" for k in costs.tokens) + " | draft ms |"
+    lines = [f"Step cost (ms) at context {c}: draft + verify + context + accept (k = 1: an AR step, no draft)", "",
+             head, "|---|" + "---|" * (len(costs.tokens) + 1)]
+    for b in costs.batches:
+        cells = [f"{costs.step_seconds(b, c, k) * 1e3:.2f}" for k in costs.tokens]
+        draft = _interp(costs.contexts, [_interp(costs.batches, d, b) for d in costs.draft_s], c, extrapolate=True)
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {draft * 1e3:.2f} |")
+    return lines

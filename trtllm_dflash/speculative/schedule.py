@@ -1,0 +1,114 @@
+"""Choosing the verify length k of a DFlash step from pass costs and acceptance estimates (`--block-size auto`).
+
+Vocabulary (speculative/core.py): a step with verify length k runs the target over [anchor, d_1 .. d_{k-1}]
+(k tokens per request) and commits accepted + 1 tokens, 1 <= accepted + 1 <= k. k = 1 is a plain
+autoregressive step: no drafter pass, nothing to accept. The drafter always drafts the whole block in
+one pass and a step verifies its first k - 1 drafts, so the drafts, and whether d_j is accepted, do not
+depend on k: acceptance observed at any k tells about every k.
+
+    E[committed | k] = 1 + sum_{j=1}^{k-1} P(accepted >= j)
+    k* = argmax_k  E[committed | k] / t_step(batch, context, k)
+
+The batch size multiplies both the committed tokens and nothing else, so maximising tokens per second
+of the batch is maximising this ratio with the batch's step costs. Nothing here changes a token: every
+k commits exactly what the target alone would (the acceptance rule is the same for every k).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# Conditional acceptance P(d_j accepted | d_1..d_{j-1} accepted) assumed before any step is seen, and how many
+# observations it weighs: weak, so that a handful of steps overrules it.
+PRIOR_RATE = 0.6
+PRIOR_WEIGHT = 4.0
+# Per step, older evidence is multiplied by this: the estimate follows the recent steps (a window of about
+# 1 / (1 - DECAY) steps) and, while no step verifies a position, drifts back to the prior, which makes the
+# chooser try longer blocks again after a spell of k = 1.
+DECAY = 0.98
+
+
+def expected_committed(accept_at_least: Sequence[float], k: int) -> float:
+    """E[committed tokens | verify length k] = 1 + sum_{j < k} P(accepted >= j).
+
+    accept_at_least[j - 1] = P(accepted >= j), j = 1 .. K. Example: [0.5, 0.25], k = 3 -> 1.75.
+    """
+    assert 1 <= k <= len(accept_at_least) + 1, (k, len(accept_at_least))
+    return 1.0 + sum(accept_at_least[: k - 1])
+
+
+def choose_verify_length(accept_at_least: Sequence[float], step_seconds: Sequence[float]) -> int:
+    """The k in 1 .. len(step_seconds) with the most expected committed tokens per second (ties: the smaller k).
+
+    step_seconds[k - 1]: what one step verifying k tokens per request costs the batch (k = 1: an AR step;
+    k > 1: the drafter pass, the verify pass and the rest of the step). Example: P(accepted >= j) = [0.9, 0.1],
+    costs [1.0, 1.5, 3.0] -> rates 1.0, 1.27, 0.67 -> k = 2.
+    """
+    assert len(step_seconds) <= len(accept_at_least) + 1 and all(t > 0 for t in step_seconds), step_seconds
+    best_k, best_rate = 1, 0.0
+    for k, seconds in enumerate(step_seconds, start=1):
+        rate = expected_committed(accept_at_least, k) / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class StepCostModel(Protocol):
+    """Anything that prices a step: runtime/costs.py's PassCosts, or a hand-made table in tests."""
+
+    def step_seconds(self, batch: int, context: float, k: int) -> float:
+        """Seconds of one decoding step of `batch` requests at mean context `context`, verifying k tokens each."""
+        ...
+
+
+class AcceptanceEstimate:
+    """P(d_j accepted | d_1..d_{j-1} accepted) per block position j = 1 .. K, from recent steps, with a prior.
+
+    Counts are exponentially decayed per step (DECAY) and smoothed by PRIOR_WEIGHT observations at
+    PRIOR_RATE. One estimate for the whole engine: a step's batch shares one k (see Decoder), so
+    per-request estimates could not be acted on.
+    """
+
+    def __init__(self, num_positions: int, prior_rate: float = PRIOR_RATE, prior_weight: float = PRIOR_WEIGHT,
+                 decay: float = DECAY):
+        self.prior_rate, self.prior_weight, self.decay = prior_rate, prior_weight, decay
+        self.verified = [0.0] * num_positions  # decayed count of steps that verified d_j with d_1..d_{j-1} accepted
+        self.accepted = [0.0] * num_positions  # ... and accepted d_j
+
+    def observe(self, verify_length: int, accepted: Sequence[int]) -> None:
+        """One step: every request verified verify_length - 1 drafts and accepted accepted[r] of them."""
+        self.verified = [v * self.decay for v in self.verified]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for n in accepted:
+            assert 0 <= n < verify_length, (n, verify_length)
+            for j in range(1, min(n + 1, verify_length - 1) + 1):  # d_j was verified iff d_1..d_{j-1} were accepted
+                self.verified[j - 1] += 1
+                self.accepted[j - 1] += n >= j
+
+    def conditional_rates(self) -> list[float]:
+        return [(a + self.prior_weight * self.prior_rate) / (v + self.prior_weight)
+                for a, v in zip(self.accepted, self.verified)]
+
+    def accept_at_least(self) -> list[float]:
+        """P(accepted >= j) for j = 1 .. K: the running product of the conditional rates."""
+        out, p = [], 1.0
+        for q in self.conditional_rates():
+            p *= q
+            out.append(p)
+        return out
+
+
+class AutoBlockSize:
+    """The `--block-size auto` policy of one engine: pass costs (fixed) and the acceptance estimate (learnt)."""
+
+    def __init__(self, costs: StepCostModel, block_size: int, estimate: AcceptanceEstimate | None = None):
+        self.costs, self.block_size = costs, block_size
+        self.estimate = estimate or AcceptanceEstimate(block_size - 1)
+
+    def choose(self, batch: int, context: float) -> int:
+        seconds = [self.costs.step_seconds(batch, context, k) for k in range(1, self.block_size + 1)]
+        return choose_verify_length(self.estimate.accept_at_least(), seconds)
+
+    def observe(self, verify_length: int, accepted: Sequence[int]) -> None:
+        self.estimate.observe(verify_length, accepted)
