@@ -3,8 +3,9 @@
 Every rank's graphs pass onnx.checker, hold TensorRT's DistCollective node for each collective of the sharded
 model (an all-reduce per row-parallel projection and for the vocab-parallel embedding, an all-gather of the
 logits' vocabulary shards), say which rank of which split they are, and, with TensorRT-RTX installed, parse
-into DIST_COLLECTIVE layers and build into fp16 plans for SM89 and SM120 on the CPU. `compile` refuses a
-graph of another rank or split before TensorRT is touched.
+into DIST_COLLECTIVE layers and build into plans on the CPU: fp16 for SM89 and SM120 (tp 4), NVFP4 (the tp 2
+engine: FLOAT4E2M1 weights, TRT_FP4DynamicQuantize inputs) for SM120. `compile` refuses a graph of another
+rank or split before TensorRT parses anything.
 
 Not shown here: the numbers. onnxruntime cannot run DistCollective, and no machine of ours runs TensorRT on
 two GPUs; the modules the graphs are traced from are the ones tests/test_tensor_parallel.py runs under MPI.
@@ -43,16 +44,25 @@ pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec
 SIZES = (2, 4)
 
 
+# tp -> the build's quantization: the tp 2 engine is NVFP4 (target and drafter), so its graphs also show
+# NVFP4 through the collectives; the tp 4 engine is unquantized
+QUANTIZATION = {2: "nvfp4", 4: "none"}
+# NVFP4 plans need FP4 tensor cores: TensorRT-RTX refuses SM89 for them ("HW-specific datatypes: fp4_e2m1")
+TARGETS = {"nvfp4": ["SM120"], "none": ["SM89", "SM120"]}
+
+
 @pytest.fixture(scope="module")
 def tp_engines(tmp_path_factory) -> dict[int, Path]:
-    """A random Qwen3 pair (4 KV heads, so tp 4 splits them) built for TensorRT at tp 2 and tp 4."""
+    """A random Qwen3 pair (4 KV heads, so tp 4 splits them) built for TensorRT at tp 2 (NVFP4) and tp 4."""
     root = tmp_path_factory.mktemp("tp_graphs")
     write_random_pair(root / "pair", "qwen3", num_kv_heads=4, block_size=4)
     engines = {}
     for tp in SIZES:
+        quantized = QUANTIZATION[tp] != "none"
         cfg = BuildConfig(target=root / "pair" / "target", drafter=root / "pair" / "drafter",
-                          output=root / f"tp{tp}", dtype="float16", tp_size=tp, backend="tensorrt",
-                          max_batch_size=4, max_seq_len=128)
+                          output=root / f"tp{tp}", dtype="float16" if not quantized else "bfloat16", tp_size=tp,
+                          backend="tensorrt", max_batch_size=4, max_seq_len=128, quantization=QUANTIZATION[tp],
+                          quantize_drafter=quantized, calibration_samples=8)
         engines[tp] = build_engine(cfg, force=False, progress=False)
     return engines
 
@@ -92,6 +102,31 @@ def test_every_rank_has_checked_graphs_with_its_collectives(tp_engines, tp):
                 assert (a["group_size"], list(a["groups"]), a["root"]) == (tp, list(range(tp)), -1)
                 assert a["reduce_op"].decode() == ("sum" if a["collective_operation"] == b"all_reduce" else "none")
             assert graph_placement(path) == (rank, tp)
+
+
+def test_nvfp4_graphs_hold_the_stored_weights_and_fp4_quantize_nodes(tp_engines):
+    """Each NVFP4 linear of each rank: its packed E2M1 bytes, FP8 block scales and global scale are the rank
+    file's own (a FLOAT4E2M1 initializer holds the checkpoint's bytes as they are), and each quantized input
+    goes through TensorRT's TRT_FP4DynamicQuantize (q/k/v and gate/up share theirs)."""
+    import onnx_ir as ir
+    from safetensors.torch import load_file
+
+    engine = tp_engines[2]
+    target, drafter, _ = engine_specs(read_engine_config(engine))
+    for rank in range(2):
+        weights = load_file(str(engine / f"rank{rank}.safetensors"))
+        for graph, layers, linears in (("target_step", target.num_layers, 7), ("drafter_draft", drafter.num_layers, 7)):
+            model = ir.load(graph_dir(engine, rank) / f"{graph}.onnx")
+            stored = {name: v.const_value for name, v in model.graph.initializers.items()
+                      if name.endswith(".stored_weight")}
+            assert len(stored) == linears * layers and all(t.dtype == ir.DataType.FLOAT4E2M1 for t in stored.values())
+            for name, tensor in stored.items():
+                prefix = name.removesuffix(".stored_weight")
+                assert tensor.tobytes() == weights[f"{prefix}.weight"].numpy().tobytes(), name
+                scale = model.graph.initializers[f"{prefix}.stored_weight_scale"].const_value
+                assert scale.tobytes() == weights[f"{prefix}.weight_scale"].view(torch.uint8).numpy().tobytes()
+            ops = Counter(node.op_type for node in model.graph)
+            assert ops["TRT_FP4DynamicQuantize"] == 4 * layers, (graph, ops)  # qkv, o, gate/up, down
 
 
 def test_ranks_hold_different_shards(tp_engines):
@@ -135,7 +170,7 @@ def rtx():
 
 
 @pytest.mark.parametrize("tp", SIZES)
-def test_tensorrt_rtx_builds_every_rank_for_sm89_and_sm120(rtx, tp_engines, tp):
+def test_tensorrt_rtx_builds_every_rank(rtx, tp_engines, tp):
     engine = tp_engines[tp]
     cfg = read_engine_config(engine)
     shapes = engine_shapes(cfg)
@@ -145,5 +180,7 @@ def test_tensorrt_rtx_builds_every_rank_for_sm89_and_sm120(rtx, tp_engines, tp):
             path = graph_dir(engine, rank) / f"{graph}.onnx"
             parsed = parse_graph(rtx, path, static_dims={"max_len": shapes["max_len"].max})
             assert layer_types(parsed.network)["DIST_COLLECTIVE"] == sum(expected[graph].values())
-            plan = build_plan(rtx, path, dtype_note=cfg.dtype, shapes=shapes, targets=["SM89", "SM120"])
+            plan = build_plan(rtx, path, dtype_note=cfg.dtype, shapes=shapes, targets=TARGETS[QUANTIZATION[tp]])
             assert len(plan) > 50_000, (rank, graph)
+            if QUANTIZATION[tp] == "nvfp4":
+                assert layer_types(parsed.network)["DYNAMIC_QUANTIZE"] > 0

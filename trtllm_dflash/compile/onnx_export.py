@@ -12,7 +12,8 @@ and DFlashDrafter.forward with their caches replaced by graph inputs (onnx_ops.G
 
 The modules may be one rank's shard (`target.tp`): their collectives become TensorRT DistCollective nodes
 (onnx_ops.py) and every graph records `rank` and `tp_size` in its metadata. FP8 linears whose stored weights
-were given back (`keep_stored_weights`) become FP8 initializers with Q/DQ nodes (onnx_ops.py).
+were given back (`keep_stored_weights`) become FP8 initializers with Q/DQ nodes, NVFP4 linears FLOAT4E2M1
+initializers with TensorRT's FP4 dynamic-quantize node (onnx_ops.py: graphs for TensorRT only).
 
 RoPE, attention and the cache writes are ONNX's own RotaryEmbedding (23), Attention (23) and TensorScatter
 (24), the ops TensorRT parses into its native rotary, attention and KV-cache-update layers (COMPILED.md §2);
@@ -95,7 +96,7 @@ captures (as a data-dependent size); under dynamo `torch.onnx.is_in_onnx_export(
 `torch.compiler.is_exporting()` and calls the ops `torch.ops.onnx.*` themselves. TensorScatter, which
 torch.onnx.ops lacks, is a custom op with an onnxscript translation (onnx_ops.py). Exporting twice gives
 byte-identical files (node stack traces, which hold file paths, are dropped).
-Not covered: NVFP4 linears and attention sinks (refused with a ValueError); logits come for every column
+Not covered: attention sinks, mixture-of-experts (refused with a ValueError); logits come for every column
 (no `last_index`: a prefill pays lm_head for the whole prompt); bfloat16 graphs export and pass the
 checker, but onnxruntime's CPU EP has no bfloat16 MatMul / Mul kernels (they are for TensorRT / GPU EPs).
 """
@@ -118,7 +119,6 @@ from trtllm_dflash.compile.accept_graph import export_accept_graph, plugin_accep
 from trtllm_dflash.compile.onnx_ops import TRANSLATIONS, GraphKVCache
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.quantized import QuantizedInput
-from trtllm_dflash.quantize.fp8 import FP8Weight
 from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
 from trtllm_dflash.models.target import TargetModel
 
@@ -246,19 +246,19 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
 
 def _check_exportable(model: nn.Module, what: str) -> None:
     for name, module in model.named_modules():
-        if isinstance(module, QuantizedInput) and (module.fmt != "fp8" or module.stored_weight is None):
-            raise ValueError(f"{what}.{name}: {module.fmt} linears are exported only as FP8 with their stored "
-                             "weight (keep_stored_weights); NVFP4 graphs are not exported yet")
+        if isinstance(module, QuantizedInput) and module.stored_weight is None:
+            raise ValueError(f"{what}.{name}: {module.fmt} linears are exported only with their stored weight "
+                             "(keep_stored_weights)")
 
 
 def keep_stored_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> int:
-    """Give every FP8 QuantizedInput of `model` its stored weight from `state` (the model's own tensors in
-    ModelOpt's unified format, HF names), so its graph holds FP8 weights and Q/DQ nodes; returns how many."""
+    """Give every QuantizedInput of `model` its stored weight from `state` (the model's own tensors in ModelOpt's
+    unified format, HF names), so its graph holds FP8 / NVFP4 weights and Q/DQ nodes; returns how many."""
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, QuantizedInput) and module.fmt == "fp8":
+        if isinstance(module, QuantizedInput):
             q = read_quantized_linear(state, name)
-            assert isinstance(q, FP8Weight), name
+            assert q is not None, name
             module.keep_stored_weight(q)
             count += 1
     return count

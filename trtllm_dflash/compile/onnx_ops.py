@@ -41,6 +41,15 @@ read through DequantizeLinear(weight, weight_scale), its input goes through Quan
 saturating) + DequantizeLinear, both in float32 (as models/quantized.py emulates them), and the MatMul
 follows. This is the Q/DQ pattern TensorRT fuses into FP8 GEMMs (on GPUs with FP8: SM89+); onnxruntime's
 CPU kernels run the same nodes exactly.
+
+## NVFP4 linears: ModelOpt's ONNX form (TensorRT only)
+The weight is a FLOAT4E2M1 initializer (the checkpoint's packed bytes as they are: ONNX packs element 2i in
+the low nibble, as ModelOpt does) read through DequantizeLinear(weight, DequantizeLinear(weight_scale [FP8,
+one per 16-block], weight_scale_2), block_size=16); the input goes through TensorRT's
+`trt::TRT_FP4DynamicQuantize(x, input_scale, block_size=16)` (per-block FP8 scales computed at run time,
+as models/quantized.py emulates) and two DequantizeLinear nodes, in float16 for float32 engines (TensorRT's
+strongly typed FP4 Q/DQ take 16-bit inputs; ModelOpt's exporter casts the same way). TensorRT-RTX parses the
+node into its DYNAMIC_QUANTIZE layer; onnxruntime has no kernel for it.
 """
 
 from __future__ import annotations
@@ -49,14 +58,18 @@ import torch
 import torch.distributed as dist
 from onnx import TensorProto
 from onnx.defs import OpSchema
+import onnx_ir as ir
 from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
 from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
+from trtllm_dflash.quantize.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
+from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
 
 TENSOR_SCATTER_OPSET = 24
-FLOAT, FLOAT8E4M3FN = TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN
-COLLECTIVE_DOMAIN, COLLECTIVE_OP = "trt", "DistCollective"
+FLOAT, FLOAT16, FLOAT8E4M3FN = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.FLOAT8E4M3FN
+COLLECTIVE_DOMAIN, COLLECTIVE_OP = "trt", "DistCollective"  # TensorRT's own nodes (domain "trt")
+FP4_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
 
 
 def _dist_collective_schema() -> OpSchema:
@@ -181,8 +194,63 @@ def _fp8_dequantize_onnx(weight, weight_scale):
     return opset24.DequantizeLinear(weight, weight_scale)
 
 
+@torch.library.custom_op("dflash_onnx::nvfp4_qdq", mutates_args=())
+def nvfp4_qdq(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activation quantize-dequantize (quantize/nvfp4.py's fake_quant_nvfp4_activation), in x's dtype."""
+    return fake_quant_nvfp4_activation(x, input_scale).to(x.dtype)
+
+
+@nvfp4_qdq.register_fake
+def _(x, input_scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash_onnx::nvfp4_dequantize", mutates_args=())
+def nvfp4_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 weight (packed float4_e2m1fn_x2 [out, in/2]) as float32 [out, in] (quantize/nvfp4.py)."""
+    q = NVFP4Weight(weight.view(torch.uint8), weight_scale, weight_scale_2.reshape(()))
+    return dequantize_nvfp4(q, torch.float32)
+
+
+@nvfp4_dequantize.register_fake
+def _(weight, weight_scale, weight_scale_2):
+    return torch.empty((weight.shape[0], 2 * weight.shape[1]), dtype=torch.float32, device=weight.device)
+
+
+def _fp4_dynamic_quantize_schema() -> OpSchema:
+    attr = OpSchema.Attribute
+    return OpSchema(
+        FP4_QUANTIZE_OP, COLLECTIVE_DOMAIN, 1, doc="TensorRT's NVFP4 dynamic block quantization",
+        inputs=[OpSchema.FormalParameter("x", "T"), OpSchema.FormalParameter("scale", "tensor(float)")],
+        outputs=[OpSchema.FormalParameter("y", "tensor(float4e2m1)"),
+                 OpSchema.FormalParameter("y_scale", "tensor(float8e4m3fn)")],
+        type_constraints=[("T", ["tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[attr("axis", OpSchema.AttrType.INT, ""), attr("block_size", OpSchema.AttrType.INT, ""),
+                    attr("scale_type", OpSchema.AttrType.INT, "")],
+    )
+
+
+_fp4_dynamic_quantize = values.Op(values.Opset(COLLECTIVE_DOMAIN, 1), FP4_QUANTIZE_OP, _fp4_dynamic_quantize_schema())
+
+
+def _nvfp4_qdq_onnx(x, input_scale):
+    # 16-bit Q/DQ: float32 inputs are cast to float16 (bfloat16 / float16 stay)
+    low = x if x.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else opset24.Cast(x, to=FLOAT16)
+    x4, block_scales = _fp4_dynamic_quantize(low, input_scale, axis=-1, block_size=NVFP4_BLOCK,
+                                             scale_type=FLOAT8E4M3FN, _num_outputs=2)
+    scales = opset24.CastLike(opset24.DequantizeLinear(block_scales, input_scale), low)
+    return opset24.CastLike(opset24.DequantizeLinear(x4, scales, axis=-1, block_size=NVFP4_BLOCK), x)
+
+
+def _nvfp4_dequantize_onnx(weight, weight_scale, weight_scale_2):
+    scales = opset24.DequantizeLinear(weight_scale, weight_scale_2)
+    return opset24.DequantizeLinear(weight, scales, axis=-1, block_size=NVFP4_BLOCK)
+
+
 # custom_translation_table for torch.onnx.export
 TRANSLATIONS = {
+    torch.ops.dflash_onnx.nvfp4_qdq.default: _nvfp4_qdq_onnx,
+    torch.ops.dflash_onnx.nvfp4_dequantize.default: _nvfp4_dequantize_onnx,
     torch.ops.dflash_onnx.fp8_qdq.default: _fp8_qdq_onnx,
     torch.ops.dflash_onnx.fp8_dequantize.default: _fp8_dequantize_onnx,
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,

@@ -60,12 +60,11 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
     """What `backend: onnxruntime | tensorrt` can build today (see README "Backends")."""
     if cfg.backend == "torch":
         return
-    # NVFP4 graphs would need ModelOpt's FP4 quantize nodes (TensorRT-only): not exported yet.
-    supported: dict[str, tuple] = {"quantization": ("none", "fp8")}
+    supported: dict[str, tuple] = {}
     if cfg.backend == "onnxruntime":
-        # onnxruntime cannot run TensorRT's DistCollective nodes (tensorrt engines export one graph per rank),
-        # and its CPU kernels have no bfloat16 MatMul.
-        supported = {"tp_size": (1,), **supported, "dtype": ("float32",)}
+        # onnxruntime cannot run TensorRT's DistCollective and FP4-quantize nodes (tensor-parallel and NVFP4
+        # graphs), and its CPU kernels have no bfloat16 MatMul.
+        supported = {"tp_size": (1,), "quantization": ("none", "fp8"), "dtype": ("float32",)}
     for key, allowed in supported.items():
         value = getattr(cfg, key)
         if value not in allowed:

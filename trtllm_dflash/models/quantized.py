@@ -25,31 +25,43 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 class QuantizedInput(nn.Module):
     """Wraps a linear whose weight is already dequantized; quantizes its input like the real kernel.
 
-    For an ONNX export (compile/onnx_export.py) an FP8 linear is given its stored weight back
-    (`keep_stored_weight`): the graph then holds the FP8 weight and Q/DQ nodes (compile/onnx_ops.py) that
-    compute exactly what `forward` computes eagerly."""
+    For an ONNX export (compile/onnx_export.py) the linear is given its stored weight back
+    (`keep_stored_weight`): the graph then holds the FP8 / NVFP4 weight as stored and quantize / dequantize
+    nodes (compile/onnx_ops.py) that compute what `forward` computes eagerly."""
 
     def __init__(self, linear: nn.Linear, fmt: Literal["nvfp4", "fp8"], input_scale: torch.Tensor):
         super().__init__()
         self.linear, self.fmt = linear, fmt
         self.register_buffer("input_scale", input_scale.float(), persistent=False)
-        # float8_e4m3fn [out, in] and its fp32 scale: set for an export only
-        self.register_buffer("stored_weight", None, persistent=False)
-        self.register_buffer("stored_weight_scale", None, persistent=False)
+        # Set for an export only: FP8 weight [out, in] + scale, or NVFP4 packed weight + block scales + global scale
+        for name in ("stored_weight", "stored_weight_scale", "stored_weight_scale_2"):
+            self.register_buffer(name, None, persistent=False)
 
-    def keep_stored_weight(self, q: FP8Weight) -> None:
-        """Hold the checkpoint's FP8 weight (the same values as the dequantized one) for an export."""
-        self.stored_weight, self.stored_weight_scale = q.weight.contiguous(), q.weight_scale.float()
+    def keep_stored_weight(self, q: FP8Weight | NVFP4Weight) -> None:
+        """Hold the checkpoint's weight as stored (the same values as the dequantized one) for an export."""
+        if isinstance(q, NVFP4Weight):  # two E2M1 codes per byte, element 2i in the low nibble: ONNX's packing
+            self.stored_weight = q.weight.contiguous().view(torch.float4_e2m1fn_x2)
+            self.stored_weight_scale, self.stored_weight_scale_2 = q.weight_scale, q.weight_scale_2.float()
+        else:
+            self.stored_weight, self.stored_weight_scale = q.weight.contiguous(), q.weight_scale.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_exporting():
-            if self.fmt != "fp8" or self.stored_weight is None:
-                raise ValueError(f"{self.fmt} linears export only as FP8 with their stored weight "
-                                 "(keep_stored_weight); NVFP4 graphs are not exported yet")
-            weight = torch.ops.dflash_onnx.fp8_dequantize(self.stored_weight, self.stored_weight_scale)
-            return F.linear(torch.ops.dflash_onnx.fp8_qdq(x, self.input_scale), weight.to(x.dtype), self.linear.bias)
+            return self._exported(x)
         quant = fake_quant_nvfp4_activation if self.fmt == "nvfp4" else fake_quant_fp8_activation
         return self.linear(quant(x, self.input_scale).to(x.dtype))
+
+    def _exported(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stored_weight is None:
+            raise ValueError(f"{self.fmt} linears export only with their stored weight (keep_stored_weight)")
+        ops = torch.ops.dflash_onnx
+        if self.fmt == "nvfp4":
+            weight = ops.nvfp4_dequantize(self.stored_weight, self.stored_weight_scale, self.stored_weight_scale_2)
+            x = ops.nvfp4_qdq(x, self.input_scale)
+        else:
+            weight = ops.fp8_dequantize(self.stored_weight, self.stored_weight_scale)
+            x = ops.fp8_qdq(x, self.input_scale)
+        return F.linear(x, weight.to(x.dtype), self.linear.bias)
 
 
 def dequantize_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype

@@ -55,6 +55,9 @@ class OnnxRuntimeExecutor:
 
     def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None):
         ort = _onnxruntime()
+        if cfg.quantization.get("quant_algo") == "NVFP4":
+            raise UserError("--backend onnxruntime cannot run NVFP4 graphs (TensorRT's FP4 quantize node); use "
+                            "--backend torch, or --backend tensorrt on a GPU.")
         target, drafter, params = engine_specs(cfg)
         dtype = getattr(torch, cfg.dtype)
         if dtype not in _NUMPY:
