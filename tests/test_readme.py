@@ -18,5 +18,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_main_job_uses_files_in_the_repository():
     main_job = readme_commands()[0]
-    for path in re.findall(r"(build_configs/\S+|benchmarks/\S+)", main_job):
+    paths = re.findall(r"(build_configs/\S+|benchmarks/\S+)", main_job)
+    assert paths, f"the README's main command names no build config or benchmark file: {main_job}"
+    for path in paths:
         assert (ROOT / path).is_file(), path
