@@ -636,7 +636,7 @@ def check_accept_cases(launch, dtypes: tuple[str, ...], cases: list[tuple[str, i
     sample_tokens + accept_reference on the CPU. Greedy rows get NaN noise: reading it would change them."""
     import torch
 
-    from trtllm_dflash.speculative.core import gumbel_noise, sample_tokens
+    from trtllm_dflash.speculative.core import Sampling, gumbel_noise, sample_tokens
 
     gen = torch.Generator().manual_seed(seed)
     requests, bad, seen = 0, [], {}
@@ -650,7 +650,7 @@ def check_accept_cases(launch, dtypes: tuple[str, ...], cases: list[tuple[str, i
                 noise[b, j] = gumbel_noise(seeds[b], int(positions[b, j]), vocab)
         for dtype in dtypes:
             logits = logits32.to(getattr(torch, dtype))
-            target = sample_tokens(logits.float(), temperature, seeds, positions)
+            target = sample_tokens(logits.float(), Sampling.plain(temperature, seeds), positions)
             want_accept = torch.randint(0, block, (batch,), generator=gen)  # every accepted length 0..K occurs
             noise_draft = torch.randint(0, vocab, (batch, block - 1), generator=gen)
             miss = (target[:, :-1] + torch.randint(1, max(vocab, 2), (batch, block - 1), generator=gen)) % vocab
@@ -837,7 +837,7 @@ def static_target_pass(ex, token_ids, positions, slots, kv_len: int, capture: bo
 
     t = ex.target
     x = t.embed(token_ids)
-    cos, sin = t.rotary(positions, x.dtype)
+    cos, sin = t.rotary["all"](positions, x.dtype)  # Qwen3 layers: one RoPE for all (models/target.py)
     mask = torch.arange(kv_len, device=x.device)[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
     layers = ex.drafter.params.target_layer_ids if capture else ()
     captured = {}
@@ -955,7 +955,7 @@ def layer_ms(ex, batch: int, context: int, tokens: int, repeats: int) -> float:
     dev, t = ex.device, ex.target
     positions = torch.full((batch, 1), context, device=dev) + torch.arange(tokens, device=dev)
     x = torch.randn((batch, tokens, t.spec.hidden_size), device=dev, dtype=t.lm_head.weight.dtype)
-    cos, sin = t.rotary(positions, x.dtype)
+    cos, sin = t.rotary["all"](positions, x.dtype)  # Qwen3 layers: one RoPE for all (models/target.py)
     mask = torch.arange(context + tokens, device=dev)[None, None, :] <= positions[:, :, None]
     slots = torch.arange(batch, device=dev)
     return median_ms(lambda: t.model.layers[0](x, cos, sin, ex.target_cache, 0, slots, positions, mask), dev, repeats)

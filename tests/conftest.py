@@ -98,5 +98,26 @@ def biased_engines(biased_pairs, tmp_path_factory) -> dict[int, Engine]:
 
 
 @pytest.fixture(scope="session")
+def peaky_pair(biased_pairs, tmp_path_factory):
+    """The biased pair with lm_head x20: random-init logits are nearly flat, trained LMs' are not.
+
+    Drafts (argmax) are unchanged; at temperature 1 the target now has a few likely tokens per position.
+    """
+    root = tmp_path_factory.mktemp("peaky")
+    shutil.copytree(biased_pairs[8], root, dirs_exist_ok=True)
+    path = root / "target" / "model.safetensors"
+    sd = load_file(str(path))
+    sd["lm_head.weight"] *= 20
+    save_file(sd, str(path), metadata={"format": "pt"})
+    return root
+
+
+@pytest.fixture(scope="session")
+def wide_engine(peaky_pair) -> Engine:
+    """The peaky pair's engine with 128 slots (sampling tests decode thousands of requests)."""
+    return Engine.load(build(peaky_pair, peaky_pair / "wide-engine", max_batch_size=128))
+
+
+@pytest.fixture(scope="session")
 def qwen3_engine_dir(qwen3_pair, tmp_path_factory) -> Path:
     return build(qwen3_pair, tmp_path_factory.mktemp("qwen3_engine") / "engine")

@@ -10,7 +10,9 @@ import torch
 from trtllm_dflash.compile.accept_graph import (
     INPUTS, OUTPUTS, PLUGIN_NAMESPACE, accept_step, export_accept_graph, plugin_accept_graph,
 )
-from trtllm_dflash.speculative.core import accepted_lengths, block_input, bonus_tokens, gumbel_noise, sample_tokens
+from trtllm_dflash.speculative.core import (
+    Sampling, accepted_lengths, block_input, bonus_tokens, gumbel_noise, sample_tokens,
+)
 
 ort = pytest.importorskip("onnxruntime")
 BLOCK, MASK = 8, 3
@@ -26,7 +28,7 @@ def cases(seed: int, batch: int, vocab: int, block: int = BLOCK):
     seeds = torch.randint(0, 2**62, (batch,), generator=g).tolist()
     starts = torch.randint(0, 100, (batch,), generator=g)
     positions = starts[:, None] + 1 + torch.arange(K + 1)
-    target = sample_tokens(logits, temperature, seeds, positions)  # the reference's own tokens
+    target = sample_tokens(logits, Sampling.plain(temperature, seeds), positions)  # the reference's own tokens
     draft = target[:, :-1].clone()
     for b, keep in enumerate(torch.randint(0, K + 1, (batch,), generator=g).tolist()):  # accept `keep` drafts
         draft[b, keep:] = (draft[b, keep:] + 1 + torch.randint(0, vocab - 1, (K - keep,), generator=g)) % vocab

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from trtllm_dflash.speculative.core import (
+    Sampling,
     accepted_lengths,
     block_input,
     bonus_tokens,
@@ -23,7 +24,7 @@ def logits_choosing(tokens, vocab=10):
 
 def greedy(draft, target_tokens):
     logits = logits_choosing(torch.tensor(target_tokens))
-    t = sample_tokens(logits, torch.zeros(len(draft)), [0] * len(draft), torch.zeros(logits.shape[:2], dtype=torch.long))
+    t = sample_tokens(logits, Sampling.greedy(len(draft)), torch.zeros(logits.shape[:2], dtype=torch.long))
     d = torch.tensor(draft)
     a = accepted_lengths(d, t)
     return a.tolist(), bonus_tokens(t, a).tolist()
@@ -54,8 +55,8 @@ def test_sampling_is_a_function_of_seed_and_position_only():
     temp = torch.tensor([1.0])
     seed = request_seed(0, "req-1")
     pos = torch.arange(10, 16)[None]
-    whole = sample_tokens(logits, temp, [seed], pos)
-    pieces = torch.cat([sample_tokens(logits[:, i:i + 1], temp, [seed], pos[:, i:i + 1]) for i in range(6)], 1)
+    whole = sample_tokens(logits, Sampling.plain(temp, [seed]), pos)
+    pieces = torch.cat([sample_tokens(logits[:, i:i + 1], Sampling.plain(temp, [seed]), pos[:, i:i + 1]) for i in range(6)], 1)
     assert torch.equal(whole, pieces)
     assert request_seed(0, "req-1") == seed != request_seed(1, "req-1") != request_seed(0, "req-2")
     assert not torch.equal(gumbel_noise(seed, 10, 50), gumbel_noise(seed, 11, 50))
@@ -65,7 +66,7 @@ def test_greedy_rows_ignore_noise_and_hot_rows_sample():
     logits = logits_choosing(torch.tensor([[3], [3]]), vocab=10) * 0.0
     logits[:, :, 3] = 0.5  # nearly flat: a sampled row should not always pick 3
     pos = torch.arange(200)[:, None]
-    greedy_row = [int(sample_tokens(logits[:1], torch.tensor([0.0]), [5], pos[i:i + 1])) for i in range(200)]
-    sampled_row = [int(sample_tokens(logits[:1], torch.tensor([1.0]), [5], pos[i:i + 1])) for i in range(200)]
+    greedy_row = [int(sample_tokens(logits[:1], Sampling.plain(torch.tensor([0.0]), [5]), pos[i:i + 1])) for i in range(200)]
+    sampled_row = [int(sample_tokens(logits[:1], Sampling.plain(torch.tensor([1.0]), [5]), pos[i:i + 1])) for i in range(200)]
     assert set(greedy_row) == {3}
     assert len(set(sampled_row)) > 5

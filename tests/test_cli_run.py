@@ -18,7 +18,7 @@ BAD = [  # (line, words expected in its report)
     ('{"id": "e", "prompt": ""}', ["'prompt' must be a non-empty string"]),
     ('{"id": "n"}', ["needs exactly one of prompt, messages, prompt_token_ids"]),
     ('{"id": "two", "prompt": "a", "prompt_token_ids": [1]}', ["needs exactly one of"]),
-    ('{"id": "k", "prompt": "a", "top_p": 0.9}', ["unknown key 'top_p'"]),
+    ('{"id": "k", "prompt": "a", "frequency_penalty": 0.9}', ["unknown key 'frequency_penalty'"]),
     ('{"id": "m", "prompt": "a", "max_new_tokens": 0}', ["'max_new_tokens' must be a positive integer, got 0"]),
     ('{"id": "t", "prompt": "a", "temperature": -1}', ["'temperature' must be a number from 0 to 1e+06, got -1"]),
     ('{"id": "nan", "prompt": "a", "temperature": NaN}', ["NaN is not a number (JSON has no NaN or Infinity)"]),
@@ -59,8 +59,8 @@ def test_outputs_and_summary(engine_dir, tmp_path, capsys, mode):
     assert set(by_id) == {"plain", 7, "ids"}
     tok = load_tokenizer(engine_dir / "tokenizer")
     for r in records:
-        assert set(r) == {"id", "mode", "max_new_tokens", "temperature", "seed", "text", "output_token_ids",
-                          "finish_reason", "num_prompt_tokens",
+        assert set(r) == {"id", "mode", "max_new_tokens", "temperature", "seed", "top_k", "top_p", "stop", "text",
+                          "output_token_ids", "finish_reason", "stop_reason", "num_prompt_tokens",
                           "num_output_tokens", "acceptance_lengths", "ttft_ms", "tpot_ms", "e2e_latency_ms"}
         assert 0 < r["ttft_ms"] <= r["e2e_latency_ms"]
         if r["num_output_tokens"] > 1:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trtllm_dflash.speculative.core import (
+    Sampling,
     accepted_lengths,
     block_input,
     bonus_tokens,
@@ -151,7 +152,7 @@ def test_host_logic_equals_torch_reference(host):
         starts = torch.randint(0, 1 << 20, (batch,), generator=gen)
         # Row j of the block chooses the token at position start + j + 1 (Decoder._dflash_step).
         positions = starts[:, None] + 1 + torch.arange(block_size)
-        target = sample_tokens(logits, temperature, seeds, positions)
+        target = sample_tokens(logits, Sampling.plain(temperature, seeds), positions)
         draft = biased_drafts(target, vocab, gen)
         noise = row_noise(seeds, starts, temperature, block_size, vocab)
 

@@ -248,3 +248,21 @@ def test_fp8_graphs_build_with_tensorrt_rtx(fp8_engine):
         layers = layer_types(parse_graph(rtx, path, static_dims={"max_len": shapes["max_len"].max}).network)
         assert layers["QUANTIZE"] > 0 and layers["DEQUANTIZE"] > layers["QUANTIZE"], (graph, layers)
         assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=shapes, targets=["SM89", "SM120"])) > 50_000
+
+
+def test_cuda_needs_the_cuda_execution_provider():
+    """`--device cuda` with the onnxruntime backend runs CUDA's execution provider (onnxruntime-gpu) with the
+    caches on the GPU; an onnxruntime without it is one sentence. (Never run on a GPU: none here.)"""
+    import types
+
+    from trtllm_dflash.errors import UserError
+    from trtllm_dflash.runtime.onnxruntime_executor import providers
+
+    cpu_only = types.SimpleNamespace(get_available_providers=lambda: ["CPUExecutionProvider"])
+    assert providers(cpu_only, torch.device("cpu")) == ["CPUExecutionProvider"]
+    with pytest.raises(UserError, match=r"--device cuda:1 needs onnxruntime's CUDA execution provider, and this "
+                                        r"onnxruntime has CPUExecutionProvider: pip install onnxruntime-gpu"):
+        providers(cpu_only, torch.device("cuda", 1))
+    gpu = types.SimpleNamespace(get_available_providers=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert providers(gpu, torch.device("cuda", 1)) == [("CUDAExecutionProvider", {"device_id": 1}),
+                                                       "CPUExecutionProvider"]

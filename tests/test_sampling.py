@@ -6,42 +6,16 @@ positions reached through accepted drafts. (2) Exact: with the same seeds, DFlas
 very same tokens, because the sampler's randomness depends only on (seed, position).
 """
 
-import shutil
-
-import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import build
 from trtllm_dflash.runtime.decoding import Decoder, Request
-from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.core import request_seed
 
 N = 3000
 PROMPT = [17, 42, 99, 256, 7, 311]
 ALPHA = 1e-3  # a correct sampler fails with this probability; the seeds are fixed, so the run is repeatable
-
-
-@pytest.fixture(scope="module")
-def peaky_pair(biased_pairs, tmp_path_factory):
-    """The biased pair with lm_head x20: random-init logits are nearly flat, trained LMs' are not.
-
-    Drafts (argmax) are unchanged; at temperature 1 the target now has a few likely tokens per position.
-    """
-    root = tmp_path_factory.mktemp("peaky")
-    shutil.copytree(biased_pairs[8], root, dirs_exist_ok=True)
-    path = root / "target" / "model.safetensors"
-    sd = load_file(str(path))
-    sd["lm_head.weight"] *= 20
-    save_file(sd, str(path), metadata={"format": "pt"})
-    return root
-
-
-@pytest.fixture(scope="module")
-def wide_engine(peaky_pair):
-    return Engine.load(build(peaky_pair, peaky_pair / "wide-engine", max_batch_size=128))
 
 
 def samples(engine, mode, n=N, max_new=3, temperature=1.0):

@@ -360,11 +360,12 @@ class OnnxRuntimeContext:
 
 
 def requests(vocab: int) -> list[Request]:
-    """7 requests for 4 slots (so some join mid-run and rows move), greedy and sampled."""
+    """7 requests for 4 slots (so some join mid-run and rows move), greedy and sampled (with top-p, top-k)."""
     g = torch.Generator().manual_seed(0)
     return [Request(id=i, prompt_token_ids=torch.randint(4, vocab, (int(torch.randint(3, 20, (1,), generator=g)),),
                                                          generator=g).tolist(),
-                    max_new_tokens=6 + 3 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=1000 + i)
+                    max_new_tokens=6 + 3 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=1000 + i,
+                    top_p=0.9 if i % 4 == 1 else 1.0, top_k=5 if i % 4 == 3 else 0)
             for i in range(7)]
 
 

@@ -31,12 +31,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     assert blocks.shape[:-1] == scales.shape, (blocks.shape, scales.shape)
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
     experts, rows, groups, nbytes = blocks.shape
-    out = torch.empty(experts, rows, groups, nbytes * 2, dtype=dtype)
-    for e in range(experts):  # one expert at a time: the int index tensors are 4x the packed size
-        out[e, ..., 0::2] = lut[(blocks[e] & 0x0F).int()]
-        out[e, ..., 1::2] = lut[(blocks[e] >> 4).int()]
-        torch.ldexp(out[e], scales[e, ..., None].int() - SCALE_BIAS, out=out[e])
-    return out.reshape(experts, rows, groups * nbytes * 2).transpose(1, 2).contiguous()
+    out = torch.empty(experts, groups * nbytes * 2, rows, dtype=dtype)
+    # One expert at a time: the int index tensors are 4x the packed size, and no second full-size copy is made
+    # for the transpose.
+    for e in range(experts):
+        w = torch.empty(rows, groups, nbytes * 2, dtype=dtype)
+        w[..., 0::2] = lut[(blocks[e] & 0x0F).int()]
+        w[..., 1::2] = lut[(blocks[e] >> 4).int()]
+        torch.ldexp(w, scales[e, ..., None].int() - SCALE_BIAS, out=w)
+        out[e] = w.reshape(rows, -1).T
+    return out
 
 
 def packed_shapes(logical: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

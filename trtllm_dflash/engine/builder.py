@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections import abc
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from trtllm_dflash.checkpoint.formats import (
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.quantize_drafter import quantize_drafter
+from trtllm_dflash.engine.quantize_moe_target import LayerwiseQuantizedTarget
 from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.engine_dir import (
@@ -41,15 +43,19 @@ from trtllm_dflash.models.shard import check_tp, shard_tensor, split_for
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
 from trtllm_dflash.parallel.group import TPGroup
+from trtllm_dflash.quantize.experts import EXPERT_SCALE_SUFFIXES
 
 
-def quantization_section(quantization: str, target: dict[str, torch.Tensor], drafter: dict[str, torch.Tensor]) -> dict:
+def quantization_section(quantization: str, target: abc.Mapping[str, torch.Tensor],
+                         drafter: abc.Mapping[str, torch.Tensor]) -> dict:
     """EngineConfig.quantization: ModelOpt's quant_algo naming, and which modules are quantized."""
     if quantization == "none":
         return {"quant_algo": None}
 
-    def modules(prefix: str, tensors: dict[str, torch.Tensor]) -> list[str]:
-        return sorted(prefix + k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
+    def modules(prefix: str, tensors: abc.Mapping[str, torch.Tensor]) -> list[str]:
+        # a linear's `<module>.weight_scale`, or the experts' `<experts>.<projection>_weight_scale`
+        return sorted(prefix + k[: -len(".weight_scale")] for k in tensors
+                      if k.endswith((".weight_scale", "_weight_scale")))
 
     return {"quant_algo": QUANT_ALGOS[quantization], "group_size": 16 if quantization == "nvfp4" else None,
             "quantized_modules": modules(TARGET_PREFIX, target) + modules(DRAFTER_PREFIX, drafter),
@@ -79,12 +85,9 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 
 
 def check_moe_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What a mixture-of-experts (gpt-oss) target can be built into today: torch executor, unquantized experts."""
+    """What a mixture-of-experts (gpt-oss) target can be built into today: the torch executor."""
     if not spec.num_experts:
         return
-    if cfg.quantization != "none":
-        raise UserError(f"{source}: quantization {cfg.quantization} of mixture-of-experts targets ({spec.model_type}) "
-                        "is not supported yet; use quantization: none (MXFP4 checkpoints are dequantized exactly).")
     if cfg.backend != "torch":
         raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (attention "
                         "sinks and mixture-of-experts layers); use backend: torch for this engine.")
@@ -175,20 +178,25 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
     eos = list(target.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     dtype = getattr(torch, cfg.dtype)
 
-    quantized: dict[str, dict[str, torch.Tensor]] = {TARGET_PREFIX: {}, DRAFTER_PREFIX: {}}
+    quantized: dict[str, abc.Mapping[str, torch.Tensor]] = {TARGET_PREFIX: {}, DRAFTER_PREFIX: {}}
     if cfg.quantization != "none":
         fmt = QUANT_ALGOS[cfg.quantization]
         if cfg.quantize_drafter:
             with _stage(report, f"drafter quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
                 quantized[DRAFTER_PREFIX] = quantize_drafter(target, drafter, cfg.quantization, batches)
-        with _stage(report, f"target quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
-            quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches)
+        if target.spec.num_experts:  # calibrated and quantized a layer at a time while the rank files are written
+            quantized[TARGET_PREFIX] = LayerwiseQuantizedTarget(target, cfg.quantization, batches)
+        else:
+            with _stage(report, f"target quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
+                quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches)
 
     def stored(prefix: str, store, name: str) -> list[tuple[str, torch.Tensor]]:
         """One checkpoint tensor as stored in the engine (a quantized linear: in ModelOpt's unified format)."""
         module, q = name.removesuffix(".weight"), quantized[prefix]
         if f"{module}.weight_scale" in q:
             return [(key, q[key]) for key in (name, *(module + s for s in SCALE_SUFFIXES)) if key in q]
+        if f"{name}_weight_scale" in q:  # fused experts (quantize/experts.py)
+            return [(key, q[key]) for key in (name, *(name + s for s in EXPERT_SCALE_SUFFIXES)) if key in q]
         tensor = store.get(name)  # (the drafter's d2t is an index map: it keeps its integer dtype)
         return [(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)]
 

@@ -14,6 +14,8 @@ Parallelism (`moe_parallel`): "tp" gives every rank a contiguous slice of every 
 features (the interleaved gate/up columns 2i, 2i+1 stay together); "ep" gives every rank whole experts.
 Either way each rank adds its partial sums and the ranks' outputs are all-reduced; the router is replicated.
 Under "tp" the down_proj bias is added by rank 0 only, as the dense row-parallel biases are.
+
+Quantized experts (models/quantized.py) quantize x before routing and h of every expert, each with one scale.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
         # Under "tp" every rank holds every expert's full down_proj bias, but it must be added once in the sum.
         self.adds_down_bias = parallel == "ep" or tp.rank == 0
+        # The projections' input quantization when the experts are quantized (models/quantized.py)
+        self.gate_up_proj_input: nn.Module = nn.Identity()
+        self.down_proj_input: nn.Module = nn.Identity()
 
 
 class MoEMLP(nn.Module):
@@ -98,14 +103,15 @@ class MoEMLP(nn.Module):
         weights, idx = self.router(flat)
         ex = self.experts
         out = torch.zeros_like(flat)
+        quantized_flat = ex.gate_up_proj_input(flat)  # (identity unless the experts are quantized)
         # Expert by expert over the tokens routed to it, in expert order, as transformers does (so the sums
         # of the k contributions are added in the same order).
         for local in range(ex.gate_up_proj.shape[0]):
             token, slot = torch.where(idx == ex.first + local)
             if token.numel() == 0:
                 continue
-            h = gated_activation(flat[token] @ ex.gate_up_proj[local] + ex.gate_up_proj_bias[local])
-            y = h @ ex.down_proj[local]
+            h = gated_activation(quantized_flat[token] @ ex.gate_up_proj[local] + ex.gate_up_proj_bias[local])
+            y = ex.down_proj_input(h) @ ex.down_proj[local]
             if ex.adds_down_bias:
                 y = y + ex.down_proj_bias[local]
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))

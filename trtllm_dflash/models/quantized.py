@@ -5,6 +5,10 @@ FP8), so the weight error is exactly the stored format's. Activations are quanti
 the deployed kernels do: NVFP4 W4A4 quantizes each 16-element block of the input with the calibrated
 `input_scale` as global scale; FP8 casts the input scaled by `input_scale` to e4m3. The matmul then runs
 in the compute dtype: numerics equal the quantized GEMM up to accumulation order.
+
+gpt-oss's fused experts (quantize/experts.py) are dequantized the same way, and their two inputs quantized as
+ModelOpt's `_QuantGptOssExperts` does: one input_scale per projection for all experts, applied to the tokens
+before routing (gate_up_proj) and to every expert's gated activations (down_proj).
 """
 
 from __future__ import annotations
@@ -15,11 +19,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trtllm_dflash.models.moe import Experts
+from trtllm_dflash.quantize.experts import EXPERT_SCALE_SUFFIXES, dequantize_experts, read_quantized_experts
 from trtllm_dflash.quantize.fp8 import FP8Weight, dequantize_fp8, fake_quant_fp8_activation
 from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
 from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+class ActivationQuant(nn.Module):
+    """Quantize-dequantize an activation as the deployed kernel does with the calibrated `input_scale`."""
+
+    def __init__(self, fmt: Literal["nvfp4", "fp8"], input_scale: torch.Tensor):
+        super().__init__()
+        self.fmt = fmt
+        self.register_buffer("input_scale", input_scale.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        quant = fake_quant_nvfp4_activation if self.fmt == "nvfp4" else fake_quant_fp8_activation
+        return quant(x, self.input_scale).to(x.dtype)
 
 
 class QuantizedInput(nn.Module):
@@ -68,12 +87,24 @@ def dequantize_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype
                           ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor]]]:
     """Replace every quantized linear's tensors by a plain `.weight` in `dtype`.
 
-    Returns the plain state dict and {module prefix: (format, input_scale)} for `quantize_inputs`.
+    Fused experts' projections (`...mlp.experts.gate_up_proj` with `..._weight_scale` etc.) become a plain
+    [E, K, N] tensor under the same name.
+    Returns the plain state dict and {module prefix or expert projection: (format, input_scale)} for
+    `quantize_inputs`.
     """
     plain, inputs = {}, {}
     prefixes = {name[: -len(".weight_scale")] for name in state if name.endswith(".weight_scale")}
+    experts = {name[: -len("_weight_scale")] for name in state if name.endswith("_weight_scale")}
     for name, tensor in state.items():
         if any(name.endswith(s) for s in SCALE_SUFFIXES) and name.rsplit(".", 1)[0] in prefixes:
+            continue
+        if any(name.endswith(s) and name[: -len(s)] in experts for s in EXPERT_SCALE_SUFFIXES):
+            continue
+        if name in experts:
+            q = read_quantized_experts(state, name)
+            plain[name] = dequantize_experts(q, dtype)
+            if q.input_scale is not None:
+                inputs[name] = (q.fmt, q.input_scale)
             continue
         prefix = name[: -len(".weight")] if name.endswith(".weight") else None
         if prefix in prefixes:
@@ -93,8 +124,12 @@ def dequantize_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype
 
 
 def quantize_inputs(model: nn.Module, inputs: dict[str, tuple[str, torch.Tensor]]) -> None:
-    """Wrap the listed linears of `model` (by module path) with activation quantization, in place."""
+    """Wrap the listed linears of `model` (by module path) with activation quantization, in place; for an
+    experts' projection (`...mlp.experts.gate_up_proj`), quantize that projection's input."""
     for prefix, (fmt, scale) in inputs.items():
         parent_name, _, child = prefix.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, QuantizedInput(getattr(parent, child), fmt, scale))
+        if isinstance(parent, Experts):
+            setattr(parent, f"{child}_input", ActivationQuant(fmt, scale))
+        else:
+            setattr(parent, child, QuantizedInput(getattr(parent, child), fmt, scale))

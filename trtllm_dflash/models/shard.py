@@ -9,7 +9,8 @@ The rules are TensorRT-LLM's (TRTLLM.md §4), applied to HF / z-lab tensor names
 - gpt-oss: attention `sinks` by query heads; the router replicated; the experts (models/moe.py) either by
   intermediate features (`moe_parallel` "tp", TensorRT-LLM's default: gate_up_proj's interleaved gate/up
   columns 2i, 2i+1 stay on one rank, down_proj by rows, down_proj_bias replicated and added by rank 0) or
-  by whole experts ("ep": every expert tensor by dim 0);
+  by whole experts ("ep": every expert tensor by dim 0); quantized experts' block scales (`<p>_weight_scale`) are
+  cut like their weights, their per-tensor scales replicated;
 - Gemma 4: each layer split by its own head_dim and KV heads (full layers: global_head_dim,
   num_global_key_value_heads; `DecoderSpec.layer_spec`); its layer_scalar replicated like the norms;
 - replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
@@ -41,7 +42,9 @@ ROW_ALIGN = 16
 _LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
-_EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+# (quantized experts, quantize/experts.py: `<p>_weight_scale` is cut like `<p>`; the scalar scales are replicated)
+_EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"
+                      r"(_bias|_weight_scale|_weight_scale_2|_input_scale)?$")
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,10 @@ def _expert_split(weight: str, bias: bool, spec: DecoderSpec, tp_size: int, rank
         return Split(0, rank * per, (rank + 1) * per, spec.num_experts)
     inter = spec.intermediate_size
     per = inter // tp_size
-    if weight == "down_proj":  # [E, I, H]; the bias [E, H] is replicated
+    if weight == "down_proj":  # [E, I, H] (NVFP4 [E, I/2, H], scale [E, I/16, H]); the bias [E, H] is replicated
         return None if bias else Split(1, rank * per, (rank + 1) * per, inter)
-    # gate_up_proj [E, H, 2I] / its bias [E, 2I]: interleaved, so features [a, b) are columns [2a, 2b)
+    # gate_up_proj [E, H, 2I] (NVFP4: [E, H/2, 2I], scale [E, H/16, 2I]) / its bias [E, 2I]: interleaved, so
+    # features [a, b) are columns [2a, 2b)
     return Split(1 if bias else 2, 2 * rank * per, 2 * (rank + 1) * per, 2 * inter)
 
 
@@ -110,7 +114,10 @@ def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_paralle
         return Split(0, heads.start, heads.stop, spec.num_heads)
     experts = _EXPERTS.search(name)
     if experts is not None:
-        return _expert_split(experts.group(1), experts.group(2) is not None, spec, tp_size, rank, moe_parallel)
+        weight, suffix = experts.groups()
+        if suffix in ("_weight_scale_2", "_input_scale"):
+            return None
+        return _expert_split(weight, suffix == "_bias", spec, tp_size, rank, moe_parallel)
     m = _LINEAR.search(name)
     if m is None:
         return None
@@ -177,8 +184,12 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
     if quantized:
         cuts = [len(o_proj_columns(spec.layer_spec(i), tp_size, 0)) for i in range(spec.num_layers)]
         cut = next((c for c in cuts if c % ROW_ALIGN), cuts[0])  # (per layer type for Gemma 4)
-        for field, n in (("o_proj input columns per rank", cut),
-                         ("intermediate_size / tp_size", spec.intermediate_size // tp_size)):
+        rows = [("o_proj input columns per rank", cut)]
+        if not (spec.num_experts and moe_parallel == "ep"):  # (under "ep" every expert stays whole)
+            rows.append(("intermediate_size / tp_size", spec.intermediate_size // tp_size))
+        for field, n in rows:
             if n % ROW_ALIGN:
+                experts = spec.num_experts and field.startswith("intermediate")
+                hint = "; moe_parallel: ep keeps every expert whole" if experts else ""
                 raise UserError(f"{what}: {field} is {n}, not a multiple of the quantization block {ROW_ALIGN}, "
-                                f"so the row-parallel split at tp_size {tp_size} would cut a block.")
+                                f"so the row-parallel split at tp_size {tp_size} would cut a block{hint}.")

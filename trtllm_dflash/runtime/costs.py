@@ -32,7 +32,7 @@ from trtllm_dflash.engine_dir import MANIFEST
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.outputs import write_text_atomic
 from trtllm_dflash.runtime.executor import Executor
-from trtllm_dflash.speculative.core import sample_tokens
+from trtllm_dflash.speculative.core import Sampling, sample_tokens
 
 PROFILE_VERSION = 1
 REPEATS = 3  # timed calls per grid point after one warm-up; the minimum is kept (other work only adds time)
@@ -125,7 +125,7 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
     prefill = ex.target_forward(ids[:, : contexts[-1]], zeros, slots, capture=True)
     ex.append_context(prefill.hidden, zeros, slots)
     hidden = prefill.hidden[:, :block]  # [slots, block, F]
-    temps = torch.zeros(batches[-1], dtype=torch.float32, device=dev)
+    greedy = {b: Sampling.greedy(b, dev) for b in batches}
 
     target, draft = [], []
     for c in contexts:
@@ -144,10 +144,10 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
             logits = ex.target_forward(ids[:b, c:c + t], starts[:b], slots[:b], capture=False).logits
             if t == 1:
                 row.append(_fastest(lambda b=b, logits=logits: sample_tokens(
-                    logits, temps[:b], [0] * b, (starts[:b] + 1)[:, None])))
+                    logits, greedy[b], (starts[:b] + 1)[:, None])))
             else:
                 row.append(_fastest(lambda b=b, t=t, logits=logits: ex.accept(
-                    ids[:b, c + 1:c + t], logits, temps[:b], [0] * b, starts[:b])))
+                    ids[:b, c + 1:c + t], logits, greedy[b], starts[:b])))
         accept.append(tuple(row))
     return PassCosts(batches, tokens, contexts, tuple(target), tuple(draft), context, tuple(accept))
 

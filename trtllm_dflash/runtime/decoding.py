@@ -2,7 +2,7 @@
 
 Per request: prefill -> [draft a block in one drafter pass -> verify it in one target pass ->
 accept -> commit accepted drafts + bonus token -> add the committed positions' target features to
-the drafter's context] until EOS / a stop token / max_new_tokens.
+the drafter's context] until EOS / a stop token / a stop string / max_new_tokens, or until it is cancelled.
 
 Requests join and leave the batch at every step (continuous batching): each holds one KV-cache
 slot in the target's and the drafter's cache, its own positions and its own acceptance history.
@@ -14,6 +14,7 @@ not yet in it. The drafter's context cache holds the same positions.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.runtime.options import Mode
-from trtllm_dflash.speculative.core import sample_tokens
+from trtllm_dflash.runtime.stop_strings import first_stop
+from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.speculative.schedule import AutoBlockSize
 
 
@@ -40,19 +43,49 @@ class Request:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0  # per-request sampling seed (see speculative.core.request_seed)
+    top_k: int = 0  # sample among the k most likely tokens only; 0: no limit (ignored when greedy)
+    top_p: float = 1.0  # ... and among the most likely ones whose probability reaches top_p; 1: no limit
+    stop: tuple[str, ...] = ()  # stop strings: the text ends right before the first one (runtime/stop_strings.py)
+
+
+def check_top_k(value, name: str) -> int:
+    """A request's top_k; ValueError (naming the field `name`) unless an integer >= 0."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"'{name}' must be an integer >= 0 (0: no limit), got {value!r}")
+    return value
+
+
+def check_top_p(value, name: str) -> float:
+    """A request's top_p; ValueError unless a number in (0, 1]."""
+    if type(value) not in (int, float) or not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError(f"'{name}' must be a number in (0, 1] (1: no limit), got {value!r}")
+    return float(value)
+
+
+def check_stop(value, name: str) -> tuple[str, ...]:
+    """A request's stop strings; ValueError unless a list of non-empty strings."""
+    if not (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)):
+        raise ValueError(f"'{name}' must be a list of strings, got {value!r}")
+    if "" in value:
+        raise ValueError(f"'{name}' has an empty string, which would stop every request at once")
+    return tuple(value)
+
+
+FinishReason = Literal["stop", "length", "cancelled"]
 
 
 @dataclass(frozen=True)
 class Result:
     request: Request
     output_token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason  # stop: EOS, a stop token or a stop string
     acceptance_lengths: list[int]  # tokens committed per verify step (accepted drafts + 1)
     ttft_s: float = 0.0  # submission -> first output token (includes queueing for a free slot)
     e2e_s: float = 0.0  # submission -> last output token
     # dflash mode: tokens per request of each step's target pass after the prefill (block_size with a fixed
     # block; with --block-size auto the chosen k, 1 for a plain AR step, which has no acceptance length)
     verify_lengths: list[int] = field(default_factory=list)
+    stop_reason: str | None = None  # the stop string that ended the request, if one did
 
     @property
     def tpot_s(self) -> float | None:
@@ -82,7 +115,8 @@ class _Active:
     # the drafter's context does not hold yet (added in one call before the next draft: one call per position
     # would cost a tenth of an AR step on a small model)
     pending_context: list[torch.Tensor] = field(default_factory=list)
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | None = None
     first_token_at: float | None = None
 
     @property
@@ -108,9 +142,10 @@ class _Active:
 
     def result(self) -> Result:
         now = time.perf_counter()
+        first = now if self.first_token_at is None else self.first_token_at  # cancelled before its first token
         return Result(self.request, self.output, self.finish_reason, self.acceptance_lengths,
-                      ttft_s=self.first_token_at - self.submitted, e2e_s=now - self.submitted,
-                      verify_lengths=self.verify_lengths)
+                      ttft_s=first - self.submitted, e2e_s=now - self.submitted,
+                      verify_lengths=self.verify_lengths, stop_reason=self.stop_reason)
 
 
 class Decoder:
@@ -121,39 +156,52 @@ class Decoder:
     request and returns what each request committed. Finished requests free their slot in the
     same step, so the next step admits new ones. `generate` is the batch-job loop over it.
 
+    `cancel` ends a request at the next step: before anything is admitted, it leaves with what it has
+    committed (finish_reason "cancelled") and its slot is released exactly as a finished request's.
+    Requests with stop strings need the `tokenizer` (the engine's, which decodes `run`'s text).
+
     With `auto_block` (`--block-size auto`), each dflash step verifies k tokens per request, chosen for the
     running batch (speculative/schedule.py): one k per step, not per request, because an executor's
     target pass takes one [B, T] block (ragged lengths would pad to the longest and cost as much).
     """
 
     def __init__(self, executor: Executor, mode: Mode, stop_token_ids: Iterable[int],
-                 auto_block: AutoBlockSize | None = None):
-        self.executor, self.mode, self.auto_block = executor, mode, auto_block
+                 auto_block: AutoBlockSize | None = None, tokenizer: PreTrainedTokenizerBase | None = None):
+        self.executor, self.mode, self.auto_block, self.tokenizer = executor, mode, auto_block, tokenizer
         self.stop_ids = frozenset(stop_token_ids)
         self._pending: deque[tuple[Request, float]] = deque()
         self._free = list(range(executor.num_slots))
         self._active: list[_Active] = []
+        self._cancelled: set[str | int] = set()  # ids to end at the next step
 
     def check(self, request: Request) -> None:
-        """Raise ValueError if the request can never fit in a slot (prompt + max_new_tokens > max_seq_len)."""
+        """Raise ValueError if the request can never fit in a slot (prompt + max_new_tokens > max_seq_len) or
+        has stop strings without a tokenizer to find them."""
         limit = self.executor.max_seq_len
         if len(request.prompt_token_ids) + request.max_new_tokens > limit:
             raise ValueError(f"request {request.id!r}: prompt ({len(request.prompt_token_ids)} tokens) + "
                              f"max_new_tokens ({request.max_new_tokens}) exceeds the engine's max_seq_len {limit}")
+        if request.stop and self.tokenizer is None:
+            raise ValueError(f"request {request.id!r}: stop strings need a decoder with a tokenizer")
 
     def submit(self, request: Request) -> None:
         self.check(request)
         self._pending.append((request, time.perf_counter()))
 
+    def cancel(self, request_id: str | int) -> None:
+        """End the request at the next step (waiting or running); an id that is not in flight is ignored."""
+        self._cancelled.add(request_id)
+
     @property
     def has_work(self) -> bool:
-        return bool(self._pending or self._active)
+        return bool(self._pending or self._active or self._cancelled)
 
     @property
     def num_active(self) -> int:
         return len(self._active)
 
     def step(self) -> list[Update]:
+        updates = self._drop_cancelled()
         before = {id(a): len(a.output) for a in self._active}
         admitted = []
         while self._pending and self._free:
@@ -165,57 +213,86 @@ class Decoder:
         running = [a for a in self._active if a.finish_reason is None]
         if running:
             self._dflash_step(running) if self.mode == "dflash" else self._ar_step(running)
-        updates = []
         for a in list(self._active):
             new = a.output[before.get(id(a), 0):]
-            result = None
-            if a.finish_reason is not None:
-                self._active.remove(a)
-                self.executor.release(a.slot)
-                self._free.append(a.slot)
-                result = a.result()
+            result = self._finish(a) if a.finish_reason is not None else None
             if new or result:
                 updates.append(Update(a.request, new, result))
+        return updates
+
+    def _finish(self, a: _Active) -> Result:
+        """Take a finished request out of the batch and free its slot."""
+        self._active.remove(a)
+        self.executor.release(a.slot)
+        self._free.append(a.slot)
+        return a.result()
+
+    def _drop_cancelled(self) -> list[Update]:
+        """End the cancelled requests: running ones free their slot for this step's admissions."""
+        if not self._cancelled:
+            return []
+        ids, self._cancelled = self._cancelled, set()
+        updates = []
+        for a in [a for a in self._active if a.request.id in ids]:
+            a.finish_reason = "cancelled"
+            updates.append(Update(a.request, [], self._finish(a)))
+        for request, submitted in [p for p in self._pending if p[0].id in ids]:
+            self._pending.remove((request, submitted))
+            waiting = _Active(request, -1, submitted, finish_reason="cancelled")
+            updates.append(Update(request, [], waiting.result()))
         return updates
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Yield each request's result as soon as it finishes (not in input order)."""
         return run_to_completion(self, requests)
 
-    def _batch(self, active: list[_Active]):
+    def _batch(self, active: list[_Active]) -> tuple[torch.Tensor, torch.Tensor, Sampling]:
         dev = self.executor.device
         slots = torch.tensor([a.slot for a in active], device=dev)
         starts = torch.tensor([a.start for a in active], device=dev)
-        temps = torch.tensor([a.request.temperature for a in active], dtype=torch.float32, device=dev)
-        seeds = [a.request.seed for a in active]
-        return slots, starts, temps, seeds
+        reqs = [a.request for a in active]
+        sampling = Sampling(torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=dev),
+                            torch.tensor([r.top_k for r in reqs], dtype=torch.long, device=dev),
+                            torch.tensor([r.top_p for r in reqs], dtype=torch.float32, device=dev),
+                            [r.seed for r in reqs])
+        return slots, starts, sampling
+
+    def _commit(self, a: _Active, tokens: list[int]) -> None:
+        """Commit a step's tokens: up to a stop token or the length limit, then up to the token that completes
+        a stop string (the tokens after it are dropped, as after a stop token)."""
+        checked = len(a.output)
+        a.commit(tokens, self.stop_ids)
+        match = first_stop(self.tokenizer, a.output, checked, a.request.stop) if a.request.stop else None
+        if match is not None:
+            del a.output[match.num_tokens:]
+            a.finish_reason, a.stop_reason = "stop", match.stop
 
     def _prefill(self, admitted: list[_Active]) -> None:
         lengths = [len(a.request.prompt_token_ids) for a in admitted]
-        slots, _, temps, seeds = self._batch(admitted)
+        slots, _, sampling = self._batch(admitted)
         tokens = torch.zeros(len(admitted), max(lengths), dtype=torch.long, device=slots.device)
         for row, a in enumerate(admitted):
             tokens[row, : lengths[row]] = torch.tensor(a.request.prompt_token_ids)
         zeros = torch.zeros_like(slots)
         last = torch.tensor(lengths, device=slots.device) - 1
         out = self.executor.target_forward(tokens, zeros, slots, capture=self.mode == "dflash", last_index=last)
-        first = sample_tokens(out.logits, temps, seeds, (last + 1)[:, None])[:, 0]
+        first = sample_tokens(out.logits, sampling, (last + 1)[:, None])[:, 0]
         if self.mode == "dflash":
             # Padding columns of shorter prompts land past their `start` and stay masked.
             self.executor.append_context(out.hidden, zeros, slots)
         for a, tok in zip(admitted, first.tolist()):
-            a.commit([tok], self.stop_ids)
+            self._commit(a, [tok])
 
     def _ar_step(self, active: list[_Active]) -> None:
-        slots, starts, temps, seeds = self._batch(active)
+        slots, starts, sampling = self._batch(active)
         anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
         out = self.executor.target_forward(anchors[:, None], starts, slots, capture=False)
-        nxt = sample_tokens(out.logits, temps, seeds, (starts + 1)[:, None])[:, 0]
+        nxt = sample_tokens(out.logits, sampling, (starts + 1)[:, None])[:, 0]
         for a, tok in zip(active, nxt.tolist()):
-            a.commit([tok], self.stop_ids)
+            self._commit(a, [tok])
 
     def _dflash_step(self, active: list[_Active]) -> None:
-        slots, starts, temps, seeds = self._batch(active)
+        slots, starts, sampling = self._batch(active)
         anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
         k = self.executor.block_size
         if self.auto_block is not None:
@@ -224,7 +301,7 @@ class Decoder:
         if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
             block = anchors[:, None]  # [B, 1]
             out = self.executor.target_forward(block, starts, slots, capture=True)
-            bonus = sample_tokens(out.logits, temps, seeds, (starts + 1)[:, None])[:, 0]
+            bonus = sample_tokens(out.logits, sampling, (starts + 1)[:, None])[:, 0]
             accepted = torch.zeros_like(bonus)
             for row, a in enumerate(active):
                 a.pending_context.append(out.hidden[row, 0])
@@ -235,7 +312,7 @@ class Decoder:
             draft = self.executor.draft(anchors, starts, slots)[:, : k - 1]  # [B, k-1] greedy, one drafter pass
             block = torch.cat([anchors[:, None], draft], dim=1)  # [B, k]
             out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
-            accepted, bonus = self.executor.accept(draft, out.logits, temps, seeds, starts)  # [B], [B]
+            accepted, bonus = self.executor.accept(draft, out.logits, sampling, starts)  # [B], [B]
             # The anchor and the accepted drafts are now in the target's KV cache: give the drafter their
             # features. Rows past a request's own accepted length fall at or after its new start and stay
             # masked until overwritten.
@@ -247,7 +324,7 @@ class Decoder:
             a.verify_lengths.append(k)
             if k > 1:
                 a.acceptance_lengths.append(n + 1)
-            a.commit(block[row, 1 : n + 1].tolist() + [int(bonus[row])], self.stop_ids)
+            self._commit(a, block[row, 1 : n + 1].tolist() + [int(bonus[row])])
 
     def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:
         """Give the drafter the features that plain AR steps (k = 1) left pending, one call for the batch.

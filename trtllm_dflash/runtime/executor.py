@@ -21,7 +21,7 @@ from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_input
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.parallel.group import TPGroup
-from trtllm_dflash.speculative.core import block_input, verify_block
+from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
 
 def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashParams]:
@@ -67,7 +67,7 @@ class Executor(Protocol):
         """Give the drafter captured target features hidden [B, C, F] at positions starts + arange(C)."""
         ...
 
-    def accept(self, draft: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, seeds: list[int],
+    def accept(self, draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling,
                starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The acceptance step of a verify pass: (accepted [B], bonus [B]), exactly speculative.core.verify_block
         (the target's greedy or sampled token per row, the longest matching prefix of the draft)."""
@@ -140,8 +140,8 @@ class TorchExecutor:
         positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
         self.drafter.append_context(hidden, positions, slots, self.draft_cache)
 
-    def accept(self, draft, logits, temperature, seeds, starts) -> tuple[torch.Tensor, torch.Tensor]:
-        return verify_block(draft, logits, temperature, seeds, starts)
+    def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        return verify_block(draft, logits, sampling, starts)
 
     def release(self, slot: int) -> None:
         """Nothing to do: stale cache rows past a slot's start are masked, and overwritten when it is reused."""

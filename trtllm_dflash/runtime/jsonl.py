@@ -11,12 +11,13 @@ from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import loads, read_lines
-from trtllm_dflash.runtime.decoding import Request, Result
+from trtllm_dflash.runtime.decoding import Request, Result, check_stop, check_top_k, check_top_p
 from trtllm_dflash.runtime.options import MAX_TEMPERATURE
+from trtllm_dflash.runtime.stop_strings import output_text
 from trtllm_dflash.speculative.core import request_seed
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-KNOWN_KEYS = {"id", *PROMPT_KEYS, "max_new_tokens", "temperature"}
+KNOWN_KEYS = {"id", *PROMPT_KEYS, "max_new_tokens", "temperature", "top_k", "top_p", "stop"}
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,17 @@ def _parse(obj, lineno: int, tokenizer, d: Defaults) -> Request:
     temperature = obj.get("temperature", d.temperature)
     if type(temperature) not in (int, float) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise ValueError(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}")
+    top_k = check_top_k(obj.get("top_k", 0), "top_k")
+    top_p = check_top_p(obj.get("top_p", 1.0), "top_p")
+    stop = check_stop(obj.get("stop", []), "stop")
     ids = _prompt_ids(obj, tokenizer, d.vocab_size)
     if len(ids) + max_new > d.max_seq_len:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the engine's max_seq_len {d.max_seq_len}"
         )
     return Request(id=rid, prompt_token_ids=list(ids), max_new_tokens=max_new,
-                   temperature=float(temperature), seed=request_seed(d.seed, str(rid)))
+                   temperature=float(temperature), seed=request_seed(d.seed, str(rid)), top_k=top_k, top_p=top_p,
+                   stop=stop)
 
 
 def read_requests(path: Path, tokenizer: PreTrainedTokenizerBase,
@@ -122,9 +127,13 @@ def result_record(result: Result, tokenizer: PreTrainedTokenizerBase, mode: str)
         "max_new_tokens": result.request.max_new_tokens,
         "temperature": result.request.temperature,
         "seed": result.request.seed,
-        "text": tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
+        "top_k": result.request.top_k,
+        "top_p": result.request.top_p,
+        "stop": list(result.request.stop),
+        "text": output_text(tokenizer, result.output_token_ids, result.request.stop),
         "output_token_ids": result.output_token_ids,
         "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
         "num_prompt_tokens": len(result.request.prompt_token_ids),
         "num_output_tokens": len(result.output_token_ids),
         "acceptance_lengths": result.acceptance_lengths,

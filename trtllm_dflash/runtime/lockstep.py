@@ -3,7 +3,8 @@
 Every rank runs the same Decoder over its shard of the model, so every rank must see the same
 requests at the same step; then the all-reduced / all-gathered activations make every rank compute
 the same logits and take the same decisions. Before each step, rank 0 broadcasts a small header
-(number of new requests, stop flag) and, when there are new requests, the requests themselves.
+(number of new requests, stop flag, number of cancelled requests) and, when there are any, the new
+requests and the cancelled ids themselves.
 """
 
 from __future__ import annotations
@@ -22,26 +23,29 @@ class LockstepDriver:
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
         self._new: list[Request] = []
+        self._cancelled: list[str | int] = []
 
     def submit(self, request: Request) -> None:
         self.decoder.check(request)  # raise here, on rank 0, before any rank has seen it
         self._new.append(request)
 
+    def cancel(self, request_id: str | int) -> None:
+        self._cancelled.append(request_id)
+
     @property
     def has_work(self) -> bool:
-        return bool(self._new) or self.decoder.has_work
+        return bool(self._new or self._cancelled) or self.decoder.has_work
 
     @property
     def num_active(self) -> int:
         return self.decoder.num_active
 
     def step(self) -> list[Update]:
-        new, self._new = self._new, []
-        dist.broadcast(torch.tensor([len(new), 0]), src=0)
-        if new:
-            dist.broadcast_object_list([new], src=0)
-        for request in new:
-            self.decoder.submit(request)
+        (new, cancelled), self._new, self._cancelled = (self._new, self._cancelled), [], []
+        dist.broadcast(torch.tensor([len(new), 0, len(cancelled)]), src=0)
+        if new or cancelled:
+            dist.broadcast_object_list([new, cancelled], src=0)
+        _apply(self.decoder, new, cancelled)
         return self.decoder.step()
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
@@ -49,20 +53,28 @@ class LockstepDriver:
 
     def close(self) -> None:
         """Release the followers (they return from `follow`)."""
-        dist.broadcast(torch.tensor([0, 1]), src=0)
+        dist.broadcast(torch.tensor([0, 1, 0]), src=0)
+
+
+def _apply(decoder: Decoder, new: list[Request], cancelled: list[str | int]) -> None:
+    for request in new:
+        decoder.submit(request)
+    for request_id in cancelled:
+        decoder.cancel(request_id)
 
 
 def follow(decoder: Decoder) -> None:
     """Ranks > 0: mirror rank 0's steps until it closes."""
-    header = torch.zeros(2, dtype=torch.long)
+    header = torch.zeros(3, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0)
-        n_new, stop = header.tolist()
+        n_new, stop, n_cancelled = header.tolist()
         if stop:
             return
-        if n_new:
-            box = [None]
+        new, cancelled = [], []
+        if n_new or n_cancelled:
+            box = [None, None]
             dist.broadcast_object_list(box, src=0)
-            for request in box[0]:
-                decoder.submit(request)
+            new, cancelled = box
+        _apply(decoder, new, cancelled)
         decoder.step()

@@ -17,7 +17,7 @@ from trtllm_dflash.engine_dir import EngineConfig, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
 from trtllm_dflash.runtime.executor import StepOutput, engine_specs
-from trtllm_dflash.speculative.core import block_input, gumbel_rows
+from trtllm_dflash.speculative.core import acceptance_inputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
 
@@ -33,27 +33,47 @@ def _onnxruntime():
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 
 
+def _where(tensor: torch.Tensor) -> tuple[str, int]:
+    """onnxruntime's (device type, device id) of a torch tensor's memory."""
+    return ("cuda", tensor.device.index or 0) if tensor.is_cuda else ("cpu", 0)
+
+
+def _bind_input(binding, name: str, tensor: torch.Tensor) -> None:
+    """Bind a contiguous torch tensor as an input where it lies (the caller keeps it alive until the run)."""
+    assert tensor.is_contiguous(), name
+    binding.bind_input(name, *_where(tensor), _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+
+
 def _bind_output(binding, name: str, tensor: torch.Tensor) -> None:
-    binding.bind_output(name, "cpu", 0, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+    binding.bind_output(name, *_where(tensor), _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
 
 
 def _bind_caches(binding, caches: LayerCaches, run: RowRun, write: bool) -> None:
     """Bind rows run.first .. run.first + run.rows - 1 of every cache as past_* (and, with `write`, present_*)."""
     for name, buf in caches.named():
         shape, ptr, element = (run.rows, *buf.shape[1:]), buf[run.first].data_ptr(), _NUMPY[buf.dtype]
-        binding.bind_input(f"past_{name}", "cpu", 0, element, shape, ptr)
+        binding.bind_input(f"past_{name}", *_where(buf), element, shape, ptr)
         if write:
-            binding.bind_output(f"present_{name}", "cpu", 0, element, shape, ptr)
+            binding.bind_output(f"present_{name}", *_where(buf), element, shape, ptr)
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    return np.ascontiguousarray(t.numpy())
+def providers(ort, device: torch.device) -> list:
+    """The execution providers for `device`: the CPU's, or CUDA's (onnxruntime-gpu) on `cuda:i`."""
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise UserError(f"--backend onnxruntime --device {device} needs onnxruntime's CUDA execution provider, and "
+                        f"this onnxruntime has {', '.join(ort.get_available_providers())}: pip install onnxruntime-gpu "
+                        "(instead of onnxruntime).")
+    return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
 
 
 class OnnxRuntimeExecutor:
-    """Target + drafter graphs in three onnxruntime sessions (CPU execution provider)."""
+    """Target + drafter + acceptance graphs in onnxruntime sessions: the CPU execution provider, or CUDA's on a
+    `cuda` device (onnxruntime-gpu; written, never run: no GPU here), with the caches on that device."""
 
-    def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None):
+    def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None,
+                 device: torch.device | str = "cpu"):
         ort = _onnxruntime()
         if cfg.quantization.get("quant_algo") == "NVFP4":
             raise UserError("--backend onnxruntime cannot run NVFP4 graphs (TensorRT's FP4 quantize node); use "
@@ -62,7 +82,7 @@ class OnnxRuntimeExecutor:
         dtype = getattr(torch, cfg.dtype)
         if dtype not in _NUMPY:
             raise UserError(f"--backend onnxruntime runs float32 / float16 engines; this one is {cfg.dtype}.")
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
         self.num_slots, self.vocab_size, self.max_seq_len = cfg.max_batch_size, target.vocab_size, cfg.max_seq_len
         self.block_size = block_size or params.block_size
         self.mask_token_id = params.mask_token_id
@@ -75,25 +95,25 @@ class OnnxRuntimeExecutor:
         # onnxruntime's threads spin after each run by default, and torch's threads (which sample and index the
         # outputs right after) then fight them for the cores: 2-3 ms lost per step on a 2-core machine.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # CPU only for now: the caches are CPU tensors bound in place (a CUDA execution provider would need
-        # them on the device, which nothing here can test).
-        self._sessions = {name: ort.InferenceSession(str(graphs / name), options, providers=["CPUExecutionProvider"])
+        # Every input, output and cache is a torch tensor on self.device, bound where it lies (IOBinding).
+        self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
+                                                     providers=providers(ort, self.device))
                           for name in GRAPHS}
         self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, max_len,
-                                         target.head_dim, dtype)
+                                         target.head_dim, dtype, self.device)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
-                                          drafter.head_dim, dtype)
+                                          drafter.head_dim, dtype, self.device)
         self._rows = CacheRows((self._target, self._drafter))
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
-                    threads: int | None) -> "OnnxRuntimeExecutor":
+                    threads: int | None, device: str = "cpu") -> "OnnxRuntimeExecutor":
         graphs = graph_dir(Path(root), rank)
         missing = [name for name in GRAPHS if not (graphs / name).is_file()]
         if missing:
             raise UserError(f"{root}: the engine has no ONNX graphs ({graphs / missing[0]} is missing); build it "
                             "with `backend: onnxruntime` to run it with --backend onnxruntime.")
-        return cls(graphs, cfg, block_size, threads)
+        return cls(graphs, cfg, block_size, threads, device)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -103,64 +123,72 @@ class OnnxRuntimeExecutor:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
         run = self._rows.run_of(slots)
         T = token_ids.shape[1]
+        steps = torch.arange(T, device=self.device)
         binding = self._sessions["target_step.onnx"].io_binding()
-        binding.bind_cpu_input("token_ids", _numpy(run.spread(token_ids, 0)))
-        binding.bind_cpu_input("positions", _numpy(run.spread(starts[:, None] + torch.arange(T), torch.arange(T))))
+        inputs = {"token_ids": run.spread(token_ids, 0).contiguous(),
+                  "positions": run.spread(starts[:, None] + steps, steps).contiguous()}
+        for name, tensor in inputs.items():
+            _bind_input(binding, name, tensor)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
-        logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32)
-        hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype)
+        logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
+        hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
         _bind_output(binding, "logits", logits)
         _bind_output(binding, "hidden", hidden)
         _bind_caches(binding, self._target, run, write=True)
         self._sessions["target_step.onnx"].run_with_iobinding(binding)
-        logits, hidden = logits[run.batch_rows], hidden[run.batch_rows]
+        rows = run.batch_rows.to(self.device)
+        logits, hidden = logits[rows], hidden[rows]
         if last_index is not None:
-            logits = logits[torch.arange(logits.shape[0]), last_index][:, None]
+            logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden if capture else None)
 
     def draft(self, anchors, starts, slots) -> torch.Tensor:
         """Greedy drafts [B, block_size - 1] (argmax of the target's lm_head inside the graph)."""
         run = self._rows.run_of(slots)
         block = block_input(anchors, self.mask_token_id, self.block_size)
-        positions = starts[:, None] + torch.arange(self.block_size)
+        steps = torch.arange(self.block_size, device=self.device)
         binding = self._sessions["drafter_draft.onnx"].io_binding()
-        binding.bind_cpu_input("block_ids", _numpy(run.spread(block, self.mask_token_id)))
-        binding.bind_cpu_input("positions", _numpy(run.spread(positions, torch.arange(self.block_size))))
+        inputs = {"block_ids": run.spread(block, self.mask_token_id).contiguous(),
+                  "positions": run.spread(starts[:, None] + steps, steps).contiguous()}
+        for name, tensor in inputs.items():
+            _bind_input(binding, name, tensor)
         _bind_caches(binding, self._drafter, run, write=False)
-        drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64)
+        drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64, device=self.device)
         _bind_output(binding, "draft_tokens", drafts)
         self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
-        return drafts[run.batch_rows]
+        return drafts[run.batch_rows.to(self.device)]
 
     def append_context(self, hidden, starts, slots) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
         run = self._rows.run_of(slots)
         C = hidden.shape[1]
+        steps = torch.arange(C, device=self.device)
         binding = self._sessions["drafter_context.onnx"].io_binding()
-        binding.bind_cpu_input("target_hidden", _numpy(run.spread(hidden, 0)))
-        binding.bind_cpu_input("positions", _numpy(run.spread(starts[:, None] + torch.arange(C), torch.arange(C))))
+        inputs = {"target_hidden": run.spread(hidden, 0).contiguous(),
+                  "positions": run.spread(starts[:, None] + steps, steps).contiguous()}
+        for name, tensor in inputs.items():
+            _bind_input(binding, name, tensor)
         _bind_caches(binding, self._drafter, run, write=True)
         self._sessions["drafter_context.onnx"].run_with_iobinding(binding)
 
-    def accept(self, draft, logits, temperature, seeds, starts) -> tuple[torch.Tensor, torch.Tensor]:
+    def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
         """accept.onnx (compile/accept_graph.py): the target's tokens, the accepted drafts and the bonus token.
 
-        The Gumbel noise of sampled rows is made here, as speculative.core.sample_tokens makes it (greedy rows
-        get zeros, which the graph ignores)."""
-        noise = torch.zeros_like(logits)
-        positions = starts[:, None] + 1 + torch.arange(logits.shape[1])
-        for b in torch.nonzero(temperature > 0).flatten().tolist():
-            noise[b] = gumbel_rows(seeds[b], positions[b], logits.shape[-1])
+        The top-k / top-p truncation and the Gumbel noise of sampled rows are made here, as
+        speculative.core.sample_tokens makes them (greedy rows get zeros, which the graph ignores)."""
+        logits, noise = acceptance_inputs(logits, sampling, block_positions(starts, logits.shape[1]))
         binding = self._sessions["accept.onnx"].io_binding()
-        for name, value in (("draft_tokens", draft), ("target_logits", logits), ("temperature", temperature),
-                            ("gumbel_noise", noise), ("context_lengths", starts)):
-            binding.bind_cpu_input(name, _numpy(value.contiguous()))
-        accepted = torch.empty(draft.shape[0], dtype=torch.int64)
-        next_block = torch.empty(draft.shape[0], draft.shape[1] + 1, dtype=torch.int64)
+        inputs = {"draft_tokens": draft, "target_logits": logits, "temperature": sampling.temperature,
+                  "gumbel_noise": noise, "context_lengths": starts}
+        inputs = {name: value.to(self.device).contiguous() for name, value in inputs.items()}
+        for name, tensor in inputs.items():
+            _bind_input(binding, name, tensor)
+        accepted = torch.empty(draft.shape[0], dtype=torch.int64, device=self.device)
+        next_block = torch.empty(draft.shape[0], draft.shape[1] + 1, dtype=torch.int64, device=self.device)
         _bind_output(binding, "accepted", accepted)
         _bind_output(binding, "next_block", next_block)
         for name in ("committed_tokens", "next_positions", "new_context_lengths"):
-            binding.bind_output(name, "cpu")
+            binding.bind_output(name, _where(accepted)[0], _where(accepted)[1])
         self._sessions["accept.onnx"].run_with_iobinding(binding)
         return accepted, next_block[:, 0]  # next_block = [bonus, MASK, ...]
 

@@ -78,9 +78,7 @@ class Engine:
         if backend == "onnxruntime":
             from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
-            if device != "cpu":
-                raise UserError("--backend onnxruntime runs on the CPU for now; use --device cpu or --backend torch.")
-            executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None)
+            executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None, device=device)
         elif backend == "tensorrt":
             from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
@@ -94,10 +92,11 @@ class Engine:
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor, auto_block)
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:
-        """A decoder that stops at the engine's EOS ids and `stop_token_ids`. Decoders of one engine share its
-        acceptance estimate (--block-size auto), so each starts from what the previous ones saw."""
+        """A decoder that stops at the engine's EOS ids, `stop_token_ids` and requests' stop strings (found with the
+        engine's tokenizer). Decoders of one engine share its acceptance estimate (--block-size auto), so each
+        starts from what the previous ones saw."""
         return Decoder(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids],
-                       self.auto_block if mode == "dflash" else None)
+                       self.auto_block if mode == "dflash" else None, self.tokenizer)
 
 
 def _check_auto(cfg: EngineConfig, backend: Backend) -> None:
@@ -147,7 +146,7 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
 
 
 # What a result line must share with this run's request of the same id for --resume to keep it.
-RESUME_KEYS = ("mode", "max_new_tokens", "temperature", "seed", "num_prompt_tokens")
+RESUME_KEYS = ("mode", "max_new_tokens", "temperature", "seed", "top_k", "top_p", "stop", "num_prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,8 @@ def resumable(output_path: Path, requests: list[Request], mode: str) -> Resumed:
     raw = path.read_bytes()
     complete = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
     expected = {r.id: {"mode": mode, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-                       "seed": r.seed, "num_prompt_tokens": len(r.prompt_token_ids)} for r in requests}
+                       "seed": r.seed, "top_k": r.top_k, "top_p": r.top_p, "stop": list(r.stop),
+                       "num_prompt_tokens": len(r.prompt_token_ids)} for r in requests}
     done = set()
     for line in decode_lines(complete):
         where = f"{path}:{line.number}"

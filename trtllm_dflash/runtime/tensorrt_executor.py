@@ -50,7 +50,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
 from trtllm_dflash.runtime.executor import StepOutput, engine_specs
-from trtllm_dflash.speculative.core import block_input, gumbel_rows
+from trtllm_dflash.speculative.core import acceptance_inputs, block_input, block_positions
 
 COMMAND = "--backend tensorrt"
 
@@ -209,23 +209,21 @@ class TensorRTExecutor:
                                               "positions": run.spread(starts[:, None] + steps, steps)},
                           {}, self._drafter, run, write=True)
 
-    def accept(self, draft, logits, temperature, seeds, starts) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accept plan (the DFlashAccept plugin, or the same step in plain ops) on the device; the Gumbel
-        noise of sampled rows is made as speculative.core.sample_tokens makes it (greedy rows: zeros)."""
+    def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accept plan (the DFlashAccept plugin, or the same step in plain ops) on the device; the top-k /
+        top-p truncation and the Gumbel noise of sampled rows are made as speculative.core.sample_tokens makes
+        them (greedy rows: zeros)."""
         ints = self._accept_ints
         B, K = draft.shape
         with self._on_own_stream():
-            noise = torch.zeros_like(logits)
-            positions = starts[:, None] + 1 + torch.arange(K + 1, device=self.device)
-            for b in torch.nonzero(temperature > 0).flatten().tolist():
-                noise[b] = gumbel_rows(seeds[b], positions[b], logits.shape[-1]).to(self.device)
+            logits, noise = acceptance_inputs(logits, sampling, block_positions(starts, K + 1))
             outputs = {"accepted": torch.empty(B, dtype=ints, device=self.device),
                        "committed_tokens": torch.empty(B, K + 1, dtype=ints, device=self.device),
                        "next_block": torch.empty(B, K + 1, dtype=ints, device=self.device),
                        "next_positions": torch.empty(B, K + 1, dtype=ints, device=self.device),
                        "new_context_lengths": torch.empty(B, dtype=ints, device=self.device)}
             self._execute(ACCEPT, {"draft_tokens": draft.to(ints).contiguous(), "target_logits": logits.contiguous(),
-                                   "temperature": temperature.contiguous(), "gumbel_noise": noise,
+                                   "temperature": sampling.temperature.contiguous(), "gumbel_noise": noise,
                                    "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
 

@@ -34,13 +34,17 @@ INPUTS = [
     ("streaming", "TYPE_BOOL", [1], True),  # true: one response per decoding step with the new text
     ("sampling_param_max_tokens", "TYPE_INT32", [1], True),  # default: ServeConfig.max_new_tokens
     ("sampling_param_temperature", "TYPE_FP32", [1], True),  # 0: greedy (default)
+    ("sampling_param_top_k", "TYPE_INT32", [1], True),  # 0: no limit (default)
+    ("sampling_param_top_p", "TYPE_FP32", [1], True),  # in (0, 1]; 1: no limit (default)
+    ("sampling_param_stop", "TYPE_STRING", [-1], True),  # stop strings, UTF-8; the text ends before the first
     ("sampling_param_seed", "TYPE_UINT64", [1], True),  # default: ServeConfig.seed
 ]
 OUTPUTS = [
     ("text_output", "TYPE_STRING", [1]),  # streaming: the new text of this step; else the whole text
     ("num_output_tokens", "TYPE_INT32", [1]),  # tokens committed so far
     # on the last response only:
-    ("finish_reason", "TYPE_STRING", [1]),  # "stop" (EOS / stop token) or "length"
+    ("finish_reason", "TYPE_STRING", [1]),  # "stop" (EOS / stop token / stop string) or "length"
+    ("stop_reason", "TYPE_STRING", [1]),  # the stop string that ended the request ("" if none did)
     ("acceptance_lengths", "TYPE_INT32", [-1]),  # tokens committed per verify step (accepted drafts + 1)
     ("mean_acceptance_length", "TYPE_FP32", [1]),
     ("acceptance_rate", "TYPE_FP32", [1]),  # TensorRT-LLM's: accepted draft tokens / draft tokens

@@ -4,7 +4,9 @@ Decoupled: `execute` checks each request, hands it to the ServingLoop and return
 loop's thread answers through the request's response sender. A non-streaming request gets one
 response (the whole text and the metrics) flagged final; a streaming request gets one response per
 decoding step that committed text (its new text) and a last one with the rest and the metrics. A bad
-request gets an error response of its own; the others are not affected.
+request gets an error response of its own; the others are not affected. A request that Triton reports
+cancelled (the client cancelled the call or its gRPC stream, or went away) leaves the batch at the
+next step, freeing its slot, and gets a final CANCELLED error response.
 
 Only the Triton Python-backend stub can import this module (`triton_python_backend_utils`).
 """
@@ -22,7 +24,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.engine_dir import read_engine_config
-from trtllm_dflash.runtime.decoding import Request
+from trtllm_dflash.runtime.decoding import Request, check_stop, check_top_k, check_top_p
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.serve.repository import SERVE_CONFIG, ServeConfig, check_serve_config, read_serve_config
 from trtllm_dflash.serve.scheduler import Event, ServingLoop
@@ -48,6 +50,20 @@ def _scalar(request, name: str):
     return values[0]
 
 
+def _strings(request, name: str) -> list[str]:
+    """The UTF-8 strings of an optional BYTES input of any length ([] when absent)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return []
+    strings = []
+    for raw in tensor.as_numpy().reshape(-1):
+        try:
+            strings.append(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"input '{name}' is not valid UTF-8 (byte {exc.start})") from None
+    return strings
+
+
 def parse_request(request, tokenizer, limits: Limits, request_id: int) -> tuple[Request, bool]:
     """A Triton request -> (our Request, streaming); ValueError names what is wrong."""
     raw = _scalar(request, "text_input")
@@ -67,6 +83,11 @@ def parse_request(request, tokenizer, limits: Limits, request_id: int) -> tuple[
     temperature = 0.0 if temperature is None else float(temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"'sampling_param_temperature' must be a number >= 0, got {temperature}")
+    top_k = _scalar(request, "sampling_param_top_k")
+    top_k = check_top_k(0 if top_k is None else int(top_k), "sampling_param_top_k")
+    top_p = _scalar(request, "sampling_param_top_p")
+    top_p = check_top_p(1.0 if top_p is None else float(top_p), "sampling_param_top_p")
+    stop = check_stop(_strings(request, "sampling_param_stop"), "sampling_param_stop")
     seed = _scalar(request, "sampling_param_seed")
     seed = limits.default_seed if seed is None else int(seed)
     streaming = _scalar(request, "streaming")
@@ -78,7 +99,8 @@ def parse_request(request, tokenizer, limits: Limits, request_id: int) -> tuple[
                          f"engine's max_seq_len {limits.max_seq_len}")
     # As in `run`, the sampling seed depends on the seed and the request's id (Triton's request id here).
     return Request(id=request_id, prompt_token_ids=list(ids), max_new_tokens=max_new, temperature=temperature,
-                   seed=request_seed(seed, request.request_id())), bool(streaming)
+                   seed=request_seed(seed, request.request_id()), top_k=top_k, top_p=top_p,
+                   stop=stop), bool(streaming)
 
 
 def _tensor(name: str, value, dtype) -> pb_utils.Tensor:
@@ -89,9 +111,13 @@ def response(event: Event, block_size: int) -> pb_utils.InferenceResponse:
     """An Event as a Triton response: text and token count; on the last event, the metrics too."""
     if event.error is not None:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error))
+    result = event.result
+    if result is not None and result.finish_reason == "cancelled":
+        error = pb_utils.TritonError(f"request cancelled after {event.num_output_tokens} tokens",
+                                     pb_utils.TritonError.CANCELLED)
+        return pb_utils.InferenceResponse(error=error)
     out = [_tensor("text_output", [event.text.encode("utf-8")], object),
            _tensor("num_output_tokens", [event.num_output_tokens], np.int32)]
-    result = event.result
     if result is not None:
         steps = result.acceptance_lengths
         accepted = sum(n - 1 for n in steps)
@@ -99,6 +125,7 @@ def response(event: Event, block_size: int) -> pb_utils.InferenceResponse:
         drafted = sum(k - 1 for k in result.verify_lengths) if result.verify_lengths else len(steps) * (block_size - 1)
         out += [
             _tensor("finish_reason", [result.finish_reason.encode()], object),
+            _tensor("stop_reason", [(result.stop_reason or "").encode("utf-8")], object),
             _tensor("acceptance_lengths", steps, np.int32),
             # Without verify steps (ar mode, or done at prefill) every step commits one token.
             _tensor("mean_acceptance_length", [sum(steps) / len(steps) if steps else 1.0], np.float32),
@@ -122,9 +149,14 @@ class _StepMetrics:
             pb_utils.MetricFamily("trtllm_dflash_decoder_request_steps", "Sum over decoding steps of the requests "
                                   "decoded in the step (divided by the steps: the mean batch size)", counter),
             pb_utils.MetricFamily("trtllm_dflash_batch_size_max", "Most requests decoded together in one step", gauge),
+            pb_utils.MetricFamily("trtllm_dflash_requests_cancelled", "Requests ended because their client "
+                                  "cancelled them", counter),
         ]
-        self.steps, self.request_steps, self.batch_max = (f.Metric(labels) for f in self.families)
+        self.steps, self.request_steps, self.batch_max, self.cancelled = (f.Metric(labels) for f in self.families)
         self._max = 0
+
+    def cancel(self) -> None:
+        self.cancelled.increment(1)
 
     def __call__(self, batch_size: int) -> None:
         self.steps.increment(1)
@@ -155,8 +187,8 @@ class TritonPythonModel:
         self.limits = Limits(engine.config.max_seq_len, cfg.max_new_tokens, cfg.seed)
         self.ids = itertools.count()
         max_batch = cfg.max_batch_size or engine.config.max_batch_size
-        self.loop = ServingLoop(stepper, engine.tokenizer, max_batch,
-                                on_step=_StepMetrics(args["model_name"]))
+        metrics = _StepMetrics(args["model_name"])
+        self.loop = ServingLoop(stepper, engine.tokenizer, max_batch, on_step=metrics, on_cancel=metrics.cancel)
         self.loop.start()
         pb_utils.Logger.log_info(f"trtllm-dflash: {cfg.engine_dir} loaded, mode {cfg.mode}, block size "
                                  f"{self.block_size}, up to {max_batch} requests per step")
@@ -173,7 +205,7 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self.loop.submit(req, self._answer(sender), streaming)
+            self.loop.submit(req, self._answer(sender), streaming, sender.is_cancelled)
         return None
 
     def _answer(self, sender):
@@ -188,4 +220,5 @@ class TritonPythonModel:
             self.loop.decoder.close()
             self.world.close()
         sizes = dict(sorted(self.loop.stats.batch_sizes.items()))
-        pb_utils.Logger.log_info(f"trtllm-dflash: {self.loop.stats.steps} steps; steps per batch size: {sizes}")
+        pb_utils.Logger.log_info(f"trtllm-dflash: {self.loop.stats.steps} steps; steps per batch size: {sizes}; "
+                                 f"{self.loop.stats.cancelled} requests cancelled")

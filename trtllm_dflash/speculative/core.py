@@ -16,11 +16,22 @@ We draw t with the Gumbel-max trick, t = argmax(logits / T + g), where the noise
 (request seed, absolute position) only. The token at a position therefore depends only on the
 prefix, the seed and the position, not on how many tokens a step verified: `dflash` and `ar` sample
 the very same sequence for the same seed, and a request's output does not depend on its batch.
+
+Top-k / top-p stay lossless with respect to the truncated target distribution. `truncate_logits` sets
+the logits outside the kept set to -inf (top-k, then top-p over softmax(logits / T) renormalised to the
+top-k set, as HF transformers and vLLM order them), so argmax(truncated / T + g) is an exact draw from
+the renormalised truncated distribution q (Gumbel-max over the kept tokens; the others score -inf).
+The kept set is a function of the target's logits at that position alone, so t is still a function of
+(prefix, seed, position, sampling settings): a draft is accepted iff it equals that draw, which is the
+one-hot-draft speculative sampling argument above with p replaced by q. Every committed token is an
+exact sample of q given the committed prefix, and `dflash` == `ar` token for token. Greedy rows (T = 0)
+ignore top-k / top-p: the argmax is always kept.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -40,19 +51,80 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_min(1e-300))).float()
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How each request of a batch chooses its tokens."""
+
+    temperature: torch.Tensor  # [B] float32; 0: greedy (top_k and top_p then change nothing)
+    top_k: torch.Tensor  # [B] int64; 0: no limit
+    top_p: torch.Tensor  # [B] float32 in (0, 1]; 1: no limit
+    seeds: list[int]  # [B] request seeds (request_seed)
+
+    @classmethod
+    def plain(cls, temperature: torch.Tensor, seeds: list[int]) -> "Sampling":
+        """Temperature only: no top-k / top-p."""
+        ones = torch.ones_like(temperature, dtype=torch.float32)
+        return cls(temperature, torch.zeros_like(temperature, dtype=torch.long), ones, seeds)
+
+    @classmethod
+    def greedy(cls, batch: int, device: torch.device | str = "cpu") -> "Sampling":
+        return cls.plain(torch.zeros(batch, device=device), [0] * batch)
+
+    def __post_init__(self):
+        assert self.temperature.shape == self.top_k.shape == self.top_p.shape == (len(self.seeds),)
+
+
+def truncate_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits [B, T, vocab] with -inf outside each sampled row's top-k / top-p set (the same tensor if no row
+    truncates). Top-k keeps the k largest logits (ties with the k-th included); top-p then keeps the smallest
+    prefix of the remaining tokens, by decreasing probability under softmax(logits / T), whose mass reaches p
+    (a token is kept while the mass before it is < p, so the most likely token always is).
+    Example: probs [0.5, 0.3, 0.15, 0.05], top_p 0.8 -> the first two; top_k 1 -> the first only."""
+    assert logits.ndim == 3 and logits.shape[0] == len(sampling.seeds)
+    truncates = (sampling.temperature > 0) & ((sampling.top_k > 0) | (sampling.top_p < 1))
+    if not bool(truncates.any()):
+        return logits
+    rows = torch.nonzero(truncates).flatten()
+    vocab = logits.shape[-1]
+    top_k = torch.where(sampling.top_k[rows] > 0, sampling.top_k[rows], vocab).clamp(max=vocab)  # [R]
+    top_p = sampling.top_p[rows][:, None, None]  # [R, 1, 1]
+    scores, order = (logits[rows].float() / sampling.temperature[rows][:, None, None]).sort(
+        dim=-1, descending=True, stable=True)  # [R, T, vocab]
+    kth = scores.gather(-1, (top_k - 1)[:, None, None].expand(-1, scores.shape[1], 1))  # [R, T, 1]
+    keep = scores >= kth  # the top k, and the tokens tied with the k-th
+    probs = scores.masked_fill(~keep, -torch.inf).softmax(dim=-1)
+    keep &= ((probs.cumsum(dim=-1) - probs) < top_p) | (top_p >= 1)  # top_p 1: no rounding may drop the tail
+    drop = torch.zeros_like(keep).scatter(-1, order, ~keep)  # back to vocabulary order
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(drop, -torch.inf)
+    return out
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [B, T, vocab] fp32
-    temperature: torch.Tensor,  # [B] fp32; 0 means greedy
-    seeds: list[int],  # [B] request seeds
+    sampling: Sampling,
     positions: torch.Tensor,  # [B, T] absolute position of the token each row chooses
 ) -> torch.Tensor:
-    """The target's token at every row: argmax where T == 0, else an exact sample of softmax(logits / T)."""
+    """The target's token at every row: argmax where T == 0, else an exact sample of softmax(logits / T)
+    truncated to the row's top-k / top-p set."""
     assert logits.ndim == 3 and positions.shape == logits.shape[:2]
     tokens = logits.argmax(dim=-1)
-    for b in torch.nonzero(temperature > 0).flatten().tolist():
-        noise = gumbel_rows(seeds[b], positions[b], logits.shape[-1])
-        tokens[b] = (logits[b] / temperature[b] + noise.to(logits.device)).argmax(dim=-1)
+    truncated = truncate_logits(logits, sampling)
+    for b in torch.nonzero(sampling.temperature > 0).flatten().tolist():
+        noise = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1])
+        tokens[b] = (truncated[b] / sampling.temperature[b] + noise.to(logits.device)).argmax(dim=-1)
     return tokens
+
+
+def acceptance_inputs(logits: torch.Tensor, sampling: Sampling, positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an acceptance graph that scores argmax(logits / T + noise) (compile/accept_graph.py) needs to choose
+    sample_tokens' tokens: (the truncated logits [B, T, vocab], the Gumbel noise [B, T, vocab], zeros in greedy
+    rows), on the logits' device."""
+    noise = torch.zeros_like(logits)
+    for b in torch.nonzero(sampling.temperature > 0).flatten().tolist():
+        noise[b] = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1]).to(logits.device)
+    return truncate_logits(logits, sampling), noise
 
 
 def gumbel_rows(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -83,13 +155,17 @@ def bonus_tokens(target: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     return target.gather(1, accepted[:, None]).squeeze(1)
 
 
-def verify_block(draft: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, seeds: list[int],
+def verify_block(draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling,
                  starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The acceptance step of one verify pass: (accepted [B], bonus [B]).
 
     draft [B, K] = d_1..d_K; logits [B, K+1, vocab] of the block [anchor, d_1..d_K] at positions starts + j;
     row j chooses the token at position starts + j + 1 (sample_tokens)."""
-    positions = starts[:, None] + 1 + torch.arange(logits.shape[1], device=logits.device)
-    target = sample_tokens(logits, temperature, seeds, positions)  # [B, K+1]
+    target = sample_tokens(logits, sampling, block_positions(starts, logits.shape[1]))  # [B, K+1]
     accepted = accepted_lengths(draft, target)
     return accepted, bonus_tokens(target, accepted)
+
+
+def block_positions(starts: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, rows]: the position of the token that verify row j chooses, starts + j + 1."""
+    return starts[:, None] + 1 + torch.arange(rows, device=starts.device)
