@@ -171,7 +171,7 @@ def _triton_cli() -> Path:
     bundled = TRITON_VENV.glob("lib/python*/site-packages/pytriton/tritonserver/bin/tritonserver")
     if not (cli.is_file() and list(bundled)):
         reason = (f"no Triton environment at {TRITON_VENV} (nvidia-pytriton needs numpy<2, so it has its own venv: "
-                  f"python3 -m venv .venv-triton && .venv-triton/bin/pip install -e '.[serve,mpi]')")
+                  f"python3 -m venv .venv-triton && .venv-triton/bin/pip install -e '.[serve,mpi,onnx]')")
     elif importlib.util.find_spec("tritonclient") is None:
         reason = "tritonclient is not installed in the test environment (pip install -e '.[test]')"
     else:
