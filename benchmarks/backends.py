@@ -29,6 +29,7 @@ from trtllm_dflash.config import load_build_config
 from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.stats import all_steps, mean_acceptance_length
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [(backend, mode) for backend in ("torch", "onnxruntime") for mode in ("ar", "dflash")]
@@ -77,8 +78,7 @@ def run(engine_dir: Path, args) -> dict:
             backend, mode = c
             timed = closed_loop(engines[backend].decoder(mode), requests, concurrency)
             tokens[c] = {r.request.id: r.output_token_ids for r in timed.results}
-            steps = [n for r in timed.results for n in r.acceptance_lengths]
-            acceptance[c] = sum(steps) / len(steps) if steps else 1.0
+            acceptance[c] = mean_acceptance_length(all_steps(timed.results))
         for rep in range(args.repeats):
             order = CONFIGS if rep % 2 == 0 else CONFIGS[::-1]
             for backend, mode in order:

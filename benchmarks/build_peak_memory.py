@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from transformers import Qwen3Config
 from trtllm_dflash.checkpoint.formats import drafter_tensor_shapes, save_drafter, target_tensor_shapes
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
+from trtllm_dflash.stats import cpu_name
 from trtllm_dflash.train.random_pair import write_random_pair
 
 DIMS = dict(vocab_size=512, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
@@ -92,7 +92,7 @@ def main() -> None:
                          "peak_over_checkpoint": round(rss * 2**20 / ckpt, 3),
                          "peak_minus_import_over_checkpoint": round((rss - baseline) * 2**20 / ckpt, 3)})
             shutil.rmtree(root / f"engine_tp{tp}")
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_name()}, "
               f"{torch.get_num_threads()} threads", "checkpoint_bytes": ckpt, "target_dims": DIMS,
               "import_only_peak_rss_mib": round(baseline), "builds": runs}
     args.output.parent.mkdir(parents=True, exist_ok=True)

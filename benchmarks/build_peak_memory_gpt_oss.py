@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from transformers import GptOssConfig
 from trtllm_dflash.checkpoint.formats import drafter_tensor_shapes, save_drafter, target_tensor_shapes
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
+from trtllm_dflash.stats import cpu_name
 from trtllm_dflash.train.random_pair import write_random_pair
 
 DIMS = dict(vocab_size=512, hidden_size=2880, intermediate_size=2880, num_hidden_layers=2, num_attention_heads=64,
@@ -103,7 +103,7 @@ def main() -> None:
                                   "--output", str(root / "engine")])
         engine_bytes = sum(f.stat().st_size for f in (root / "engine").glob("rank*.safetensors"))
     bound = 1.5 * layer / 2**20 + baseline
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_name()}, "
               f"{torch.get_num_threads()} threads", "target_dims": DIMS, "checkpoint_bytes": ckpt,
               "largest_layer_bytes": layer, "import_only_peak_rss_mib": round(baseline),
               "build": {"quantization": "nvfp4", "tp_size": TP_SIZE, "moe_parallel": "ep", **CALIBRATION,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 from pathlib import Path
 
 import torch
@@ -20,15 +19,9 @@ import torch
 from trtllm_dflash.runtime.compare import side_by_side, step_costs
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.stats import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

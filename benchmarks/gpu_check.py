@@ -512,18 +512,19 @@ def decode(engine, mode: str, requests: list, device: str) -> dict:
     """Decode `requests` as one batch; tokens by request id, time and acceptance."""
     import torch
 
+    from trtllm_dflash.stats import all_steps, mean_acceptance_length
+
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
     start = time.perf_counter()
     results = list(engine.decoder(mode).generate(requests))
     sync()
     seconds = time.perf_counter() - start
-    steps = [n for res in results for n in res.acceptance_lengths]
     tokens = {str(res.request.id): res.output_token_ids for res in results}
     total = sum(len(t) for t in tokens.values())
     return {"tokens": tokens, "seconds": round(seconds, 3), "output_tokens": total,
-            "tokens_per_s": round(total / seconds, 1), "mean_acceptance_length": round(sum(steps) / len(steps), 3)
-            if steps else None}
+            "tokens_per_s": round(total / seconds, 1),
+            "mean_acceptance_length": round(mean_acceptance_length(all_steps(results)), 3)}
 
 
 def differences(a: dict[str, list[int]], b: dict[str, list[int]]) -> list[dict]:

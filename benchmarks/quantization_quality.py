@@ -24,6 +24,7 @@ from trtllm_dflash.config import load_build_config
 from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.stats import all_steps, mean_acceptance_length
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +51,8 @@ def main() -> None:
             dflash = {r.request.id: r for r in engine.decoder("dflash").generate(requests)}
             ar = {r.request.id: r for r in engine.decoder("ar").generate(requests)}
             outputs[name] = {i: r.output_token_ids for i, r in dflash.items()}
-            steps = [n for r in dflash.values() for n in r.acceptance_lengths]
-            row = {"quantization": name, "mean_acceptance_length": round(sum(steps) / len(steps), 3),
+            al = mean_acceptance_length(all_steps(dflash.values()))
+            row = {"quantization": name, "mean_acceptance_length": round(al, 3),
                    "dflash_equals_ar": all(dflash[i].output_token_ids == ar[i].output_token_ids for i in dflash)}
             if quant != "none":
                 ref, out = outputs["none"], outputs[name]

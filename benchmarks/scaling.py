@@ -29,6 +29,7 @@ from trtllm_dflash.runtime.compare import step_costs
 from trtllm_dflash.runtime.decoding import Request, Result
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.stats import all_steps, mean_acceptance_length
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,11 +76,10 @@ def measure(engine: Engine, requests: list[Request], modes: tuple[str, ...], rep
             first.setdefault(mode, results[mode])
     out = {}
     for mode in modes:
-        steps = [n for r in first[mode] for n in r.acceptance_lengths]
         out[mode] = {"tpot_ms": round(statistics.median(tpots[mode]), 3),
                      "tpot_ms_per_repeat": [round(t, 3) for t in tpots[mode]],
                      "output_tokens": sum(len(r.output_token_ids) for r in first[mode]),
-                     "acceptance_length": round(sum(steps) / len(steps), 3) if steps else 1.0}
+                     "acceptance_length": round(mean_acceptance_length(all_steps(first[mode])), 3)}
     if "ar" in out and "dflash" in out:
         out["dflash"]["outputs_identical_to_ar"] = all(
             a.output_token_ids == b.output_token_ids for a, b in zip(first["ar"], first["dflash"]))

@@ -121,3 +121,13 @@ def wide_engine(peaky_pair) -> Engine:
 @pytest.fixture(scope="session")
 def qwen3_engine_dir(qwen3_pair, tmp_path_factory) -> Path:
     return build(qwen3_pair, tmp_path_factory.mktemp("qwen3_engine") / "engine")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped without one (pyproject.toml lists the tiers)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marker gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

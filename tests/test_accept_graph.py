@@ -88,6 +88,7 @@ def test_plugin_form_is_one_dflash_accept_node(tmp_path):
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.slow
 def test_plain_graph_builds_with_tensorrt_rtx(plain_graph):
     """Ahead of time, on this CPU: ArgMax becomes TopK, CumSum a cumulative layer; SM89 and SM120."""
     trt = pytest.importorskip("tensorrt_rtx_bindings", reason="pip install 'trtllm-dflash[tensorrt-rtx]'")

@@ -38,6 +38,7 @@ def assert_ordered(block):
     assert values == sorted(values) and block["minimum"] <= block["average"] <= block["maximum"]
 
 
+@pytest.mark.slow
 def test_bench_smoke(bench_engine, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "speed.jsonl", SPEED_BENCH)
     report_path, png = tmp_path / "report.json", tmp_path / "plot.png"

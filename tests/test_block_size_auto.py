@@ -171,6 +171,7 @@ def engine_dir(biased_pairs, tmp_path_factory):
     return build(biased_pairs[8], tmp_path_factory.mktemp("auto") / "engine", max_batch_size=4)
 
 
+@pytest.mark.slow
 def test_measured_auto_equals_ar_and_caches_its_profile(biased_engines, engine_dir, tmp_path, monkeypatch):
     """The real path: Engine.load measures the pass costs once, caches them, and decodes losslessly."""
     monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))

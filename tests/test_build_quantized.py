@@ -13,6 +13,8 @@ from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
 from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4
 from trtllm_dflash.runtime.runner import Engine
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("modelopt.torch.quantization")
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

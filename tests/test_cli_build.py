@@ -211,6 +211,7 @@ def test_console_script_end_to_end(pair, tmp_path):
     assert json.loads((tmp_path / "out.jsonl").read_text())["num_output_tokens"] == 5
 
 
+@pytest.mark.slow
 def test_killed_builds_never_leave_an_engine_that_loads(pair):
     """SIGKILL a build at many moments: the output either does not exist or is complete and verified."""
     config = write_config(pair)

@@ -60,6 +60,7 @@ def demo_tensorrt_engine(tmp_path_factory) -> Path:
     return build_engine(cfg.model_copy(update={"backend": "tensorrt", "dtype": "float16"}), progress=False)
 
 
+@pytest.mark.slow
 def test_demo_graphs_are_checked_and_hold_the_expected_nodes(demo_tensorrt_engine):
     import onnx
 
@@ -82,6 +83,7 @@ def test_demo_graphs_are_checked_and_hold_the_expected_nodes(demo_tensorrt_engin
         assert {op: ops.count(op) for op in counts} == counts, graph
 
 
+@pytest.mark.slow
 def test_demo_graphs_build_with_tensorrt_rtx_in_float16(demo_tensorrt_engine):
     """Every graph the demo engine holds for TensorRT, built ahead of time on this CPU for SM89 and SM120 (the
     plugin form of the acceptance step excepted: TensorRT-RTX has no plugins)."""

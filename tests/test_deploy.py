@@ -274,6 +274,7 @@ def test_entrypoint_dispatches_to_trtllm_dflash(tmp_path, engines):
 
 # --- the MPICH path, for real: the demo at tp 2 on the CPU -----------------------------------------------------------
 
+@pytest.mark.mpi
 def test_launch_node_runs_the_demo_at_tp2_under_mpich(tmp_path):
     demo = ROOT / "trtllm_dflash" / "assets" / "demo"
     engines = {}

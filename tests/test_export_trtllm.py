@@ -257,6 +257,7 @@ def modelopt_export(target: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_nvfp4_configs_are_modelopts(nvfp4, pair, tmp_path):
     _, _, a, _ = nvfp4
     theirs = modelopt_export(pair / "target", tmp_path / "modelopt")
@@ -273,6 +274,7 @@ def test_nvfp4_configs_are_modelopts(nvfp4, pair, tmp_path):
             assert (ours[k].dtype, ours[k].shape) == (t.dtype, t.shape), k
 
 
+@pytest.mark.slow
 def test_nvfp4_tensors_read_back_equal_the_engines(nvfp4):
     from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
     from trtllm_dflash.quantize.nvfp4 import NVFP4Weight
@@ -294,6 +296,7 @@ def test_nvfp4_tensors_read_back_equal_the_engines(nvfp4):
     resharded_equal_rank_files(b, two)
 
 
+@pytest.mark.slow
 def test_quantized_drafter_is_exported_dequantized(nvfp4):
     one, _, a, b = nvfp4
     rank = {k[len("drafter."):]: v for k, v in tensors(one / "rank0.safetensors").items() if k.startswith("drafter.")}

@@ -169,6 +169,7 @@ def cli_build(tmp: Path, pair: Path, name: str, **fields) -> Path:
     return tmp / name
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
 def test_tp2_under_mpiexec_equals_one_process(multimodal_pair, tmp_path):
     """From the multimodal directory: sliding layers split their 2 KV heads, full layers replicate their one KV head

@@ -184,6 +184,7 @@ def cli_build(tmp: Path, pair: Path, name: str, **fields) -> Path:
     return tmp / name
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
 @pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
 def test_tp2_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):

@@ -26,6 +26,8 @@ from trtllm_dflash.runtime.decoding import Decoder
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.random_pair import write_random_pair
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("modelopt.torch.quantization")
 
 CALIBRATION = {"calibration_samples": 4, "calibration_max_tokens": 24}
@@ -98,6 +100,7 @@ def test_quantized_engine_is_lossless_against_itself(quantized):
     assert dflash == ar and len({t for out in ar.values() for t in out}) > 10
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
 @pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
 def test_nvfp4_tp2_rank_files_are_slices_and_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):

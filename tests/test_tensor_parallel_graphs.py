@@ -40,7 +40,8 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.executor import engine_specs
 from trtllm_dflash.train.random_pair import write_random_pair
 
-pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning")]
 SIZES = (2, 4)
 
 

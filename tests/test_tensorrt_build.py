@@ -369,6 +369,7 @@ def requests(vocab: int) -> list[Request]:
             for i in range(7)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dflash", "ar"])
 def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
     import onnxruntime as ort
@@ -410,6 +411,7 @@ def rtx():
     return pytest.importorskip("tensorrt_rtx_bindings", reason=RTX_INSTALL)
 
 
+@pytest.mark.slow
 def test_tensorrt_rtx_parses_into_native_layers(rtx, ort_engine):
     cfg = read_engine_config(ort_engine)
     target, drafter, _ = engine_specs(cfg)
@@ -432,6 +434,7 @@ def test_tensorrt_rtx_parses_into_native_layers(rtx, ort_engine):
         assert len(presents) == (0 if g == "drafter_draft" else 2 * (L if g == "target_step" else D))
 
 
+@pytest.mark.slow
 def test_tensorrt_rtx_builds_plans_for_sm89_and_sm120(rtx, ort_engine):
     cfg = read_engine_config(ort_engine)
     for g in GRAPHS:

@@ -64,6 +64,7 @@ def test_block_loss_weights_decay_with_slot():
     torch.testing.assert_close(block_loss(logits, labels, block=3, gamma=gamma), want)
 
 
+@pytest.mark.slow
 def test_loss_falls_and_build_accepts_the_drafter(biased_pairs, data, tmp_path):
     qwen3_pair = biased_pairs[8]  # a target with predictable text, so 30 steps show learning
     out = tmp_path / "drafter"
@@ -81,6 +82,7 @@ def test_loss_falls_and_build_accepts_the_drafter(biased_pairs, data, tmp_path):
     assert engine.config.dflash.target_layer_ids == [1, 3] and engine.config.dflash.block_size == 8
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_drafter(qwen3_pair, data, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert train(qwen3_pair / "target", data, straight, 40) == 0

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
 import torch
 
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+from trtllm_dflash.stats import cpu_name
 
 
 def machine_info() -> dict:

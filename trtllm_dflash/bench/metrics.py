@@ -11,7 +11,8 @@ Names and units follow trtllm-bench's report_json (tensorrt_llm/bench/dataclasse
 
 One difference, on purpose: an acceptance length counts verify steps only (tokens committed per verify
 step = accepted drafts + 1, as the DFlash paper and `run` report it); trtllm-bench also counts the
-prefill iteration, which lowers its AL slightly for short outputs.
+prefill iteration, which lowers its AL slightly for short outputs. The conventions (AL 1.0 without a verify
+step, the percentile method) are trtllm_dflash.stats'.
 
 Times are medians over repeats; the throughputs are derived from the median total latency, so
 `system_output_throughput_tok_s == output tokens / total_latency_ms * 1e3` holds exactly. Greedy
@@ -26,26 +27,16 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from trtllm_dflash.runtime.decoding import Result
-from trtllm_dflash.runtime.jsonl import summarize, verify_steps
+from trtllm_dflash.runtime.jsonl import summarize
+from trtllm_dflash.stats import (accepted_tokens, all_steps, draft_acceptance_rate, drafted_tokens,
+                                 mean_acceptance_length, percentiles)
 
 
 @dataclass(frozen=True)
 class TimedRun:
     results: list[Result]  # in completion order
     wall_s: float  # first submission -> last token
-
-
-def percentiles(values: list[float]) -> dict | None:
-    """trtllm-bench's percentile block (minimum/maximum/average/p50/p90/p95/p99), unitless."""
-    if not values:
-        return None
-    v = np.asarray(values, dtype=float)
-    stats = {"minimum": v.min(), "maximum": v.max(), "average": v.mean()}
-    stats |= {f"p{q}": np.percentile(v, q) for q in (50, 90, 95, 99)}
-    return {k: round(float(x), 4) for k, x in stats.items()}
 
 
 def _median_block(blocks: list[dict | None]) -> dict | None:
@@ -60,19 +51,18 @@ def decoding_stats(results: list[Result], block_size: int) -> dict:
 
     `block_size`: the run's block (with --block-size auto, the largest k it could choose); a verify step of k
     tokens drafts k - 1, and `verify_length_distribution` gives the share of decoding steps at each k."""
-    steps = [n for r in results for n in r.acceptance_lengths]
+    steps = all_steps(results)
     verified = [r for r in results if r.acceptance_lengths]  # requests that reached a verify step
-    drafted = [sum(k - 1 for k, _ in verify_steps([r], block_size)) for r in verified]
-    accepted = [sum(n - 1 for n in r.acceptance_lengths) for r in verified]
+    drafted = [drafted_tokens(r, block_size) for r in verified]
+    accepted = [accepted_tokens(r) for r in verified]
     summary = summarize("dflash", results, 1.0, block_size)
-    mean_al = sum(steps) / len(steps) if steps else None
     lengths = Counter(k for r in results for k in r.verify_lengths)
     return {
         "mode": "DFlash",
         "max_draft_len": block_size - 1,
         "num_verify_steps": len(steps),
-        "acceptance_length": None if mean_al is None else round(mean_al, 4),
-        "draft_acceptance_rate": round(sum(accepted) / sum(drafted), 4) if sum(drafted) else None,
+        "acceptance_length": round(mean_acceptance_length(steps), 4),
+        "draft_acceptance_rate": _round(draft_acceptance_rate(sum(accepted), sum(drafted)), 4),
         # position k = 1 .. block_size-1: share of verify steps (with a k-th draft) whose k-th draft was accepted
         "acceptance_rate_per_position": summary["acceptance_rate_per_position"],
         # k -> share of decoding steps that verified k tokens per request (k = 1: a plain AR step)
@@ -84,8 +74,7 @@ def decoding_stats(results: list[Result], block_size: int) -> dict:
         "num_draft_tokens_percentiles": percentiles(drafted),
         "num_accepted_draft_tokens_percentiles": percentiles(accepted),
         "draft_acceptance_rate_percentiles": percentiles([a / d for a, d in zip(accepted, drafted)]),
-        "acceptance_length_percentiles": percentiles([sum(r.acceptance_lengths) / len(r.acceptance_lengths)
-                                                      for r in verified]),
+        "acceptance_length_percentiles": percentiles([mean_acceptance_length(r.acceptance_lengths) for r in verified]),
     }
 
 
@@ -94,10 +83,13 @@ def per_category(results: list[Result], categories: Mapping[str | int, str]) -> 
     out: dict[str, dict] = {}
     for category in sorted(set(categories.values())):
         rs = [r for r in results if categories.get(r.request.id) == category]
-        steps = [n for r in rs for n in r.acceptance_lengths]
         out[category] = {"num_requests": len(rs), "num_output_tokens": sum(len(r.output_token_ids) for r in rs),
-                         "acceptance_length": round(sum(steps) / len(steps), 4) if steps else None}
+                         "acceptance_length": round(mean_acceptance_length(all_steps(rs)), 4)}
     return out
+
+
+def _round(x: float | None, ndigits: int) -> float | None:
+    return None if x is None else round(x, ndigits)
 
 
 def _per_user_speed(results: list[Result]) -> float | None:

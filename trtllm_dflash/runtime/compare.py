@@ -15,6 +15,7 @@ import torch
 
 from trtllm_dflash.runtime.decoding import Request, Result
 from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.stats import all_steps, mean_acceptance_length
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,9 @@ def side_by_side(engine: Engine, requests: list[Request], repeats: int = 1) -> C
                     outputs[mode].append(result)
     timing = {m: ModeTiming(statistics.median(sum(t) for t in times[m]),
                             sum(len(r.output_token_ids) for r in outputs[m])) for m in times}
-    steps = [n for r in outputs["dflash"] for n in r.acceptance_lengths]
     identical = all(a.output_token_ids == b.output_token_ids for a, b in zip(outputs["dflash"], outputs["ar"]))
     return Comparison(timing["dflash"], timing["ar"], outputs["dflash"], identical,
-                      sum(steps) / max(1, len(steps)))
+                      mean_acceptance_length(all_steps(outputs["dflash"])))
 
 
 @dataclass(frozen=True)

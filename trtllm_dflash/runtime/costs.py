@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from trtllm_dflash.bench.machine import cpu_name
 from trtllm_dflash.engine_dir import MANIFEST
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.outputs import write_text_atomic
 from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
+from trtllm_dflash.stats import cpu_name
 
 PROFILE_VERSION = 1
 REPEATS = 3  # timed calls per grid point after one warm-up; the minimum is kept (other work only adds time)

@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.errors import UserError
@@ -15,6 +14,7 @@ from trtllm_dflash.runtime.decoding import Request, Result, check_stop, check_to
 from trtllm_dflash.runtime.options import MAX_TEMPERATURE
 from trtllm_dflash.runtime.stop_strings import output_text
 from trtllm_dflash.speculative.core import request_seed
+from trtllm_dflash.stats import acceptance_per_position, all_steps, mean_acceptance_length, percentiles_ms
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 KNOWN_KEYS = {"id", *PROMPT_KEYS, "max_new_tokens", "temperature", "top_k", "top_p", "stop"}
@@ -143,40 +143,8 @@ def result_record(result: Result, tokenizer: PreTrainedTokenizerBase, mode: str)
     }
 
 
-def percentiles_ms(seconds: list[float]) -> dict | None:
-    """trtllm-bench's percentile block (minimum/maximum/average/p50/p90/p95/p99) in milliseconds."""
-    if not seconds:
-        return None
-    ms = np.asarray(seconds) * 1e3
-    stats = {"minimum": ms.min(), "maximum": ms.max(), "average": ms.mean()}
-    stats |= {f"p{q}": np.percentile(ms, q) for q in (50, 90, 95, 99)}
-    return {k: round(float(v), 3) for k, v in stats.items()}
-
-
-def verify_steps(results: list[Result], block_size: int) -> list[tuple[int, int]]:
-    """(verify length k, acceptance length) of every verify step; k is block_size unless --block-size auto chose it
-    (auto's k = 1 steps are plain AR steps: no drafts, no acceptance length)."""
-    steps = []
-    for r in results:
-        lengths = [k for k in r.verify_lengths if k > 1] or [block_size] * len(r.acceptance_lengths)
-        steps += zip(lengths, r.acceptance_lengths)
-    return steps
-
-
-def acceptance_per_position(results: list[Result], block_size: int) -> list[float | None]:
-    """For block position j = 1 .. block_size - 1: the share of the verify steps with a j-th draft that accepted it
-    (with a fixed block, every verify step has one; with --block-size auto, None where no step verified j)."""
-    steps = verify_steps(results, block_size)
-    out = []
-    for j in range(1, block_size):
-        had = [n for k, n in steps if k - 1 >= j]
-        out.append(sum(n - 1 >= j for n in had) / len(had) if had else None)
-    return out if steps else []
-
-
 def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: int) -> dict:
     """Run summary. Acceptance rate at block position k: share of verify steps whose k-th draft was accepted."""
-    steps = [n for r in results for n in r.acceptance_lengths]
     num_out = sum(len(r.output_token_ids) for r in results)
     per_position = acceptance_per_position(results, block_size)
     return {
@@ -185,7 +153,7 @@ def summarize(mode: str, results: list[Result], wall_time_s: float, block_size: 
         "num_output_tokens": num_out,
         "wall_time_s": round(wall_time_s, 4),
         "output_tokens_per_s": round(num_out / wall_time_s, 3) if wall_time_s > 0 else None,
-        "mean_acceptance_length": round(sum(steps) / len(steps), 4) if steps else (1.0 if mode == "ar" else None),
+        "mean_acceptance_length": round(mean_acceptance_length(all_steps(results)), 4),
         "acceptance_rate_per_position": [None if x is None else round(x, 4) for x in per_position],
         "ttft_ms": percentiles_ms([r.ttft_s for r in results]),
         "tpot_ms": percentiles_ms([r.tpot_s for r in results if r.tpot_s is not None]),

@@ -32,6 +32,7 @@ from trtllm_dflash.runtime.options import BlockSize, RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
 from trtllm_dflash.speculative.schedule import AutoBlockSize
+from trtllm_dflash.stats import acceptance_length_from_totals, mean_acceptance_length
 
 TP_COMMANDS = ("run", "serve")  # the commands that run tensor-parallel engines under mpirun
 
@@ -266,10 +267,9 @@ def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summ
     summary["num_skipped_resumed"] = len(requests) - len(todo)
     if summary_path is not None:
         write_text_atomic(Path(summary_path), json.dumps(summary, indent=2) + "\n")
-    al = summary["mean_acceptance_length"]
     print(f"{mode}: {summary['num_requests']} requests, {summary['num_output_tokens']} output tokens in "
           f"{wall:.2f} s ({summary['output_tokens_per_s']} tokens/s), mean acceptance length "
-          f"{al if al is None else f'{al:.2f}'}; results in {output_path}", file=sys.stderr)
+          f"{summary['mean_acceptance_length']:.2f}; results in {output_path}", file=sys.stderr)
     return len(errors)
 
 
@@ -287,7 +287,8 @@ class RunProgress:
         self._tokens += len(result.output_token_ids)
         self._steps += len(result.acceptance_lengths)
         self._committed += sum(result.acceptance_lengths)
-        al = f", AL {self._committed / self._steps:.2f}" if self._steps else ""
+        # No AL on the live line before the first verify step (in ar mode: never)
+        al = f", AL {acceptance_length_from_totals(self._committed, self._steps):.2f}" if self._steps else ""
         self._bar.update(self._task, advance=1, stats=f"{self._tokens / max(elapsed, 1e-9):.1f} tok/s{al}")
 
     def __enter__(self) -> "RunProgress":
@@ -338,7 +339,7 @@ def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World | None 
                     out.flush()
                     if update.result is not None:
                         r = update.result
-                        al = sum(r.acceptance_lengths) / len(r.acceptance_lengths) if r.acceptance_lengths else 1.0
+                        al = mean_acceptance_length(r.acceptance_lengths)
                         out.write(text_out.finish() + "\n")
                         print(f"[{len(r.output_token_ids)} tokens, {r.finish_reason}, TTFT {r.ttft_s * 1e3:.0f} ms, "
                               f"TPOT {(r.tpot_s or 0) * 1e3:.1f} ms, mean acceptance length {al:.2f}]", file=sys.stderr)

@@ -30,6 +30,7 @@ from trtllm_dflash.serve.repository import SERVE_CONFIG, ServeConfig, check_serv
 from trtllm_dflash.serve.scheduler import Event, ServingLoop
 from trtllm_dflash.serve.tensor_parallel import join_as_rank0
 from trtllm_dflash.speculative.core import request_seed
+from trtllm_dflash.stats import accepted_tokens, draft_acceptance_rate, drafted_tokens, mean_acceptance_length
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,18 @@ def response(event: Event, block_size: int) -> pb_utils.InferenceResponse:
            _tensor("num_output_tokens", [event.num_output_tokens], np.int32)]
     if result is not None:
         steps = result.acceptance_lengths
-        accepted = sum(n - 1 for n in steps)
+        accepted = accepted_tokens(result)
         # --block-size auto verifies k - 1 drafts per step (k = 1: none); a fixed block, block_size - 1.
-        drafted = sum(k - 1 for k in result.verify_lengths) if result.verify_lengths else len(steps) * (block_size - 1)
+        drafted = drafted_tokens(result, block_size)
+        rate = draft_acceptance_rate(accepted, drafted)
         out += [
             _tensor("finish_reason", [result.finish_reason.encode()], object),
             _tensor("stop_reason", [(result.stop_reason or "").encode("utf-8")], object),
             _tensor("acceptance_lengths", steps, np.int32),
-            # Without verify steps (ar mode, or done at prefill) every step commits one token.
-            _tensor("mean_acceptance_length", [sum(steps) / len(steps) if steps else 1.0], np.float32),
-            _tensor("acceptance_rate", [accepted / drafted if drafted else 0.0], np.float32),
+            # Without verify steps (ar mode, or done at prefill) every step commits one token: 1.0.
+            _tensor("mean_acceptance_length", [mean_acceptance_length(steps)], np.float32),
+            # An FP32 tensor cannot carry stats' None (nothing drafted): 0.0 then.
+            _tensor("acceptance_rate", [0.0 if rate is None else rate], np.float32),
             _tensor("total_accepted_draft_tokens", [accepted], np.int32),
             _tensor("total_draft_tokens", [drafted], np.int32),
             _tensor("batch_size_max", [event.batch_size_max], np.int32),

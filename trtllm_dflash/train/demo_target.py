@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+from trtllm_dflash.stats import cpu_name
 from trtllm_dflash.train.corpus import stdlib_modules, train_bpe_tokenizer
 
 ARCH = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
@@ -102,7 +102,7 @@ def train(output: Path, steps: int, batch: int, length: int, lr: float, seed: in
         "held_out_tokens": len(held_stream),
         "steps": steps, "batch": batch, "sequence_length": length, "tokens_seen": steps * batch * length,
         "lr": lr, "seed": seed, "log": log, "wall_time_min": round((time.time() - started) / 60, 1),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, CPU only",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads, CPU only",
         "torch": torch.__version__,
     }
     (output / "training.json").write_text(json.dumps(stats, indent=2) + "\n")

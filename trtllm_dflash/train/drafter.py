@@ -43,6 +43,7 @@ from trtllm_dflash.outputs import check_output_dir, marker_kind, write_marker
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
+from trtllm_dflash.stats import all_steps, mean_acceptance_length
 from trtllm_dflash.train.config import TrainConfig
 
 CHECKPOINT = "checkpoint"
@@ -139,9 +140,9 @@ def acceptance_estimate(target: TargetModel, drafter: DFlashDrafter, eos, prompt
     """Mean acceptance length of greedy DFlash with the current drafter on held-out prompts."""
     drafter.eval()
     executor = TorchExecutor(target, drafter, num_slots=len(prompts), max_seq_len=max_seq_len)
-    steps = [n for r in Decoder(executor, "dflash", eos).generate(prompts) for n in r.acceptance_lengths]
+    steps = all_steps(Decoder(executor, "dflash", eos).generate(prompts))
     drafter.train()
-    return sum(steps) / max(1, len(steps))
+    return mean_acceptance_length(steps)
 
 
 def _save_checkpoint(out: Path, drafter, opt, state: TrainState, cfg: TrainConfig, rng: torch.Generator) -> None:
