@@ -81,9 +81,9 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def resharded_equal_rank_files(export_dir: Path, engine: Path) -> None:
     """merge_shards is the exact inverse of the split: cutting the exported tensors again gives every rank file
-    (the target, and an unquantized drafter)."""
+    (the target, with a gpt-oss target's experts cut by the engine's moe_parallel, and an unquantized drafter)."""
     cfg = json.loads((engine / "config.json").read_text())
-    tp = cfg["mapping"]["tp_size"]
+    tp, moe = cfg["mapping"]["tp_size"], cfg["build"]["moe_parallel"]
     exported = {"target": tensors(export_dir / "target" / "model.safetensors"),
                 "drafter": tensors(export_dir / "drafter" / "model.safetensors")}
     if cfg["quantization"].get("drafter") == "quantized":
@@ -95,7 +95,7 @@ def resharded_equal_rank_files(export_dir: Path, engine: Path) -> None:
                     if k.startswith(part + ".")}
             assert rank.keys() == full.keys(), part
             for key, t in rank.items():
-                assert same(shard_tensor(full[key], split_for(key, spec, tp, r)), t), (part, r, key)
+                assert same(shard_tensor(full[key], split_for(key, spec, tp, r, moe)), t), (part, r, key)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -310,6 +310,121 @@ def test_quantized_drafter_is_exported_dequantized(nvfp4):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# gpt-oss (mixture of experts): transformers' GptOssForCausalLM layout, experts merged back from tp and ep splits
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_oss_pair(tmp_path_factory) -> Path:
+    """The tiny gpt-oss of tests/test_gpt_oss.py: 4 layers (sliding and full), 4 experts (top 2), hidden 64, I 128."""
+    root = tmp_path_factory.mktemp("gpt_oss_export_pair")
+    write_random_pair(root, "gpt_oss", block_size=8, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(gpt_oss_pair, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """{"tp1" | "tp2" (experts by intermediate features) | "ep2" (whole experts): (engine, export)}."""
+    tmp = tmp_path_factory.mktemp("gpt_oss_export")
+    out = {}
+    for name, tp, moe in (("tp1", 1, "tp"), ("tp2", 2, "tp"), ("ep2", 2, "ep")):
+        engine = build(gpt_oss_pair, tmp / name, tp=tp, moe_parallel=moe)
+        out[name] = engine, export(engine, tmp / f"{name}_trtllm")
+    return out
+
+
+def test_gpt_oss_target_loads_in_transformers_with_our_logits(gpt_oss):
+    from transformers import AutoModelForCausalLM
+
+    from trtllm_dflash.runtime.runner import Engine
+
+    engine_dir, out = gpt_oss["tp1"]
+    hf = AutoModelForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "GptOssForCausalLM"
+    # transformers' own names and shapes: the fused experts [E, H, 2I] / [E, I, H] with biases, router, sinks
+    exported = tensors(out / "target" / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 256)
+    ids = torch.tensor([5, 17, 3, 99, 250, 7, 42, 11, 300, 8, 64, 2, 77, 19])  # longer than the sliding window 4
+    engine = Engine.load(engine_dir)
+    target = engine.executor.target
+    ours = target(ids[None], torch.arange(len(ids))[None], torch.tensor([0]), target.new_cache(1, 64)).logits
+    with torch.no_grad():
+        ref = hf(ids[None]).logits
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    assert ref.std() > 0.1  # (logits that say something: the random weights are large enough)
+
+
+def test_gpt_oss_tp2_and_ep2_export_the_tp1_bytes(gpt_oss):
+    _, a = gpt_oss["tp1"]
+    for name in ("tp2", "ep2"):
+        engine, b = gpt_oss[name]
+        for f in ("target/model.safetensors", "target/config.json", "drafter/model.safetensors",
+                  "drafter/config.json"):
+            assert (a / f).read_bytes() == (b / f).read_bytes(), (name, f)
+        resharded_equal_rank_files(b, engine)
+    yaml_of = {n: yaml.safe_load((gpt_oss[n][1] / "extra_llm_api_options.yaml").read_text()) for n in gpt_oss}
+    moe = {n: (o["tensor_parallel_size"], o["moe_tensor_parallel_size"], o["moe_expert_parallel_size"])
+           for n, o in yaml_of.items()}
+    assert moe == {"tp1": (1, 1, 1), "tp2": (2, 2, 1), "ep2": (2, 1, 2)}
+    assert "moe_expert_parallel_size" not in (gpt_oss["tp1"][1] / "README.md").read_text()
+    assert "(moe_parallel: ep)" in (gpt_oss["ep2"][1] / "README.md").read_text()
+
+
+def test_gpt_oss_engine_with_experts_not_split_as_recorded_is_refused(gpt_oss, tmp_path, capsys):
+    engine, _ = gpt_oss["ep2"]
+    copy = Path(shutil.copytree(engine, tmp_path / "e"))
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["build"]["moe_parallel"] = "tp"
+    (copy / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_manifest(copy)
+    assert main(["export", "trtllm", str(copy), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rank 0 holds 2 of 4 experts, which is not moe_parallel: tp at tp_size 2" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_nvfp4(gpt_oss_pair, tmp_path_factory):
+    pytest.importorskip("modelopt.torch.quantization")
+    tmp = tmp_path_factory.mktemp("gpt_oss_nvfp4_export")
+    q = dict(quantization="nvfp4", calibration_samples=2, calibration_max_tokens=16)
+    one = build(gpt_oss_pair, tmp / "tp1", **q)
+    # tp 2 both ways: packed down_proj rows and their block scales by intermediate features (tp), whole experts (ep)
+    twos = [build(gpt_oss_pair, tmp / moe, tp=2, moe_parallel=moe, **q) for moe in ("tp", "ep")]
+    return one, twos, export(one, tmp / "a"), [export(two, tmp / f"b_{two.name}") for two in twos]
+
+
+@pytest.mark.slow
+def test_gpt_oss_nvfp4_exports_the_engines_tensors_with_modelopts_configs(gpt_oss_nvfp4, gpt_oss_pair, tmp_path):
+    one, twos, a, bs = gpt_oss_nvfp4
+    # every tensor as the engine holds it: ModelOpt's fused experts (uint8 [E, H/2, 2I], e4m3 scales [E, H/16, 2I],
+    # scalar global scales), q/k/v/o in the unified format, the rest unquantized
+    engine = tensors(one / "rank0.safetensors")
+    exported = tensors(a / "target" / "model.safetensors")
+    assert exported.keys() == {k[len("target."):] for k in engine if k.startswith("target.")}
+    assert all(same(v, engine["target." + k]) for k, v in exported.items())
+    assert exported["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.uint8
+    for two, b in zip(twos, bs):
+        for f in ("target/model.safetensors", "target/config.json", "target/hf_quant_config.json"):
+            assert (a / f).read_bytes() == (b / f).read_bytes(), (two.name, f)
+        resharded_equal_rank_files(b, two)
+    # the configs and the tensor names / quantized dtypes and shapes of ModelOpt's own export of the same model
+    theirs = modelopt_export(gpt_oss_pair / "target", tmp_path / "modelopt")
+    assert (a / "target" / "hf_quant_config.json").read_text() == (theirs / "hf_quant_config.json").read_text()
+    assert "model.layers.3.mlp.router" in json.loads((theirs / "hf_quant_config.json").read_text())[
+        "quantization"]["exclude_modules"]
+    ours_cfg = json.loads((a / "target" / "config.json").read_text())
+    their_cfg = json.loads((theirs / "config.json").read_text())
+    assert ours_cfg["quantization_config"] == their_cfg["quantization_config"]
+    assert list(ours_cfg)[-1] == "quantization_config"
+    their = tensors(theirs / "model.safetensors")
+    assert exported.keys() == their.keys()
+    for k, t in their.items():
+        if t.dtype != torch.bfloat16:
+            assert (exported[k].dtype, exported[k].shape) == (t.dtype, t.shape), k
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Bad inputs: one sentence, exit 2, nothing written
 # ---------------------------------------------------------------------------------------------------------
 
@@ -353,8 +468,8 @@ CASES = {
     "output is the engine": (lambda e, t: (e, e, ()), "is the input directory"),
     "unsupported family": (lambda e, t: (relabel(e, t / "e", "mistral"), t / "out", ()),
                            "target model_type 'mistral' is not supported by TensorRT-LLM's DFlash export"),
-    "gpt-oss target": (lambda e, t: (relabel(e, t / "e", "gpt_oss"), t / "out", ()),
-                       "gpt_oss (mixture of experts), which export trtllm does not write yet"),
+    "Gemma 4 target": (lambda e, t: (relabel(e, t / "e", "gemma4_text"), t / "out", ()),
+                       "target model_type 'gemma4_text' is not supported by TensorRT-LLM's DFlash export"),
     "an engine of another kind at the output": (lambda e, t: (e, Path(shutil.copytree(e, t / "other")), ()),
                                                 "holds a trtllm-dflash engine, not a trtllm export"),
 }

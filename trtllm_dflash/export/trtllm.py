@@ -12,7 +12,8 @@
       README.md                   the trtllm-serve and trtllm-bench commands, run from DIR
       .trtllm-dflash              the marker of a directory trtllm-dflash wrote (outputs.py)
 
-Rank files are merged back into full tensors by `merge_shards`, the exact inverse of models/shard.py's split.
+Rank files are merged back into full tensors by `merge_shards`, the exact inverse of models/shard.py's split (a
+gpt-oss target's experts by the split the engine was built with, `moe_parallel` tp or ep).
 Upstream names and the sources they were checked against: docs/export-trtllm.md. Export reads only the engine
 directory, and writes the same bytes every time for the same engine.
 """
@@ -43,16 +44,19 @@ from trtllm_dflash.outputs import atomic_directory, check_output_dir
 KIND = "trtllm export"  # the marker kind: `--force` replaces only a directory of this kind
 TARGET, DRAFTER, OPTIONS, README = "target", "drafter", "extra_llm_api_options.yaml", "README.md"
 # Target families TensorRT-LLM's DFlash captures hidden states for (PR #12794 tests Llama-3.1-8B, Qwen3-8B and
-# gpt-oss-20b) that this export writes; gpt-oss (mixture of experts) is not exported yet.
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# gpt-oss-20b), and their HF architectures. gpt-oss is written in transformers' layout (experts fused: gate_up_proj
+# [E, H, 2I] with interleaved gate / up columns, down_proj [E, I, H], biases, router, attention sinks).
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # KV cache share of the GPU memory left after the weights. Below TensorRT-LLM's 0.9 because the DFlash worker
 # allocates its drafter context buffers ([max_batch_size, up to 8192, hidden] per engine) lazily, after the KV cache.
 FREE_GPU_MEMORY_FRACTION = 0.8
-# ModelOpt never quantizes these (its default configs disable `*lm_head*`; embeddings are not Linear layers);
-# export_hf_checkpoint lists them, sorted, as `exclude_modules`.
+# ModelOpt never quantizes these (its default disabled quantizers cover the LM head and MoE routers; embeddings are
+# not Linear layers); export_hf_checkpoint lists them, sorted as strings, as `exclude_modules` (a gpt-oss target: every
+# layer's `model.layers.<i>.mlp.router` too, by its full name since each layer's experts are quantized).
 EXCLUDED_MODULES = ["lm_head", "model.embed_tokens"]
-_TARGET_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_TARGET_LINEARS = _ATTENTION + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_MOE_LINEARS = _ATTENTION + ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # (quantize_moe_target.py)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,9 +114,6 @@ def _spec(raw: dict, what: str) -> DecoderSpec:
 def check_exportable(cfg: EngineConfig, root: Path) -> None:
     """What TensorRT-LLM's DFlash and this export support; one sentence per refusal."""
     family = cfg.target.get("model_type")
-    if family == "gpt_oss":
-        raise UserError(f"{root}: the target is gpt_oss (mixture of experts), which export trtllm does not write "
-                        f"yet; supported: {', '.join(ARCHITECTURES)}.")
     if family not in ARCHITECTURES:
         raise UserError(f"{root}: target model_type {family!r} is not supported by TensorRT-LLM's DFlash export; "
                         f"supported: {', '.join(ARCHITECTURES)}.")
@@ -123,7 +124,8 @@ def check_exportable(cfg: EngineConfig, root: Path) -> None:
     if algo is not None:
         quantized = set(cfg.quantization.get("quantized_modules", []))
         layers = cfg.target["num_hidden_layers"]
-        missing = [m for i in range(layers) for lin in _TARGET_LINEARS
+        linears = _MOE_LINEARS if cfg.target.get("num_local_experts") else _TARGET_LINEARS
+        missing = [m for i in range(layers) for lin in linears
                    if (m := f"{TARGET_PREFIX}model.layers.{i}.{lin}") not in quantized]
         if missing:
             raise UserError(f"{root}: {missing[0][len(TARGET_PREFIX):]} is not quantized while the target is {algo}; "
@@ -136,7 +138,9 @@ def hf_quant_config(cfg: EngineConfig) -> dict:
     quantization: dict = {"quant_algo": algo, "kv_cache_quant_algo": None}
     if algo == "NVFP4":
         quantization["group_size"] = cfg.quantization.get("group_size") or 16
-    quantization["exclude_modules"] = sorted(EXCLUDED_MODULES)
+    routers = [f"model.layers.{i}.mlp.router" for i in range(cfg.target["num_hidden_layers"])
+               ] if cfg.target.get("num_local_experts") else []
+    quantization["exclude_modules"] = sorted(EXCLUDED_MODULES + routers)
     # The engine does not record the ModelOpt version that calibrated it: the one installed here, if any.
     try:
         version = metadata.version("nvidia-modelopt")
@@ -180,10 +184,23 @@ def cuda_graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
+def moe_parallel(cfg: EngineConfig) -> str | None:
+    """How the engine split a mixture-of-experts target's experts over its ranks ("tp": every expert by
+    intermediate features, "ep": whole experts), as its build recorded; None for a dense target."""
+    if not cfg.target.get("num_local_experts"):
+        return None
+    return cfg.build.get("moe_parallel", "tp")
+
+
 def llm_api_options(cfg: EngineConfig) -> dict:
     """extra_llm_api_options.yaml: TorchLlmArgs fields (key order is the file's)."""
+    tp = cfg.mapping.tp_size
+    # A mixture-of-experts target: the experts split as the engine split them (BaseLlmArgs fields).
+    moe = {"tp": {"moe_tensor_parallel_size": tp, "moe_expert_parallel_size": 1},
+           "ep": {"moe_tensor_parallel_size": 1, "moe_expert_parallel_size": tp}}.get(moe_parallel(cfg), {})
     return {
-        "tensor_parallel_size": cfg.mapping.tp_size,
+        "tensor_parallel_size": tp,
+        **moe,
         "max_batch_size": cfg.max_batch_size,
         "max_seq_len": cfg.max_seq_len,
         "kv_cache_config": {"free_gpu_memory_fraction": FREE_GPU_MEMORY_FRACTION},
@@ -226,9 +243,14 @@ def bench_command(cfg: EngineConfig) -> str:
 def readme_text(cfg: EngineConfig, engine_name: str) -> str:
     algo = cfg.quantization.get("quant_algo")
     arch = ARCHITECTURES[cfg.target["model_type"]]
+    moe = moe_parallel(cfg)
+    linears = "attention linears and experts" if moe else "linear layers"
     target = (f"{arch}, {cfg.dtype}" if algo is None else
-              f"{arch}, {algo} linear layers in ModelOpt's unified checkpoint format (hf_quant_config.json), "
+              f"{arch}, {algo} {linears} in ModelOpt's unified checkpoint format (hf_quant_config.json), "
               f"other tensors {cfg.dtype}" + ("; NVFP4 GEMMs need a Blackwell GPU" if algo == "NVFP4" else ""))
+    if moe and cfg.mapping.tp_size > 1:
+        target += (f"; the engine split the experts by {'whole experts' if moe == 'ep' else 'intermediate features'}"
+                   f" (moe_parallel: {moe}), and the YAML asks TensorRT-LLM for the same")
     drafter_quantized = cfg.quantization.get("drafter") == "quantized"
     drafter = (f"z-lab DFlash drafter (block_size {cfg.dflash.block_size}, mask_token_id {cfg.dflash.mask_token_id}, "
                f"target_layer_ids {list(cfg.dflash.target_layer_ids)}), {cfg.dtype}")
@@ -257,12 +279,24 @@ def readme_text(cfg: EngineConfig, engine_name: str) -> str:
             "TensorRT-LLM itself has not loaded this directory.\n")
 
 
-def _merged(files: list, names: list[str], prefix: str, spec: DecoderSpec, tp: int):
-    """(name without prefix, full tensor) for every `prefix` tensor, one at a time."""
+def _merged(files: list, names: list[str], prefix: str, spec: DecoderSpec, tp: int, moe: str = "tp"):
+    """(name without prefix, full tensor) for every `prefix` tensor, one at a time; `moe`: how the experts were
+    split (split_for's moe_parallel)."""
     for name in names:
         key = name[len(prefix):]
-        splits = [split_for(key, spec, tp, r) for r in range(tp)]
+        splits = [split_for(key, spec, tp, r, moe) for r in range(tp)]
         yield key, merge_shards([f.get_tensor(name) for f in files], splits, name)
+
+
+def _check_expert_split(files: list, cfg: EngineConfig, moe: str, root: Path) -> None:
+    """The rank files hold the experts as the build recorded: every expert on each rank under "tp", E / tp_size
+    under "ep" (what the torch executor reads from the shard itself, TargetModel.from_state_dict)."""
+    name = f"{TARGET_PREFIX}model.layers.0.mlp.experts.gate_up_proj"
+    experts, tp = cfg.target["num_local_experts"], cfg.mapping.tp_size
+    held = files[0].get_slice(name).get_shape()[0]
+    if held != (experts // tp if moe == "ep" else experts):
+        raise UserError(f"{root}: rank 0 holds {held} of {experts} experts, which is not moe_parallel: {moe} at "
+                        f"tp_size {tp}; the engine is inconsistent, rebuild it.")
 
 
 def export_trtllm(engine_dir: Path, output: Path, force: bool = False,
@@ -279,12 +313,15 @@ def export_trtllm(engine_dir: Path, output: Path, force: bool = False,
     with atomic_directory(output, KIND, force) as tmp, ExitStack() as stack:
         files = [stack.enter_context(safe_open(str(engine_dir / rank_file(r)), framework="pt")) for r in range(tp)]
         names = sorted(files[0].keys())
+        moe = moe_parallel(cfg)
+        if moe is not None:
+            _check_expert_split(files, cfg, moe, engine_dir)
         target_dir, drafter_dir = tmp / TARGET, tmp / DRAFTER
         target_dir.mkdir()
         # Streamed: one full tensor in memory at a time.
         with SafetensorsWriter(target_dir / "model.safetensors", metadata={"format": "pt"}) as out:
             for key, tensor in _merged(files, [n for n in names if n.startswith(TARGET_PREFIX)], TARGET_PREFIX,
-                                       target_spec, tp):
+                                       target_spec, tp, moe or "tp"):
                 out.add(key, tensor)
         (target_dir / "config.json").write_text(target_config_json(cfg))
         if cfg.quantization.get("quant_algo") is not None:
