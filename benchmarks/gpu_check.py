@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""One prepared check of trtllm-dflash on a machine with an NVIDIA GPU (COMPILED.md §4), in at most 8 minutes.
+"""One prepared check of trtllm-dflash on a machine with an NVIDIA GPU, in at most 8 minutes (what it covers:
+docs/backends.md §What a CPU machine cannot show).
 
     python3 -m pip install -q --no-deps --no-build-isolation -e .
     python3 benchmarks/gpu_check.py --out gpu_check.json [--stages executor,kernel,timings,tensorrt] [--budget-s 480]

@@ -1,4 +1,5 @@
-"""Our cached, batched drafter equals a from-scratch implementation of DFLASH.md §1's equations.
+"""Our cached, batched drafter equals a from-scratch implementation of the drafter's equations
+(docs/algorithm.md §The drafter).
 
 The reference below recomputes everything for one request in float64, with no cache and no mask:
 the context features of all committed positions and the block go through every layer together.

@@ -304,7 +304,8 @@ def test_published_configs_parse_and_split_eight_ways():
 
 
 def test_sliding_window_drafter_is_refused(pair, tmp_path, capsys):
-    """The reference and vLLM disagree on sliding-window draft layers (DFLASH.md §1): refused, not guessed."""
+    """The reference and vLLM disagree on sliding-window draft layers: refused, not guessed
+    (docs/algorithm.md §Sliding-window drafters)."""
     bad = tmp_path / "bad"
     shutil.copytree(pair, bad)
     path = bad / "drafter" / "config.json"

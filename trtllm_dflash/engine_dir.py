@@ -1,5 +1,5 @@
-"""The engine directory (ARCHITECTURE.md §3): its config, its files, its manifest. Written by `build`
-(atomically, engine/builder.py), read and verified by every command that runs an engine.
+"""The engine directory (docs/architecture.md §The engine directory): its config, its files, its manifest.
+Written by `build` (atomically, engine/builder.py), read and verified by every command that runs an engine.
 
     ENGINE_DIR/
       config.json          EngineConfig

@@ -325,8 +325,8 @@ def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
         )
     window = drafter.hf_config.get("sliding_window")
     if "sliding_attention" in (drafter.hf_config.get("layer_types") or []) and window is not None:
-        # DFLASH.md §1: the z-lab reference keeps such layers non-causal, vLLM / SpecForge make them causal
-        # within the block; rather than guess, refuse.
+        # The z-lab reference keeps such layers non-causal, vLLM / SpecForge make them causal within the block;
+        # rather than guess, refuse (docs/algorithm.md §Sliding-window drafters).
         raise UserError(f"{dcfg}: layer_types has sliding_attention layers (sliding_window {window}); "
                         "sliding-window DFlash drafters are not supported yet, only full-attention ones.")
 

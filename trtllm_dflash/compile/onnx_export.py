@@ -16,9 +16,9 @@ were given back (`keep_stored_weights`) become FP8 initializers with Q/DQ nodes,
 initializers with TensorRT's FP4 dynamic-quantize node (onnx_ops.py: graphs for TensorRT only).
 
 RoPE, attention and the cache writes are ONNX's own RotaryEmbedding (23), Attention (23) and TensorScatter
-(24), the ops TensorRT parses into its native rotary, attention and KV-cache-update layers (COMPILED.md §2);
-the rest is plain MatMul / elementwise ops. The dimensions batch, seq, ctx, block and max_len are
-dynamic; kv_heads, head_dim, vocab and hidden are the model's.
+(24), the ops TensorRT parses into its native rotary, attention and KV-cache-update layers
+(docs/backends.md §Facts found); the rest is plain MatMul / elementwise ops. The dimensions batch, seq, ctx,
+block and max_len are dynamic; kv_heads, head_dim, vocab and hidden are the model's.
 
 ## I/O contract (dtype = the modules' dtype, float32 or bfloat16; L = layers of that model)
 

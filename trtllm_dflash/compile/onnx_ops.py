@@ -13,7 +13,8 @@ the input's own buffer, so the write happens in place:
 
 TensorScatter (ONNX opset 24) writes update[b] at positions write_indices[b] .. + T - 1 of row b; its batch
 axis is the cache's axis 0, so row b of the cache belongs to row b of the step (see onnx_export.py for how
-an executor binds the rows of its slots). TensorRT parses it into its KV-cache update layer (COMPILED.md §2).
+an executor binds the rows of its slots). TensorRT parses it into its KV-cache update layer
+(docs/backends.md §Facts found).
 
 `tensor_scatter` is a torch custom op with a real eager implementation (so the export wrappers also run
 in plain torch) and an onnxscript translation for the exporter (TRANSLATIONS).

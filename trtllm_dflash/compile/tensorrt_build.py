@@ -2,10 +2,10 @@
 
 `build_plan` turns one graph of compile/onnx_export.py into a serialized TensorRT plan: TensorRT's ONNX parser
 maps Attention / RotaryEmbedding / TensorScatter onto its native attention, rotary and KV-cache-update layers
-(COMPILED.md §2), the network is strongly typed (its precision is the graph's own), one optimization profile
-covers every dynamic dimension. It takes the module as an argument, so the same code builds with real TensorRT
-(`import tensorrt`, 10.15+ / 11, on the GPU that will run the plan) and with TensorRT-RTX
-(`import tensorrt_rtx_bindings`, ahead of time on a CPU for chosen compute capabilities: the tests).
+(docs/backends.md §Facts found), the network is strongly typed (its precision is the graph's own), one
+optimization profile covers every dynamic dimension. It takes the module as an argument, so the same code
+builds with real TensorRT (`import tensorrt`, 10.15+ / 11, on the GPU that will run the plan) and with
+TensorRT-RTX (`import tensorrt_rtx_bindings`, ahead of time on a CPU for chosen compute capabilities: the tests).
 
 `compile_engine` builds every rank's graphs on this machine's GPU and adds them to the engine:
 
@@ -214,7 +214,8 @@ def parse_graph(trt: ModuleType, onnx_path: Path, *, static_dims: Mapping[str, i
     logger = _logger(trt)
     builder = trt.Builder(logger)
     if plugin_library is not None:
-        if _is_rtx(trt):  # its parser aborts the process once a plugin creator is registered (COMPILED.md §3)
+        # TensorRT-RTX's parser aborts the process once a plugin creator is registered (docs/backends.md §Facts found)
+        if _is_rtx(trt):
             raise ValueError("TensorRT-RTX takes no plugin libraries")
         builder.get_plugin_registry().load_library(str(plugin_library))
     # Deprecated in TensorRT 11, where every network is strongly typed; required for that in 10.x.

@@ -1,6 +1,6 @@
 """The DFlash drafter (z-lab `DFlashDraftModel`), with its context K/V kept per slot.
 
-Equations (DFLASH.md §1), per draft layer with block hidden states x and fused target features
+Equations (docs/algorithm.md §The drafter), per draft layer with block hidden states x and fused target features
 ctx = hidden_norm(fc(concat(target hidden of target_layer_ids))):
 
     Q = rope(q_norm(q_proj(input_layernorm(x))))                          block tokens only

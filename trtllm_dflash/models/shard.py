@@ -1,6 +1,6 @@
 """Tensor-parallel split rules: which slice of every target and drafter tensor a rank holds.
 
-The rules are TensorRT-LLM's (TRTLLM.md §4), applied to HF / z-lab tensor names:
+The rules are TensorRT-LLM's (docs/tensorrt-llm.md §Tensor parallelism), applied to HF / z-lab tensor names:
 
 - column-parallel (output features, dim 0): q_proj by query heads, k_proj / v_proj by KV heads,
   gate_proj / up_proj by intermediate features;

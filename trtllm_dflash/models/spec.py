@@ -266,7 +266,7 @@ class DFlashParams:
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """The reference's default feature layers: evenly spaced over [1, L-3] (DFLASH.md §1)."""
+    """The reference's default feature layers: evenly spaced over [1, L-3] (docs/algorithm.md §Target features)."""
     if num_features == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3

@@ -52,7 +52,7 @@ def _prompt_ids(obj: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) 
             raise ValueError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
         if tokenizer.chat_template is None:
             raise ValueError("'messages' needs a chat template, and this engine's tokenizer has none")
-        # DFlash drafters are trained on non-thinking prompts (DFLASH.md §2, gotcha 4).
+        # DFlash drafters are trained on non-thinking prompts (docs/algorithm.md §Prompt format).
         ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
                                             enable_thinking=False, return_dict=False)
         return list(ids)

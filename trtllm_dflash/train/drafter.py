@@ -1,4 +1,5 @@
-"""`trtllm-dflash train-drafter`: train a DFlash drafter for a frozen target (DFLASH.md §3).
+"""`trtllm-dflash train-drafter`: train a DFlash drafter for a frozen target
+(docs/algorithm.md §Training a drafter).
 
 Recipe (SpecForge / the paper):
   * data: the target's own greedy responses to the prompts of DATA (generated once, cached);
