@@ -61,10 +61,11 @@ def decoders(engine: Engine, hf_model, prompt_lookup_num_tokens: int) -> dict[st
 
 
 def run(engine_dir: Path, target_dir: Path, prompts: Path, num_prompts: int, max_new_tokens: int, repeats: int,
-        prompt_lookup_num_tokens: int = 10, block_size: int | str | None = None) -> dict:
-    """`block_size`: our dflash's (an integer, "auto", or None: the engine's)."""
+        prompt_lookup_num_tokens: int = 10, block_size: int | str | None = None, backend: str | None = None) -> dict:
+    """`block_size`: our dflash's (an integer, "auto", or None: the engine's); `backend`: our executor (None: what
+    the engine was compiled for)."""
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
-    engine = Engine.load(engine_dir, block_size=block_size)
+    engine = Engine.load(engine_dir, block_size=block_size, backend=backend)
     hf_model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, engine.config.dtype)).eval()
     defaults = Defaults(max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(prompts, engine.tokenizer, defaults)

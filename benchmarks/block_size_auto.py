@@ -2,8 +2,10 @@
 
     python benchmarks/block_size_auto.py --threads 1            # the full run (engines/demo-bench, 32 requests)
     python benchmarks/block_size_auto.py --quick --threads 1    # a small version, for checking
+    python benchmarks/block_size_auto.py --backend onnxruntime  # the same with the onnxruntime executor
 
-1. builds engines/demo-bench from build_configs/demo_bench.yaml if it is missing (32 KV-cache slots);
+1. builds engines/demo-bench from build_configs/demo_bench.yaml if it is missing (32 KV-cache slots; with
+   `--backend onnxruntime`, engines/demo-bench-onnxruntime, the same config built for onnxruntime);
 2. `trtllm-dflash bench` on the held-out code prompts: ar, dflash at block 4, 8, 16 and auto, at every
    concurrency, medians of --repeats runs (auto measures the engine's pass costs first, or reads them from
    the cache: runtime/costs.py);
@@ -88,7 +90,8 @@ def markdown(rows: list[dict], base: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", type=Path, default=ROOT / "engines" / "demo-bench")
+    p.add_argument("--engine", type=Path, help="default: engines/demo-bench[-onnxruntime], built if missing")
+    p.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -97,24 +100,30 @@ def main() -> None:
     p.add_argument("--baseline-prompts", type=int, default=16)
     p.add_argument("--threads", type=int)
     p.add_argument("--quick", action="store_true", help="8 requests, 32 new tokens, 1 repeat, concurrency 1,2,8")
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "block_size_auto.json")
+    p.add_argument("--output", type=Path, help="default: benchmarks/results/block_size_auto[_onnxruntime].json")
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.max_new_tokens, args.repeats, args.concurrency = 8, 32, 1, "1,2,8"
         args.baseline_prompts = 4
+    if args.output is None:
+        suffix = "" if args.backend == "torch" else f"_{args.backend}"
+        args.output = ROOT / "benchmarks" / "results" / f"block_size_auto{suffix}.json"
     if args.threads:
         torch.set_num_threads(args.threads)
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
-    if not (args.engine / "manifest.json").is_file():
-        build_engine(load_build_config(ROOT / "build_configs" / "demo_bench.yaml", output=args.engine), force=True,
-                     progress=False)
+    if args.engine is None:
+        args.engine = ROOT / "engines" / ("demo-bench" if args.backend == "torch" else f"demo-bench-{args.backend}")
+        if not (args.engine / "manifest.json").is_file():
+            cfg = load_build_config(ROOT / "build_configs" / "demo_bench.yaml", output=args.engine)
+            build_engine(cfg.model_copy(update={"backend": args.backend}), force=True, progress=False)
     sizes = tuple(s if s == "auto" else int(s) for s in args.block_sizes.split(","))
     opts = BenchOptions(tuple(int(c) for c in args.concurrency.split(",")), ("ar", "dflash"), sizes,
-                        args.num_requests, args.max_new_tokens, warmup=2, repeats=args.repeats, threads=args.threads)
+                        args.num_requests, args.max_new_tokens, warmup=2, repeats=args.repeats, threads=args.threads,
+                        backend=args.backend)
     report = bench(args.engine, PROMPTS, opts, progress=lambda line: print(line, file=sys.stderr, flush=True))
     bench_s = time.perf_counter() - t0
     base = baselines.run(args.engine, TARGET, PROMPTS, args.baseline_prompts, args.max_new_tokens, args.repeats,
-                         block_size="auto")
+                         block_size="auto", backend=args.backend)
     rows = checks(report)
     m = base["methods"]
     result = {

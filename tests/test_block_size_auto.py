@@ -16,8 +16,8 @@ from trtllm_dflash.runtime import costs as costs_module
 from trtllm_dflash.runtime.costs import PassCosts, load_or_measure, profile_key, profile_path, read_profile
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.speculative.schedule import (AcceptanceEstimate, AutoBlockSize, choose_verify_length,
-                                                expected_committed)
+from trtllm_dflash.speculative.schedule import (AcceptanceEstimate, AutoBlockSize, CostCorrection,
+                                                choose_verify_length, expected_committed)
 
 # ------------------------------------------------------------------------------------------------
 # The chooser: a pure function of P(accepted >= j) and the step costs
@@ -97,6 +97,31 @@ def test_auto_block_size_on_a_hand_made_cost_table():
     assert auto.choose(batch=2, context=64) == 1
 
 
+def test_steps_slower_than_predicted_correct_the_costs():
+    # Batch 1 on the hand table: the model favours the whole block; real speculative steps that take 3x what
+    # the model says (the calibration never sees the scheduler's work) must bring the choice down to k = 1,
+    # and AR steps slower than predicted must bring it back up.
+    auto = AutoBlockSize(hand_costs(), block_size=8)
+    assert auto.choose(batch=1, context=64) == 8
+    for _ in range(40):
+        auto.observe_time(1, 64, 8, 3 * auto.predicted_seconds(1, 64, 8))
+    assert auto.correction.factor(8) == pytest.approx(3.0, rel=0.05) and auto.correction.factor(1) == 1.0
+    assert auto.choose(batch=1, context=64) == 1
+    for _ in range(40):
+        auto.observe_time(1, 64, 1, 3 * auto.predicted_seconds(1, 64, 1))
+    assert auto.choose(batch=1, context=64) == 8
+
+
+def test_cost_correction_is_a_running_mean_of_observed_over_predicted():
+    c = CostCorrection(weight=0.5)
+    c.observe(4, predicted_seconds=0.010, observed_seconds=0.020)  # ratio 2: 1 + 0.5 x (2 - 1)
+    assert c.factor(2) == 1.5 and c.factor(1) == 1.0
+    c.observe(1, predicted_seconds=0.010, observed_seconds=0.005)  # AR steps: their own factor
+    assert c.factor(1) == 0.75 and c.factor(16) == 1.5
+    c.observe(1, predicted_seconds=0.0, observed_seconds=0.005)  # nothing to compare with: ignored
+    assert c.factor(1) == 0.75
+
+
 def test_pass_costs_interpolate_between_grid_points():
     costs = hand_costs(draft_ms=1.0)
     # batch 3, 3 tokens: halfway between the grid's batches 2 and 4 and tokens 2 and 4.
@@ -134,6 +159,9 @@ class RandomVerifyLength(AutoBlockSize):
     def choose(self, batch: int, context: float) -> int:
         self.chosen.append(self.rng.randint(1, self.block_size))
         return self.chosen[-1]
+
+    def observe_time(self, batch: int, context: float, k: int, seconds: float) -> None:
+        pass  # no cost model: the choice is random
 
 
 def mixed_requests(vocab: int, n: int = 6) -> list[Request]:

@@ -295,8 +295,9 @@ class Decoder:
         slots, starts, sampling = self._batch(active)
         anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
         k = self.executor.block_size
+        began, context = time.perf_counter(), max(a.start for a in active)
         if self.auto_block is not None:
-            k = self.auto_block.choose(len(active), max(a.start for a in active))
+            k = self.auto_block.choose(len(active), context)
 
         if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
             block = anchors[:, None]  # [B, 1]
@@ -317,14 +318,16 @@ class Decoder:
             # features. Rows past a request's own accepted length fall at or after its new start and stay
             # masked until overwritten.
             self.executor.append_context(out.hidden[:, : int(accepted.max()) + 1], starts, slots)
-        if self.auto_block is not None:
-            self.auto_block.observe(k, accepted.tolist())
+        accepted_list = accepted.tolist()  # on a GPU, this waits for the step's work: the time below is real
         for row, a in enumerate(active):
-            n = int(accepted[row])
+            n = accepted_list[row]
             a.verify_lengths.append(k)
             if k > 1:
                 a.acceptance_lengths.append(n + 1)
             self._commit(a, block[row, 1 : n + 1].tolist() + [int(bonus[row])])
+        if self.auto_block is not None:
+            self.auto_block.observe(k, accepted_list)
+            self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began)
 
     def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:
         """Give the drafter the features that plain AR steps (k = 1) left pending, one call for the batch.

@@ -27,6 +27,8 @@ PRIOR_WEIGHT = 4.0
 # 1 / (1 - DECAY) steps) and, while no step verifies a position, drifts back to the prior, which makes the
 # chooser try longer blocks again after a spell of k = 1.
 DECAY = 0.98
+# Weight of one step's observed / predicted time in the running cost correction (a window of ~10 steps).
+TIME_WEIGHT = 0.1
 
 
 def expected_committed(accept_at_least: Sequence[float], k: int) -> float:
@@ -99,16 +101,51 @@ class AcceptanceEstimate:
         return out
 
 
-class AutoBlockSize:
-    """The `--block-size auto` policy of one engine: pass costs (fixed) and the acceptance estimate (learnt)."""
+class CostCorrection:
+    """How much longer real steps take than the cost model predicts: observed / predicted seconds, a running
+    mean for plain AR steps (k = 1) and one for speculative steps (k > 1).
 
-    def __init__(self, costs: StepCostModel, block_size: int, estimate: AcceptanceEstimate | None = None):
+    The model is calibrated on each pass alone, repeated, with its weights hot in the caches; a real
+    speculative step alternates drafter and target passes (each evicting the other's weights) and adds the
+    scheduler's own work around them, which the calibration never sees. Example: a speculative step predicted
+    at 20 ms that takes 26 ms moves the speculative factor from 1.0 towards 1.3 by TIME_WEIGHT.
+    """
+
+    def __init__(self, weight: float = TIME_WEIGHT):
+        self.weight = weight
+        self.factors = {False: 1.0, True: 1.0}  # keyed by "speculative" (k > 1)
+
+    def factor(self, k: int) -> float:
+        return self.factors[k > 1]
+
+    def observe(self, k: int, predicted_seconds: float, observed_seconds: float) -> None:
+        if predicted_seconds > 0 and observed_seconds > 0:
+            f = self.factors[k > 1]
+            self.factors[k > 1] = f + self.weight * (observed_seconds / predicted_seconds - f)
+
+
+class AutoBlockSize:
+    """The `--block-size auto` policy of one engine: pass costs (measured at load, corrected by the steps' own
+    times) and the acceptance estimate (learnt)."""
+
+    def __init__(self, costs: StepCostModel, block_size: int, estimate: AcceptanceEstimate | None = None,
+                 correction: CostCorrection | None = None):
         self.costs, self.block_size = costs, block_size
         self.estimate = estimate or AcceptanceEstimate(block_size - 1)
+        self.correction = correction or CostCorrection()
+
+    def predicted_seconds(self, batch: int, context: float, k: int) -> float:
+        """The cost model's uncorrected seconds for one step (what `observe_time` compares a real step with)."""
+        return self.costs.step_seconds(batch, context, k)
 
     def choose(self, batch: int, context: float) -> int:
-        seconds = [self.costs.step_seconds(batch, context, k) for k in range(1, self.block_size + 1)]
+        seconds = [self.predicted_seconds(batch, context, k) * self.correction.factor(k)
+                   for k in range(1, self.block_size + 1)]
         return choose_verify_length(self.estimate.accept_at_least(), seconds)
 
     def observe(self, verify_length: int, accepted: Sequence[int]) -> None:
         self.estimate.observe(verify_length, accepted)
+
+    def observe_time(self, batch: int, context: float, k: int, seconds: float) -> None:
+        """A step of `batch` requests at longest context `context`, verifying k tokens each, took `seconds`."""
+        self.correction.observe(k, self.predicted_seconds(batch, context, k), seconds)
