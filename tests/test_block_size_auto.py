@@ -97,6 +97,22 @@ def test_auto_block_size_on_a_hand_made_cost_table():
     assert auto.choose(batch=2, context=64) == 1
 
 
+def test_requests_own_acceptance_decides_the_batchs_k():
+    auto = AutoBlockSize(hand_costs(), block_size=8)
+    easy, hard = auto.new_request(), auto.new_request()
+    # A new request starts from the engine's estimate.
+    assert easy.accept_at_least(auto.estimate.conditional_rates()) == pytest.approx(auto.estimate.accept_at_least())
+    for _ in range(100):  # in one batch: every draft of `easy` accepted, none of `hard`
+        auto.observe(8, [7, 0], [easy, hard])
+    assert auto.choose(batch=2, context=64, requests=[easy]) == 8
+    assert auto.choose(batch=2, context=64, requests=[hard]) == 1
+    # Both: the argmax of the batch's expected committed tokens, the sum of the two requests'.
+    engine = auto.estimate.conditional_rates()
+    at_least = [(a + b) / 2 for a, b in zip(easy.accept_at_least(engine), hard.accept_at_least(engine))]
+    rates = [expected_committed(at_least, k) / auto.costs.step_seconds(2, 64, k) for k in range(1, 9)]
+    assert auto.choose(batch=2, context=64, requests=[easy, hard]) == rates.index(max(rates)) + 1
+
+
 def test_steps_slower_than_predicted_correct_the_costs():
     # Batch 1 on the hand table: the model favours the whole block; real speculative steps that take 3x what
     # the model says (the calibration never sees the scheduler's work) must bring the choice down to k = 1,
@@ -156,7 +172,7 @@ class RandomVerifyLength(AutoBlockSize):
         super().__init__(costs=None, block_size=block_size)
         self.rng, self.chosen = random.Random(seed), []
 
-    def choose(self, batch: int, context: float) -> int:
+    def choose(self, batch: int, context: float, requests=()) -> int:
         self.chosen.append(self.rng.randint(1, self.block_size))
         return self.chosen[-1]
 

@@ -28,7 +28,7 @@ from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.runtime.options import Mode
 from trtllm_dflash.runtime.stop_strings import first_stop
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
-from trtllm_dflash.speculative.schedule import AutoBlockSize
+from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
 
 
 # --block-size auto: plain AR steps hold back at most this many positions' features from the drafter (memory:
@@ -115,6 +115,7 @@ class _Active:
     # the drafter's context does not hold yet (added in one call before the next draft: one call per position
     # would cost a tenth of an AR step on a small model)
     pending_context: list[torch.Tensor] = field(default_factory=list)
+    acceptance: AcceptanceEstimate | None = None  # --block-size auto: this request's own acceptance estimate
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     first_token_at: float | None = None
@@ -206,7 +207,8 @@ class Decoder:
         admitted = []
         while self._pending and self._free:
             request, submitted = self._pending.popleft()
-            admitted.append(_Active(request, self._free.pop(0), submitted))
+            estimate = self.auto_block.new_request() if self.auto_block is not None else None
+            admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=estimate))
         if admitted:
             self._prefill(admitted)
             self._active += admitted
@@ -297,7 +299,7 @@ class Decoder:
         k = self.executor.block_size
         began, context = time.perf_counter(), max(a.start for a in active)
         if self.auto_block is not None:
-            k = self.auto_block.choose(len(active), context)
+            k = self.auto_block.choose(len(active), context, [a.acceptance for a in active])
 
         if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
             block = anchors[:, None]  # [B, 1]
@@ -326,7 +328,7 @@ class Decoder:
                 a.acceptance_lengths.append(n + 1)
             self._commit(a, block[row, 1 : n + 1].tolist() + [int(bonus[row])])
         if self.auto_block is not None:
-            self.auto_block.observe(k, accepted_list)
+            self.auto_block.observe(k, accepted_list, [a.acceptance for a in active])
             self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began)
 
     def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:

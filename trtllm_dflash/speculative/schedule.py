@@ -67,9 +67,9 @@ class StepCostModel(Protocol):
 class AcceptanceEstimate:
     """P(d_j accepted | d_1..d_{j-1} accepted) per block position j = 1 .. K, from recent steps, with a prior.
 
-    Counts are exponentially decayed per step (DECAY) and smoothed by PRIOR_WEIGHT observations at
-    PRIOR_RATE. One estimate for the whole engine: a step's batch shares one k (see Decoder), so
-    per-request estimates could not be acted on.
+    Counts are exponentially decayed per step (DECAY) and smoothed by PRIOR_WEIGHT observations at the prior
+    rates: PRIOR_RATE for the engine's estimate, the engine's own rates for a request's estimate (a request
+    starts from what the engine has seen lately and moves towards what its own steps show).
     """
 
     def __init__(self, num_positions: int, prior_rate: float = PRIOR_RATE, prior_weight: float = PRIOR_WEIGHT,
@@ -88,14 +88,16 @@ class AcceptanceEstimate:
                 self.verified[j - 1] += 1
                 self.accepted[j - 1] += n >= j
 
-    def conditional_rates(self) -> list[float]:
-        return [(a + self.prior_weight * self.prior_rate) / (v + self.prior_weight)
-                for a, v in zip(self.accepted, self.verified)]
+    def conditional_rates(self, prior: Sequence[float] | None = None) -> list[float]:
+        """The rates per position, smoothed towards `prior` (per position; default: prior_rate everywhere)."""
+        prior = prior if prior is not None else [self.prior_rate] * len(self.verified)
+        return [(a + self.prior_weight * q) / (v + self.prior_weight)
+                for a, v, q in zip(self.accepted, self.verified, prior)]
 
-    def accept_at_least(self) -> list[float]:
+    def accept_at_least(self, prior: Sequence[float] | None = None) -> list[float]:
         """P(accepted >= j) for j = 1 .. K: the running product of the conditional rates."""
         out, p = [], 1.0
-        for q in self.conditional_rates():
+        for q in self.conditional_rates(prior):
             p *= q
             out.append(p)
         return out
@@ -138,13 +140,30 @@ class AutoBlockSize:
         """The cost model's uncorrected seconds for one step (what `observe_time` compares a real step with)."""
         return self.costs.step_seconds(batch, context, k)
 
-    def choose(self, batch: int, context: float) -> int:
+    def new_request(self) -> AcceptanceEstimate:
+        """A request's own estimate (its prior: the engine's rates at each choice)."""
+        return AcceptanceEstimate(self.block_size - 1, decay=self.estimate.decay)
+
+    def choose(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate] = ()) -> int:
+        """The verify length for a step of `batch` requests; with the requests' own estimates, the batch's expected
+        committed tokens are the sum of theirs (E[committed | k] is linear in P(accepted >= j), so the mean of
+        their P(accepted >= j) stands for the batch)."""
         seconds = [self.predicted_seconds(batch, context, k) * self.correction.factor(k)
                    for k in range(1, self.block_size + 1)]
-        return choose_verify_length(self.estimate.accept_at_least(), seconds)
+        if requests:
+            engine = self.estimate.conditional_rates()
+            per_request = [r.accept_at_least(engine) for r in requests]
+            at_least = [sum(col) / len(per_request) for col in zip(*per_request)]
+        else:
+            at_least = self.estimate.accept_at_least()
+        return choose_verify_length(at_least, seconds)
 
-    def observe(self, verify_length: int, accepted: Sequence[int]) -> None:
+    def observe(self, verify_length: int, accepted: Sequence[int],
+                requests: Sequence[AcceptanceEstimate] = ()) -> None:
+        """One step's accepted drafts per request (in the order of `requests`, their own estimates, if given)."""
         self.estimate.observe(verify_length, accepted)
+        for estimate, n in zip(requests, accepted):
+            estimate.observe(verify_length, [n])
 
     def observe_time(self, batch: int, context: float, k: int, seconds: float) -> None:
         """A step of `batch` requests at longest context `context`, verifying k tokens each, took `seconds`."""
