@@ -75,7 +75,8 @@ def hand_costs(draft_ms: float = 1.0) -> PassCosts:
     batches, tokens = (1, 2, 4, 8), (1, 2, 4, 8)
     target = tuple(tuple(roofline_ms(b, t) / 1e3 for t in tokens) for b in batches)
     tiny = tuple(tuple(1e-9 for _ in tokens) for _ in batches)
-    return PassCosts(batches, tokens, (64,), (target,), (tuple(draft_ms / 1e3 for _ in batches),), tiny, tiny)
+    draft = tuple(tuple(draft_ms / 1e3 for _ in tokens) for _ in batches)
+    return PassCosts(batches, tokens, (64,), (target,), (draft,), tiny, tiny)
 
 
 def test_auto_block_size_on_a_hand_made_cost_table():
@@ -280,6 +281,18 @@ def test_foreign_or_stale_profile_is_measured_again(cached_profile, field, value
     load_or_measure(engine_dir, executor, "torch", report=lines.append)
     assert len(calls) == 2 and field in lines[0]
     assert read_profile(path)[0] == profile_key(engine_dir, executor, "torch")  # replaced by the new measurement
+
+
+def test_profile_of_an_older_format_with_other_tables_is_measured_again(cached_profile):
+    # Version 1 stored one drafter pass per batch size (no verify-length axis): not an error, just stale.
+    engine_dir, executor, path, calls = cached_profile
+    data = json.loads(path.read_text())
+    data["key"]["version"] = 1
+    data["costs"]["draft_s"] = [[0.001 for _ in data["costs"]["batches"]]]
+    path.write_text(json.dumps(data))
+    lines = []
+    load_or_measure(engine_dir, executor, "torch", report=lines.append)
+    assert len(calls) == 2 and "version" in lines[0]
 
 
 @pytest.mark.parametrize("damage", [

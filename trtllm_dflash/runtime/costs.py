@@ -1,8 +1,9 @@
 """Measured pass costs of one engine on one machine and backend (`--block-size auto`'s cost model).
 
 A DFlash step of a batch of B requests verifying k tokens each costs
-    t_step(B, L, k) = t_target(B, k, L) + t_accept(B, k) [+ t_draft(B, L) + t_context(B, k) for k > 1]
-where L is the batch's longest context (the attention reads that many positions). Each term is measured
+    t_step(B, L, k) = t_target(B, k, L) + t_accept(B, k) [+ t_draft(B, L, k) + t_context(B, k) for k > 1]
+where L is the batch's longest context (the attention reads that many positions) and the drafter pass, over
+the whole block, reads out k - 1 drafts (the torch executor runs the lm_head over those only). Each term is measured
 on a small grid (batch 1, 2, 4 .. slots; tokens 1, 2, 4 .. block_size; two context lengths) and
 interpolated linearly in between; beyond the longest measured context, linearly extrapolated.
 
@@ -34,7 +35,7 @@ from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.stats import cpu_name
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the drafter pass per verify length (its lm_head reads out k - 1 drafts)
 REPEATS = 3  # timed calls per grid point after one warm-up; the minimum is kept (other work only adds time)
 
 
@@ -59,7 +60,8 @@ class PassCosts:
     tokens: tuple[int, ...]  # tokens per request measured, increasing, 1 .. block_size
     contexts: tuple[int, ...]  # context lengths measured, increasing
     target_s: tuple[tuple[tuple[float, ...], ...], ...]  # [context][batch][tokens] target pass, hidden captured
-    draft_s: tuple[tuple[float, ...], ...]  # [context][batch] drafter pass over the whole block
+    draft_s: tuple[tuple[tuple[float, ...], ...], ...]  # [context][batch][tokens] drafter pass reading out tokens - 1
+    # drafts (at least 1)
     context_s: tuple[tuple[float, ...], ...]  # [batch][tokens] append_context of that many positions
     accept_s: tuple[tuple[float, ...], ...]  # [batch][tokens] acceptance (k = 1: sampling) of a k-token pass
 
@@ -70,8 +72,8 @@ class PassCosts:
         rest = _grid2(self.batches, self.tokens, self.accept_s, batch, k)
         if k > 1:  # plain AR steps (k = 1) hand their features to the drafter later, many positions per call
             rest += _grid2(self.batches, self.tokens, self.context_s, batch, k)
-            rest += _interp(self.contexts, [_interp(self.batches, d, batch) for d in self.draft_s], context,
-                            extrapolate=True)
+            rest += _interp(self.contexts, [_grid2(self.batches, self.tokens, d, batch, k) for d in self.draft_s],
+                            context, extrapolate=True)
         return max(target + rest, 1e-9)
 
 
@@ -132,7 +134,8 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
         starts = torch.full((batches[-1],), c, device=dev)
         target.append(tuple(tuple(_fastest(lambda b=b, t=t: ex.target_forward(
             ids[:b, c:c + t], starts[:b], slots[:b], capture=True)) for t in tokens) for b in batches))
-        draft.append(tuple(_fastest(lambda b=b: ex.draft(ids[:b, c], starts[:b], slots[:b])) for b in batches))
+        draft.append(tuple(tuple(_fastest(lambda b=b, t=t: ex.draft(ids[:b, c], starts[:b], slots[:b], max(1, t - 1)))
+                                 for t in tokens) for b in batches))
     c = contexts[0]
     starts = torch.full((batches[-1],), c, device=dev)
     context = tuple(tuple(_fastest(lambda b=b, t=t: ex.append_context(hidden[:b, :t], starts[:b], slots[:b]))
@@ -182,11 +185,14 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def read_profile(path: Path) -> tuple[ProfileKey, PassCosts]:
-    """The profile in `path`, or a UserError in one sentence if it is not one."""
+def read_profile(path: Path) -> tuple[ProfileKey, PassCosts | None]:
+    """The profile in `path` (costs None if written by another PROFILE_VERSION, whose tables may have another
+    shape: it is measured again), or a UserError in one sentence if it is not one."""
     try:
         data = json.loads(Path(path).read_text())
         key = ProfileKey(**data["key"])
+        if key.version != PROFILE_VERSION:
+            return key, None
         costs = PassCosts(**{k: _tuples(v) for k, v in data["costs"].items()})
         _check(costs)
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -202,7 +208,7 @@ def _check(costs: PassCosts) -> None:
         if not (grid and all(isinstance(x, int) and x > 0 for x in grid) and list(grid) == sorted(set(grid))):
             raise ValueError(f"{name} is not an increasing list of positive integers")
     nb, nt, nc = len(costs.batches), len(costs.tokens), len(costs.contexts)
-    shapes = {"target_s": (nc, nb, nt), "draft_s": (nc, nb), "context_s": (nb, nt), "accept_s": (nb, nt)}
+    shapes = {"target_s": (nc, nb, nt), "draft_s": (nc, nb, nt), "context_s": (nb, nt), "accept_s": (nb, nt)}
     for name, shape in shapes.items():
         _check_table(getattr(costs, name), shape, name)
 
@@ -247,11 +253,13 @@ def load_or_measure(engine_dir: Path, executor: Executor, backend: str, remeasur
 def costs_table(costs: PassCosts, context: int | None = None) -> list[str]:
     """Markdown: step cost per batch size and verify length k, and the cost of k relative to k = 1."""
     c = context if context is not None else costs.contexts[0]
-    head = "| batch | " + " | ".join(f"k={k} ms" for k in costs.tokens) + " | draft ms |"
+    head = "| batch | " + " | ".join(f"k={k} ms" for k in costs.tokens) + f" | draft ms (k={costs.tokens[-1]}) |"
     lines = [f"Step cost (ms) at context {c}: draft + verify + context + accept (k = 1: an AR step, no draft)", "",
              head, "|---|" + "---|" * (len(costs.tokens) + 1)]
     for b in costs.batches:
         cells = [f"{costs.step_seconds(b, c, k) * 1e3:.2f}" for k in costs.tokens]
-        draft = _interp(costs.contexts, [_interp(costs.batches, d, b) for d in costs.draft_s], c, extrapolate=True)
+        k = costs.tokens[-1]
+        draft = _interp(costs.contexts, [_grid2(costs.batches, costs.tokens, d, b, k) for d in costs.draft_s], c,
+                        extrapolate=True)
         lines.append(f"| {b} | " + " | ".join(cells) + f" | {draft * 1e3:.2f} |")
     return lines

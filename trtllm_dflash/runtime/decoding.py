@@ -312,7 +312,7 @@ class Decoder:
                 self._flush_context(active, slots)
         else:
             self._flush_context(active, slots)
-            draft = self.executor.draft(anchors, starts, slots)[:, : k - 1]  # [B, k-1] greedy, one drafter pass
+            draft = self.executor.draft(anchors, starts, slots, k - 1)  # [B, k-1] greedy, one drafter pass
             block = torch.cat([anchors[:, None], draft], dim=1)  # [B, k]
             out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
             accepted, bonus = self.executor.accept(draft, out.logits, sampling, starts)  # [B], [B]

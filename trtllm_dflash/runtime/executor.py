@@ -59,8 +59,11 @@ class Executor(Protocol):
         """token_ids [B, T] at positions starts[:, None] + arange(T), written into the slots' caches."""
         ...
 
-    def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [B, block_size - 1] for the block [anchor, MASK...] at positions starts + arange."""
+    def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+              num_drafts: int | None = None) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] (default block_size - 1) for the block [anchor, MASK...] at positions
+        starts + arange(block_size). The drafter always runs over the whole block; only the first num_drafts
+        drafts are read out (an executor may save the lm_head of the others)."""
         ...
 
     def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
@@ -123,15 +126,17 @@ class TorchExecutor:
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
-    def draft(self, anchors, starts, slots) -> torch.Tensor:
-        """Greedy drafts [B, block_size - 1] for the block after each anchor (at position `starts`), as target
-        token ids (a drafter with a pruned vocabulary maps its own through d2t)."""
+    def draft(self, anchors, starts, slots, num_drafts=None) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] for the block after each anchor (at position `starts`), as target
+        token ids (a drafter with a pruned vocabulary maps its own through d2t). The lm_head runs over the
+        num_drafts positions read out only: with a small verify length it is most of a small drafter's pass."""
         assert self.drafter is not None
         p = self.drafter.params
+        n = self.block_size - 1 if num_drafts is None else num_drafts
         block = block_input(anchors, p.mask_token_id, self.block_size)
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache)
-        return self.drafter.greedy_tokens(hidden[:, 1:], self.target.logits)
+        return self.drafter.greedy_tokens(hidden[:, 1:n + 1], self.target.logits)
 
     @torch.inference_mode()
     def append_context(self, hidden, starts, slots) -> None:

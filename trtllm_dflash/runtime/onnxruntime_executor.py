@@ -142,8 +142,9 @@ class OnnxRuntimeExecutor:
             logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden if capture else None)
 
-    def draft(self, anchors, starts, slots) -> torch.Tensor:
-        """Greedy drafts [B, block_size - 1] (argmax of the target's lm_head inside the graph)."""
+    def draft(self, anchors, starts, slots, num_drafts=None) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
+        whole block: the graph has one block length)."""
         run = self._rows.run_of(slots)
         block = block_input(anchors, self.mask_token_id, self.block_size)
         steps = torch.arange(self.block_size, device=self.device)
@@ -156,7 +157,7 @@ class OnnxRuntimeExecutor:
         drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64, device=self.device)
         _bind_output(binding, "draft_tokens", drafts)
         self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
-        return drafts[run.batch_rows.to(self.device)]
+        return drafts[run.batch_rows.to(self.device), :num_drafts]
 
     def append_context(self, hidden, starts, slots) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""

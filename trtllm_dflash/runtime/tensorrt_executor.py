@@ -187,8 +187,8 @@ class TensorRTExecutor:
                 logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden if capture else None)
 
-    def draft(self, anchors, starts, slots) -> torch.Tensor:
-        """Greedy drafts [B, block_size - 1] (argmax of the target's lm_head inside the plan)."""
+    def draft(self, anchors, starts, slots, num_drafts=None) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block)."""
         run = self._rows.run_of(slots)
         with self._on_own_stream():
             steps = torch.arange(self.block_size, device=self.device)
@@ -197,7 +197,7 @@ class TensorRTExecutor:
             self._execute("drafter_draft", {"block_ids": run.spread(block, self.mask_token_id),
                                             "positions": run.spread(starts[:, None] + steps, steps)},
                           {"draft_tokens": drafts}, self._drafter, run, write=False)
-            drafts = drafts[run.batch_rows.to(self.device)]
+            drafts = drafts[run.batch_rows.to(self.device), :num_drafts]
         return drafts
 
     def append_context(self, hidden, starts, slots) -> None:
