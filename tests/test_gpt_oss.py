@@ -186,13 +186,14 @@ def cli_build(tmp: Path, pair: Path, name: str, **fields) -> Path:
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
-@pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
-def test_tp2_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
-    one, two = cli_build(tmp_path, pair, "tp1"), cli_build(tmp_path, pair, "tp2", tp_size=2, moe_parallel=moe_parallel)
-    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+@pytest.mark.parametrize("tp_size,moe_parallel", [(2, "tp"), (2, "ep"), (4, "tp"), (4, "ep")])
+def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, tp_size, moe_parallel):
+    one = cli_build(tmp_path, pair, "tp1")
+    split = cli_build(tmp_path, pair, f"tp{tp_size}", tp_size=tp_size, moe_parallel=moe_parallel)
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(split / rank_file(r))) for r in range(tp_size)]
     name = "target.model.layers.1.mlp.experts.gate_up_proj"  # [E, H, 2I]
     dim = 0 if moe_parallel == "ep" else 2
-    assert ranks[0][name].shape[dim] * 2 == full[name].shape[dim]
+    assert ranks[0][name].shape[dim] * tp_size == full[name].shape[dim]
     assert torch.equal(torch.cat([r[name] for r in ranks], dim=dim), full[name])
     bias = "target.model.layers.1.mlp.experts.down_proj_bias"
     assert torch.equal(torch.cat([r[bias] for r in ranks]) if moe_parallel == "ep" else ranks[1][bias], full[bias])
@@ -202,8 +203,8 @@ def test_tp2_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
     prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input", str(prompts),
-           "--output", str(out)]
+    cmd = [str(MPIEXEC), "-n", str(tp_size), sys.executable, "-m", "trtllm_dflash.cli", "run", str(split), "--input",
+           str(prompts), "--output", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
