@@ -9,9 +9,9 @@ interpolated linearly in between; beyond the longest measured context, linearly 
 
 The measurement takes seconds (25.8 s for the 32-slot demo engine on one CPU thread) and is cached as JSON,
 keyed by what changes the numbers: the engine's manifest (its exact files), the backend, the CPU or GPU, the
-torch threads, the block size and slots. A
-profile whose key differs (another machine, other threads, a rebuilt engine copied over) is re-measured and
-replaced; a file that is not a profile at all is refused with one sentence (delete it to re-measure).
+torch threads, the block size and slots. A profile whose key differs (another machine, other threads, a rebuilt
+engine copied over) is re-measured and replaced; a file that is not a profile at all is refused with one
+sentence (delete it to re-measure).
 The cache cannot live in the engine directory, whose manifest admits no extra file: it lives under
 $TRTLLM_DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/trtllm-dflash, else ~/.cache/trtllm-dflash.
 """
