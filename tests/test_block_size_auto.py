@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -207,6 +208,43 @@ def test_any_verify_lengths_keep_dflash_equal_to_ar(biased_engines):
     assert set(policy.chosen) == set(range(1, 9))
     steps = [n for r in auto.values() for n in r.acceptance_lengths]
     assert max(steps) > 2  # drafts were accepted after AR steps: the drafter's context was kept up to date
+
+
+class FullBlock(RandomVerifyLength):
+    """Always the whole block: the prompt's features wait in `pending_context` until the first draft."""
+
+    def choose(self, batch: int, context: float, requests=()) -> int:
+        return self.block_size
+
+
+def drafter_context(ex, requests, auto, steps: int) -> list[torch.Tensor]:
+    """The drafter's cached keys of every layer, positions 0 .. start - 1 of each request's slot, after `steps`."""
+    decoder = Decoder(ex, "dflash", (), auto)
+    for r in requests:
+        decoder.submit(r)
+    for _ in range(steps):
+        decoder.step()
+    active = {a.slot: a.start for a in decoder._active}
+    return [k[slot, :start].clone() for k in ex.draft_cache.k for slot, start in sorted(active.items())]
+
+
+def test_deferred_prompt_context_reaches_the_drafter_at_its_positions(biased_engines):
+    # With --block-size auto the drafter gets the prompt's features just before the first draft (one call per
+    # distinct pending length: prompts of 3 .. 23 tokens, AR rows), not at admission: after the same steps its
+    # cache holds what plain dflash's holds, at the same positions.
+    ex = biased_engines[8].executor
+    reqs = [replace(r, max_new_tokens=60) for r in mixed_requests(ex.vocab_size, n=4)]
+    plain = drafter_context(ex, reqs, None, steps=3)
+    deferred = drafter_context(ex, reqs, FullBlock(ex.block_size), steps=3)
+    assert len(deferred) == len(plain) == 4 * len(ex.draft_cache.k)
+    for a, b in zip(deferred, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # and the tokens and acceptance of whole runs agree
+    greedy = [r for r in mixed_requests(ex.vocab_size) if r.temperature == 0.0]
+    runs = decode(ex, "dflash", greedy), decode(ex, "dflash", greedy, FullBlock(ex.block_size))
+    for req in greedy:
+        assert runs[0][req.id].output_token_ids == runs[1][req.id].output_token_ids
+        assert runs[0][req.id].acceptance_lengths == runs[1][req.id].acceptance_lengths, req.id
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,11 @@ from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
 
 
-# --block-size auto: plain AR steps hold back at most this many positions' features from the drafter (memory:
-# slots x this x len(target_layer_ids) x hidden_size), then add them in one call.
-MAX_PENDING_CONTEXT = 64
+# --block-size auto: the prompt and plain AR steps hold back at most this many positions' features from the
+# drafter per request (memory: slots x this x len(target_layer_ids) x hidden_size values; 400 MB in bfloat16
+# for 32 slots of a Qwen3-8B pair), then add them in one call. A request that never has a speculative step
+# before it ends never costs the drafter anything.
+MAX_PENDING_CONTEXT = 512
 
 
 @dataclass(frozen=True)
@@ -111,14 +113,18 @@ class _Active:
     output: list[int] = field(default_factory=list)  # committed tokens; the last one is the anchor
     acceptance_lengths: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)
-    # --block-size auto: target features [F] of the positions before `start` that plain AR steps committed and
-    # the drafter's context does not hold yet (added in one call before the next draft: one call per position
-    # would cost a tenth of an AR step on a small model)
+    # --block-size auto: target features [n, F] of the positions just before `start` (the prompt's, those plain AR
+    # steps committed) that the drafter's context does not hold yet, oldest first; added in one call before the
+    # next draft (one call per position would cost a tenth of an AR step on a small model)
     pending_context: list[torch.Tensor] = field(default_factory=list)
     acceptance: AcceptanceEstimate | None = None  # --block-size auto: this request's own acceptance estimate
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     first_token_at: float | None = None
+
+    @property
+    def num_pending(self) -> int:
+        return sum(chunk.shape[0] for chunk in self.pending_context)
 
     @property
     def start(self) -> int:
@@ -279,7 +285,10 @@ class Decoder:
         last = torch.tensor(lengths, device=slots.device) - 1
         out = self.executor.target_forward(tokens, zeros, slots, capture=self.mode == "dflash", last_index=last)
         first = sample_tokens(out.logits, sampling, (last + 1)[:, None])[:, 0]
-        if self.mode == "dflash":
+        if self.mode == "dflash" and self.auto_block is not None and max(lengths) <= MAX_PENDING_CONTEXT:
+            for row, a in enumerate(admitted):  # until a speculative step needs them
+                a.pending_context.append(out.hidden[row, : lengths[row]])
+        elif self.mode == "dflash":
             # Padding columns of shorter prompts land past their `start` and stay masked.
             self.executor.append_context(out.hidden, zeros, slots)
         for a, tok in zip(admitted, first.tolist()):
@@ -307,8 +316,8 @@ class Decoder:
             bonus = sample_tokens(out.logits, sampling, (starts + 1)[:, None])[:, 0]
             accepted = torch.zeros_like(bonus)
             for row, a in enumerate(active):
-                a.pending_context.append(out.hidden[row, 0])
-            if max(len(a.pending_context) for a in active) >= MAX_PENDING_CONTEXT:
+                a.pending_context.append(out.hidden[row, :1])
+            if max(a.num_pending for a in active) >= MAX_PENDING_CONTEXT:
                 self._flush_context(active, slots)
         else:
             self._flush_context(active, slots)
@@ -332,19 +341,18 @@ class Decoder:
             self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began)
 
     def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:
-        """Give the drafter the features that plain AR steps (k = 1) left pending, one call for the batch.
-
-        Request r's pending rows are positions start_r - n_r .. start_r - 1; shorter lists are padded, and the
-        padding lands at or after start_r, where the cache is garbage until written (the Executor contract)."""
-        n = max(len(a.pending_context) for a in active)
-        if n == 0:
-            return
-        hidden = active[0].pending_context[0].new_zeros(len(active), n, active[0].pending_context[0].shape[-1])
+        """Give the drafter the features that the prompt and plain AR steps (k = 1) left pending: request r's are
+        positions start_r - n_r .. start_r - 1. One call per distinct n_r (usually one or two: the AR steps'
+        rows, which every running request has alike, and a new request's prompt), so nothing is padded and no
+        write can run past a slot's last position."""
+        groups: dict[int, list[int]] = {}
         for row, a in enumerate(active):
             if a.pending_context:
-                hidden[row, : len(a.pending_context)] = torch.stack(a.pending_context)
-        starts = torch.tensor([a.start - len(a.pending_context) for a in active], device=slots.device)
-        self.executor.append_context(hidden, starts, slots)
+                groups.setdefault(a.num_pending, []).append(row)
+        for n, rows in groups.items():
+            hidden = torch.stack([torch.cat(active[row].pending_context) for row in rows])  # [len(rows), n, F]
+            starts = torch.tensor([active[row].start - n for row in rows], device=slots.device)
+            self.executor.append_context(hidden, starts, slots[rows])
         for a in active:
             a.pending_context.clear()
 
