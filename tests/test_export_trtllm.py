@@ -102,6 +102,17 @@ def resharded_equal_rank_files(export_dir: Path, engine: Path) -> None:
 # Pure: merging rank slices
 # ---------------------------------------------------------------------------------------------------------
 
+
+def assert_same_logits(engine, hf, ids: torch.Tensor) -> torch.Tensor:
+    """The engine's target and the exported checkpoint loaded by transformers give the same logits for `ids`;
+    returns transformers' logits."""
+    target = engine.executor.target
+    ours = target(ids[None], torch.arange(len(ids))[None], torch.tensor([0]), target.new_cache(1, 64)).logits
+    with torch.no_grad():
+        ref = hf(ids[None]).logits
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    return ref
+
 def test_merge_shards_inverts_every_kind_of_split():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 8, generator=g)
@@ -188,11 +199,7 @@ def test_target_loads_in_transformers_with_our_logits(demo):
     tokenizer = AutoTokenizer.from_pretrained(str(out / "target"))
     ids = torch.tensor(tokenizer("def fibonacci(n):\n    ")["input_ids"])
     engine = Engine.load(engine_dir)
-    target = engine.executor.target
-    ours = target(ids[None], torch.arange(len(ids))[None], torch.tensor([0]), target.new_cache(1, 64)).logits
-    with torch.no_grad():
-        ref = hf(ids[None]).logits
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    assert_same_logits(engine, hf, ids)
     assert hf.generation_config.eos_token_id in (engine.config.eos_token_ids, engine.config.eos_token_ids[0])
 
 
@@ -346,11 +353,7 @@ def test_gpt_oss_target_loads_in_transformers_with_our_logits(gpt_oss):
     assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 256)
     ids = torch.tensor([5, 17, 3, 99, 250, 7, 42, 11, 300, 8, 64, 2, 77, 19])  # longer than the sliding window 4
     engine = Engine.load(engine_dir)
-    target = engine.executor.target
-    ours = target(ids[None], torch.arange(len(ids))[None], torch.tensor([0]), target.new_cache(1, 64)).logits
-    with torch.no_grad():
-        ref = hf(ids[None]).logits
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    ref = assert_same_logits(engine, hf, ids)
     assert ref.std() > 0.1  # (logits that say something: the random weights are large enough)
 
 
