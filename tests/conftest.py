@@ -123,6 +123,24 @@ def qwen3_engine_dir(qwen3_pair, tmp_path_factory) -> Path:
     return build(qwen3_pair, tmp_path_factory.mktemp("qwen3_engine") / "engine")
 
 
+@pytest.fixture(scope="session")
+def gpt_oss_pair(tmp_path_factory) -> Path:
+    """A tiny gpt-oss target (4 experts, top 2; sinks; sliding window 4 / full layers) and its random drafter."""
+    root = tmp_path_factory.mktemp("gpt_oss_pair")
+    write_random_pair(root, "gpt_oss", block_size=8, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_ort_engine(gpt_oss_pair, tmp_path_factory) -> Path:
+    """gpt_oss_pair built with `backend: onnxruntime` (its ONNX graphs exported; ~30 s)."""
+    pytest.importorskip("onnxruntime")
+    cfg = BuildConfig(target=gpt_oss_pair / "target", drafter=gpt_oss_pair / "drafter", dtype="float32",
+                      output=tmp_path_factory.mktemp("gpt_oss_ort") / "engine", max_batch_size=4, max_seq_len=256,
+                      backend="onnxruntime")
+    return build_engine(cfg, progress=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need a CUDA device: skipped without one (pyproject.toml lists the tiers)."""
     if torch.cuda.is_available():

@@ -28,7 +28,6 @@ from trtllm_dflash.engine_dir import rank_file
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.train.random_pair import write_random_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -73,10 +72,8 @@ def write_mxfp4_copy(pair: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("gpt_oss_pair")
-    write_random_pair(root, "gpt_oss", block_size=8, seed=0)
-    return root
+def pair(gpt_oss_pair) -> Path:
+    return gpt_oss_pair  # tests/conftest.py: 4 experts (top 2), sinks, sliding window 4 / full layers
 
 
 @pytest.fixture(scope="module")
@@ -249,8 +246,9 @@ def test_unsupported_model_type_lists_the_supported_ones(pair, tmp_path, capsys)
 
 @pytest.mark.parametrize("fields, message", [
     ({"tp_size": 8, "moe_parallel": "ep"}, "num_local_experts 4 is not divisible by tp_size 8"),
-    ({"backend": "onnxruntime"}, None),  # onnx extra may be missing: either sentence is fine, one of them is given
-], ids=["ep-not-divisible", "onnx-backend"])
+    # (without the onnx extra the sentence says to install it instead: either one is given)
+    ({"backend": "onnxruntime", "quantization": "fp8"}, None),
+], ids=["ep-not-divisible", "quantized-experts-onnx-backend"])
 def test_build_options_a_gpt_oss_target_cannot_take(pair, tmp_path, capsys, fields, message):
     config = write_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
@@ -317,3 +315,78 @@ def test_sliding_window_drafter_is_refused(pair, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert f"{path}: layer_types has sliding_attention layers (sliding_window 4)" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "e").exists()
+
+
+# --- the compiled backends: ONNX graphs of gpt-oss (sinks, sliding window, experts) ---------------------------
+
+
+def test_exported_experts_form_equals_the_routed_loop(pair):
+    """MoEMLP's exported form (every local expert over every token, weighted by its routing weight or 0) equals the
+    routed loop unsharded, and its per-rank partial sums under tp and ep add up to it (what the graphs' all-reduce
+    does)."""
+    from trtllm_dflash.models.moe import MoEMLP
+    from trtllm_dflash.models.shard import shard_tensor, split_for
+    from trtllm_dflash.parallel.group import TPGroup
+
+    ckpt = load_target(pair / "target")
+    spec, prefix = ckpt.spec, "model.layers.1.mlp."
+    state = {n.removeprefix(prefix): ckpt.tensors.get(n).float() for n in ckpt.tensors.names() if n.startswith(prefix)}
+    x = torch.randn(3, 5, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    flat = x.flatten(0, 1)
+
+    def mlp(tp: TPGroup, parallel: str) -> MoEMLP:
+        m = MoEMLP(spec, tp, parallel)
+        m.load_state_dict({k: shard_tensor(v, split_for(prefix + k, spec, tp.size, tp.rank, parallel))
+                           for k, v in state.items()})
+        return m
+
+    full = mlp(TPGroup(), "tp")
+    ref = full(x)
+    assert len(set(full.router(flat)[1].flatten().tolist())) == spec.num_experts  # every expert is routed to
+    torch.testing.assert_close(full._every_expert(flat, *full.router(flat)).view_as(x), ref, atol=1e-5, rtol=1e-5)
+    for parallel in ("tp", "ep"):
+        ranks = [mlp(TPGroup(rank, 2), parallel) for rank in range(2)]
+        total = sum(m._every_expert(flat, *m.router(flat)) for m in ranks)
+        torch.testing.assert_close(total.view_as(x), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_onnxruntime_backend_gives_the_torch_executors_tokens(gpt_oss_ort_engine):
+    """The onnxruntime executor on gpt-oss graphs (sinks as ONNX Attention's extra key, the sliding window in the
+    mask, the experts in their exported form): the torch executor's tokens and acceptance, dflash and ar, greedy and
+    sampled, 7 requests through 4 slots, prompts longer than the window of 4."""
+    ort = Engine.load(gpt_oss_ort_engine)
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    torch_engine = Engine.load(gpt_oss_ort_engine, backend="torch")
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(id=i, prompt_token_ids=torch.randint(4, 500, (int(torch.randint(5, 20, (1,), generator=g)),),
+                                                         generator=g).tolist(),
+                    max_new_tokens=6 + 4 * i, temperature=0.0 if i % 2 == 0 else 0.8, seed=100 + i) for i in range(7)]
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                    for r in torch_engine.decoder(mode).generate(reqs)}
+        assert {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                for r in ort.decoder(mode).generate(reqs)} == expected, mode
+
+
+@pytest.mark.slow
+def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(gpt_oss_ort_engine):
+    """TensorRT-RTX (on the CPU) parses the target step into one native attention per layer (the sinks ride in its
+    additive mask), the KV-cache updates, RoPE and the routers' TopK, and builds plans for SM89 and SM120."""
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
+    from trtllm_dflash.compile.tensorrt_build import (
+        GRAPHS, build_plan, cache_length, engine_shapes, layer_types, mark_attention_decomposable, parse_graph)
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+
+    cfg = read_engine_config(gpt_oss_ort_engine)
+    layers = cfg.target["num_hidden_layers"]
+    path = graph_dir(gpt_oss_ort_engine, 0) / "target_step.onnx"
+    network = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network
+    types_ = layer_types(network)
+    assert (types_["ATTENTION_OUTPUT"], types_["KV_CACHE_UPDATE"], types_["ROTARY_EMBEDDING"], types_["TOPK"]) == (
+        layers, 2 * layers, 2 * layers, layers), types_
+    assert mark_attention_decomposable(rtx, network) == layers
+    for graph in GRAPHS:
+        plan = build_plan(rtx, graph_dir(gpt_oss_ort_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
+                          shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
+        assert len(plan) > 100_000, graph

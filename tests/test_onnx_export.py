@@ -28,6 +28,7 @@ from trtllm_dflash.compile.onnx_export import (
     export_engine_graphs,
 )
 from trtllm_dflash.compile.onnx_ops import tensor_scatter
+from trtllm_dflash.engine_dir import graph_dir
 from trtllm_dflash.models.quantized import quantize_inputs
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.core import block_input
@@ -95,11 +96,18 @@ def _kv_shape(model) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def export_family(request, tmp_path_factory):
-    """family -> (engine, graph dir, written files), each family exported once: the tiny random qwen3 pair, or
-    the llama one (llama3 RoPE, tied embeddings)."""
+    """family -> (engine, graph dir, written files), each family exported once: the tiny random qwen3 pair, the
+    llama one (llama3 RoPE, tied embeddings), or gpt-oss (attention sinks, sliding window, experts: the graphs its
+    `backend: onnxruntime` build exported)."""
     done = {}
 
     def export(family: str):
+        if family == "gpt_oss" and family not in done:
+            engine_dir = request.getfixturevalue("gpt_oss_ort_engine")
+            out = graph_dir(engine_dir, 0)
+            files = [out / f"{name}.onnx" for name in (TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT)]
+            files += [out / WEIGHTS_FILE, out / f"{ACCEPT}.onnx", out / f"{ACCEPT_PLUGIN}.onnx"]
+            done[family] = Engine.load(engine_dir, backend="torch"), out, files
         if family not in done:
             if family == "qwen3":
                 engine_dir = request.getfixturevalue("qwen3_engine_dir")
@@ -115,7 +123,7 @@ def export_family(request, tmp_path_factory):
     return export
 
 
-@pytest.fixture(params=["qwen3", "llama"])
+@pytest.fixture(params=["qwen3", "llama", "gpt_oss"])
 def exported(request, export_family):
     return export_family(request.param)
 

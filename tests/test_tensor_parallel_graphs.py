@@ -185,3 +185,37 @@ def test_tensorrt_rtx_builds_every_rank(rtx, tp_engines, tp):
             assert len(plan) > 50_000, (rank, graph)
             if QUANTIZATION[tp] == "nvfp4":
                 assert layer_types(parsed.network)["DYNAMIC_QUANTIZE"] > 0
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_ep_engine(gpt_oss_pair, tmp_path_factory) -> Path:
+    """The gpt-oss pair at tp 2 with expert parallelism (as the 120b config): 2 of its 4 experts per rank."""
+    cfg = BuildConfig(target=gpt_oss_pair / "target", drafter=gpt_oss_pair / "drafter", dtype="float16", tp_size=2,
+                      moe_parallel="ep", backend="tensorrt", max_batch_size=4, max_seq_len=128,
+                      output=tmp_path_factory.mktemp("gpt_oss_ep") / "engine")
+    return build_engine(cfg, force=False, progress=False)
+
+
+def test_gpt_oss_expert_parallel_ranks_hold_their_experts_and_collectives(gpt_oss_ep_engine, rtx):
+    """Each rank's target graph holds its own 2 experts (the rank file's bytes), all-reduces the experts' partial
+    sums like the dense MLP's, and TensorRT-RTX parses the collectives and builds the plan (SM89)."""
+    import onnx_ir as ir
+    from safetensors.torch import load_file
+
+    engine = gpt_oss_ep_engine
+    cfg = read_engine_config(engine)
+    expected = expected_collectives(engine)["target_step"]
+    for rank in range(2):
+        path = graph_dir(engine, rank) / "target_step.onnx"
+        onnx.checker.check_model(str(path))
+        model = ir.load(path)
+        collectives = [n for n in model.graph if n.op_type == "DistCollective"]
+        assert Counter(n.attributes["collective_operation"].as_string() for n in collectives) == expected
+        assert graph_placement(path) == (rank, 2)
+        weights = load_file(str(engine / f"rank{rank}.safetensors"))
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        stored = model.graph.initializers[f"target.{name}"].const_value
+        assert stored.shape[0] == 2 and stored.tobytes() == weights[f"target.{name}"].numpy().tobytes()
+        parsed = parse_graph(rtx, path, static_dims={"max_len": engine_shapes(cfg)["max_len"].max})
+        assert layer_types(parsed.network)["DIST_COLLECTIVE"] == sum(expected.values())
+        assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 50_000

@@ -96,7 +96,8 @@ captures (as a data-dependent size); under dynamo `torch.onnx.is_in_onnx_export(
 `torch.compiler.is_exporting()` and calls the ops `torch.ops.onnx.*` themselves. TensorScatter, which
 torch.onnx.ops lacks, is a custom op with an onnxscript translation (onnx_ops.py). Exporting twice gives
 byte-identical files (node stack traces, which hold file paths, are dropped).
-Not covered: attention sinks, mixture-of-experts (refused with a ValueError); logits come for every column
+gpt-oss: the attention sinks are an extra zero key with the sink as its additive mask, the experts an exported
+form without data-dependent shapes (docs/backends.md §gpt-oss in the graphs). Logits come for every column
 (no `last_index`: a prefill pays lm_head for the whole prompt); bfloat16 graphs export and pass the
 checker, but onnxruntime's CPU EP has no bfloat16 MatMul / Mul kernels (they are for TensorRT / GPU EPs).
 """

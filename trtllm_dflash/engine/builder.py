@@ -85,12 +85,13 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 
 
 def check_moe_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What a mixture-of-experts (gpt-oss) target can be built into today: the torch executor."""
+    """What a mixture-of-experts (gpt-oss) target can be built into: every backend unquantized; quantized experts
+    run on the torch executor only (the exported graphs would hold them dequantized, see docs/backends.md)."""
     if not spec.num_experts:
         return
-    if cfg.backend != "torch":
-        raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (attention "
-                        "sinks and mixture-of-experts layers); use backend: torch for this engine.")
+    if cfg.backend != "torch" and cfg.quantization != "none":
+        raise UserError(f"{source}: backend {cfg.backend} cannot export {cfg.quantization} experts of "
+                        f"{spec.model_type} targets yet; use backend: torch or quantization: none for this engine.")
 
 
 def check_gemma4_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:

@@ -192,10 +192,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         raise ValueError("an attention scale other than head_dim ** -0.5 (Gemma 4) is only supported by the "
                          "torch executor, without sinks; use backend: torch for this engine.")
     if sinks is not None:
-        if exporting():
-            raise ValueError("ONNX export of attention with sinks (gpt-oss) is not supported yet; "
-                             "use backend: torch for this engine.")
-        return _attend_with_sinks(q, k, v, mask, sinks)
+        return _exported_attend_with_sinks(q, k, v, mask, sinks) if exporting() else _attend_with_sinks(
+            q, k, v, mask, sinks)
     if exporting():  # ONNX Attention: grouped KV heads from the shapes, same default scale
         out = torch.ops.onnx.Attention.opset23(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask[:, None])[0]
@@ -220,6 +218,24 @@ def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1]
     return (probs.to(v.dtype) @ v).transpose(1, 2).flatten(2)
+
+
+def _exported_attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                                sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks as ONNX's own Attention node (which has no sink input), so TensorRT still gets its
+    native attention layer: one extra key and value of zeros, whose score q.0 = 0 plus an additive mask of
+    sinks[h] is exactly the sink logit, and whose value adds nothing. The boolean mask becomes additive (0 or the
+    dtype's lowest), the same softmax over [scores, sink] as _attend_with_sinks."""
+    b, tq = q.shape[:2]
+    heads = q.shape[2]
+    zero = k.new_zeros(b, 1, *k.shape[2:])  # [B, 1, kv_heads, hd]
+    k, v = torch.cat([k, zero], dim=1), torch.cat([v, zero], dim=1)
+    bias = torch.where(mask, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)  # [B, Tq, Tk]
+    sink = sinks.to(q.dtype)[None, :, None, None].expand(b, heads, tq, 1)
+    bias = torch.cat([bias[:, None].expand(b, heads, tq, mask.shape[-1]), sink], dim=-1)  # [B, heads, Tq, Tk + 1]
+    out = torch.ops.onnx.Attention.opset23(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=bias)[0]
+    return out.transpose(1, 2).flatten(2)
 
 
 class KVCache:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trtllm_dflash.models.layers import exporting
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
@@ -101,6 +102,8 @@ class MoEMLP(nn.Module):
         # x: [B, T, hidden] -> [B, T, hidden]
         flat = x.flatten(0, -2)
         weights, idx = self.router(flat)
+        if exporting():
+            return self.tp.all_reduce(self._every_expert(flat, weights, idx)).view_as(x)
         ex = self.experts
         out = torch.zeros_like(flat)
         quantized_flat = ex.gate_up_proj_input(flat)  # (identity unless the experts are quantized)
@@ -116,3 +119,16 @@ class MoEMLP(nn.Module):
                 y = y + ex.down_proj_bias[local]
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return self.tp.all_reduce(out).view_as(x)
+
+    def _every_expert(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The exported form (no data-dependent shapes): every local expert over every token, the outputs summed
+        with each token's routing weight of that expert (0 where it was not chosen). The same result as the loop
+        above, at num_experts / top_k times its multiply-adds: see docs/backends.md §Mixture of experts."""
+        ex = self.experts
+        local = ex.first + torch.arange(ex.gate_up_proj.shape[0], device=flat.device)  # [E]
+        combine = ((idx[:, :, None] == local).to(weights.dtype) * weights[:, :, None]).sum(1)  # [N, E]
+        h = gated_activation(ex.gate_up_proj_input(flat) @ ex.gate_up_proj + ex.gate_up_proj_bias[:, None])
+        y = ex.down_proj_input(h) @ ex.down_proj  # [E, N, hidden]
+        if ex.adds_down_bias:
+            y = y + ex.down_proj_bias[:, None]
+        return (y * combine.T[:, :, None].to(y.dtype)).sum(0).to(flat.dtype)
