@@ -132,20 +132,24 @@ def gpt_oss_pair(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpt_oss_ort_engine(gpt_oss_pair, tmp_path_factory) -> Path:
-    """gpt_oss_pair built with `backend: onnxruntime` (its ONNX graphs exported; ~30 s)."""
-    pytest.importorskip("onnxruntime")
-    cfg = BuildConfig(target=gpt_oss_pair / "target", drafter=gpt_oss_pair / "drafter", dtype="float32",
-                      output=tmp_path_factory.mktemp("gpt_oss_ort") / "engine", max_batch_size=4, max_seq_len=256,
-                      backend="onnxruntime")
-    return build_engine(cfg, progress=False)
+def ort_engine_dir(request, tmp_path_factory):
+    """family ("qwen3", "llama", "gpt_oss") -> that random pair built with `backend: onnxruntime` (its ONNX graphs
+    exported, 30-60 s each), built on first use and shared by every test module."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        pytest.importorskip("onnxruntime")
+        if family not in built:
+            pair = request.getfixturevalue(f"{family}_pair")
+            cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32", max_batch_size=4,
+                              max_seq_len=256, backend="onnxruntime",
+                              output=tmp_path_factory.mktemp(f"ort_{family}") / "engine")
+            built[family] = build_engine(cfg, progress=False)
+        return built[family]
+
+    return get
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped without one (pyproject.toml lists the tiers)."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (marker gpu)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+@pytest.fixture(scope="session")
+def gpt_oss_ort_engine(ort_engine_dir) -> Path:
+    return ort_engine_dir("gpt_oss")

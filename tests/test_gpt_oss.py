@@ -246,9 +246,8 @@ def test_unsupported_model_type_lists_the_supported_ones(pair, tmp_path, capsys)
 
 @pytest.mark.parametrize("fields, message", [
     ({"tp_size": 8, "moe_parallel": "ep"}, "num_local_experts 4 is not divisible by tp_size 8"),
-    # (without the onnx extra the sentence says to install it instead: either one is given)
-    ({"backend": "onnxruntime", "quantization": "fp8"}, None),
-], ids=["ep-not-divisible", "quantized-experts-onnx-backend"])
+    ({"backend": "onnxruntime", "quantization": "nvfp4"}, "backend onnxruntime builds quantization none or fp8"),
+], ids=["ep-not-divisible", "nvfp4-onnx-backend"])
 def test_build_options_a_gpt_oss_target_cannot_take(pair, tmp_path, capsys, fields, message):
     config = write_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR

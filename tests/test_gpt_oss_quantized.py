@@ -49,7 +49,9 @@ def pair(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["nvfp4", "fp8"])
 def quantized(request, pair, tmp_path_factory) -> tuple[str, Path]:
     fmt, tmp = request.param, tmp_path_factory.mktemp(f"gpt_oss_{request.param}")
-    return fmt, cli_build(tmp, pair, "tp1", quantization=fmt, **CALIBRATION)
+    # the FP8 engine also gets ONNX graphs (onnxruntime runs FP8 Q/DQ; NVFP4 graphs: test_tensor_parallel_graphs.py)
+    backend = {"backend": "onnxruntime"} if fmt == "fp8" else {}
+    return fmt, cli_build(tmp, pair, "tp1", quantization=fmt, **CALIBRATION, **backend)
 
 
 def test_engine_holds_what_modelopt_exports_for_the_whole_model(quantized, pair):
@@ -77,7 +79,7 @@ def test_engine_holds_what_modelopt_exports_for_the_whole_model(quantized, pair)
 def test_experts_are_dequantized_exactly_and_their_inputs_quantized(quantized):
     fmt, engine_dir = quantized
     stored = load_file(str(engine_dir / rank_file(0)))
-    experts = Engine.load(engine_dir).executor.target.model.layers[1].mlp.experts
+    experts = Engine.load(engine_dir, backend="torch").executor.target.model.layers[1].mlp.experts
     for p in EXPERT_WEIGHTS:
         q = read_quantized_experts(stored, EXPERTS.format(1, p))
         assert q.fmt == fmt and q.input_scale is not None
@@ -91,9 +93,49 @@ def test_experts_are_dequantized_exactly_and_their_inputs_quantized(quantized):
         assert isinstance(quant, ActivationQuant) and quant.fmt == fmt and torch.equal(quant.input_scale, q.input_scale)
 
 
+def test_stored_experts_of_an_export_dequantize_to_the_executors_experts(quantized, tmp_path):
+    """What an ONNX graph of quantized experts holds (the stored FP8 / NVFP4 experts; NVFP4 re-laid as [E, N, K/2]
+    for ONNX's FLOAT4E2M1 packing) dequantizes, through the graph's own dequantize op, to exactly the experts the
+    torch executor runs; without them the export is refused before anything is written."""
+    from trtllm_dflash.compile.onnx_export import export_engine_graphs, keep_stored_weights
+
+    fmt, engine_dir = quantized
+    target = Engine.load(engine_dir, backend="torch").executor.target
+    stored = load_file(str(engine_dir / rank_file(0)))
+    state = {k.removeprefix("target."): v for k, v in stored.items()}
+    keep_stored_weights(target, {k: v for k, v in state.items() if ".mlp.experts." not in k})  # the linears only
+    with pytest.raises(ValueError, match=r"target\.model\.layers\.0\.mlp\.experts\.gate_up_proj: quantized experts "
+                                         r"are exported only with their stored weights"):
+        export_engine_graphs(target, None, tmp_path)
+    assert not list(tmp_path.iterdir())
+    assert keep_stored_weights(target, state) == 4 * 6  # q/k/v/o and the two expert projections per layer
+    for layer in target.model.layers:
+        experts = layer.mlp.experts
+        assert experts.stored_formats == {p: fmt for p in EXPERT_WEIGHTS}
+        for p in EXPERT_WEIGHTS:
+            assert torch.equal(experts.weight(p).to(getattr(experts, p).dtype), getattr(experts, p)), p
+
+
+def test_fp8_experts_in_onnxruntime_give_the_torch_executors_tokens(quantized):
+    """The FP8 engine's graphs (FP8 expert initializers, Q/DQ of the experts' inputs) in the onnxruntime executor:
+    the torch executor's tokens and acceptance, dflash and ar, greedy and sampled."""
+    fmt, engine_dir = quantized
+    if fmt != "fp8":
+        pytest.skip("onnxruntime has no kernel for TensorRT's FP4 quantize node (NVFP4 graphs: TensorRT-RTX builds "
+                    "them in tests/test_tensor_parallel_graphs.py)")
+    ort, reference = Engine.load(engine_dir), Engine.load(engine_dir, backend="torch")
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    reqs = requests(reference.executor.vocab_size)
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                    for r in reference.decoder(mode).generate(reqs)}
+        assert {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                for r in ort.decoder(mode).generate(reqs)} == expected, mode
+
+
 def test_quantized_engine_is_lossless_against_itself(quantized):
     fmt, engine_dir = quantized
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, backend="torch")
     reqs = requests(engine.executor.vocab_size)
     dflash = {r.request.id: r.output_token_ids for r in Decoder(engine.executor, "dflash", ()).generate(reqs)}
     ar = {r.request.id: r.output_token_ids for r in Decoder(engine.executor, "ar", ()).generate(reqs)}

@@ -16,7 +16,6 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from tests.conftest import build
 from trtllm_dflash.compile.onnx_export import (
     ACCEPT,
     ACCEPT_PLUGIN,
@@ -95,29 +94,20 @@ def _kv_shape(model) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def export_family(request, tmp_path_factory):
-    """family -> (engine, graph dir, written files), each family exported once: the tiny random qwen3 pair, the
-    llama one (llama3 RoPE, tied embeddings), or gpt-oss (attention sinks, sliding window, experts: the graphs its
-    `backend: onnxruntime` build exported)."""
+def export_family(ort_engine_dir):
+    """family -> (a fresh torch executor's engine, graph dir, graph files) of the family's `backend: onnxruntime`
+    engine (tests/conftest.py; shared with tests/test_onnxruntime_backend.py): the tiny random qwen3 pair, the
+    llama one (llama3 RoPE, tied embeddings), or gpt-oss (attention sinks, sliding window, experts)."""
     done = {}
 
     def export(family: str):
-        if family == "gpt_oss" and family not in done:
-            engine_dir = request.getfixturevalue("gpt_oss_ort_engine")
+        if family not in done:
+            engine_dir = ort_engine_dir(family)
             out = graph_dir(engine_dir, 0)
             files = [out / f"{name}.onnx" for name in (TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT)]
             files += [out / WEIGHTS_FILE, out / f"{ACCEPT}.onnx", out / f"{ACCEPT_PLUGIN}.onnx"]
+            # A fresh torch executor: its caches start empty, like the onnxruntime ones.
             done[family] = Engine.load(engine_dir, backend="torch"), out, files
-        if family not in done:
-            if family == "qwen3":
-                engine_dir = request.getfixturevalue("qwen3_engine_dir")
-            else:
-                engine_dir = build(request.getfixturevalue("llama_pair"), tmp_path_factory.mktemp("llama_engine") / "e")
-            engine = Engine.load(engine_dir)
-            out = tmp_path_factory.mktemp(f"onnx_{family}")
-            files = export_engine_graphs(engine.executor.target, engine.executor.drafter, out)
-            # A fresh executor: its caches start empty, like the onnxruntime ones.
-            done[family] = Engine.load(engine_dir), out, files
         return done[family]
 
     return export
@@ -228,8 +218,10 @@ def test_onnxruntime_equals_the_torch_executor(exported):
 
 @pytest.mark.slow
 def test_export_is_deterministic(export_family, tmp_path):
+    """Exporting the modules again gives the build's files byte for byte."""
     engine, _, files = export_family("qwen3")
     again = export_engine_graphs(engine.executor.target, engine.executor.drafter, tmp_path)
+    assert [f.name for f in again] == [f.name for f in files]
     assert [f.read_bytes() for f in again] == [f.read_bytes() for f in files]
 
 

@@ -25,27 +25,14 @@ def build(pair, out, **fields):
     return build_engine(cfg, progress=False)
 
 
-@pytest.fixture(scope="module")
-def ort_engines(tmp_path_factory):
-    """family -> an onnxruntime engine of that random pair, built once (an export takes ~20 s)."""
-    return {}
-
-
 @pytest.fixture(params=["qwen3", "llama"])
-def ort_engine(request, ort_engines, tmp_path_factory):
-    return _ort_engine(request, ort_engines, tmp_path_factory, request.param)
+def ort_engine(request, ort_engine_dir):
+    return ort_engine_dir(request.param)  # tests/conftest.py: shared with tests/test_onnx_export.py
 
 
 @pytest.fixture
-def qwen3_ort_engine(request, ort_engines, tmp_path_factory):
-    return _ort_engine(request, ort_engines, tmp_path_factory, "qwen3")
-
-
-def _ort_engine(request, cache, tmp_path_factory, family):
-    if family not in cache:
-        pair = request.getfixturevalue(f"{family}_pair")
-        cache[family] = build(pair, tmp_path_factory.mktemp(f"ort_{family}") / "engine")
-    return cache[family]
+def qwen3_ort_engine(ort_engine_dir):
+    return ort_engine_dir("qwen3")
 
 
 def requests(vocab: int) -> list[Request]:

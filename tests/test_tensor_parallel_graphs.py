@@ -3,9 +3,10 @@
 Every rank's graphs pass onnx.checker, hold TensorRT's DistCollective node for each collective of the sharded
 model (an all-reduce per row-parallel projection and for the vocab-parallel embedding, an all-gather of the
 logits' vocabulary shards), say which rank of which split they are, and, with TensorRT-RTX installed, parse
-into DIST_COLLECTIVE layers and build into plans on the CPU: fp16 for SM89 and SM120 (tp 4), NVFP4 (the tp 2
-engine: FLOAT4E2M1 weights, TRT_FP4DynamicQuantize inputs) for SM120. `compile` refuses a graph of another
-rank or split before TensorRT parses anything.
+into DIST_COLLECTIVE layers and build into plans on the CPU: fp16 for SM89 and SM120 (tp 4, Qwen3), NVFP4 (the
+tp 2 engine: gpt-oss with its experts split by expert parallelism, FLOAT4E2M1 weights and experts,
+TRT_FP4DynamicQuantize inputs) for SM120. `compile` refuses a graph of another rank or split before TensorRT
+parses anything.
 
 Not shown here: the numbers. onnxruntime cannot run DistCollective, and no machine of ours runs TensorRT on
 two GPUs; the modules the graphs are traced from are the ones tests/test_tensor_parallel.py runs under MPI.
@@ -45,27 +46,29 @@ pytestmark = [pytest.mark.slow,
 SIZES = (2, 4)
 
 
-# tp -> the build's quantization: the tp 2 engine is NVFP4 (target and drafter), so its graphs also show
-# NVFP4 through the collectives; the tp 4 engine is unquantized
+# tp -> the build's quantization: the tp 2 engine is the gpt-oss pair with NVFP4 target (experts too) and drafter,
+# its experts split by expert parallelism (as the 120b config), so its graphs also show NVFP4 and the experts
+# through the collectives; the tp 4 engine is a Qwen3 pair, unquantized
 QUANTIZATION = {2: "nvfp4", 4: "none"}
 # NVFP4 plans need FP4 tensor cores: TensorRT-RTX refuses SM89 for them ("HW-specific datatypes: fp4_e2m1")
 TARGETS = {"nvfp4": ["SM120"], "none": ["SM89", "SM120"]}
 
 
 @pytest.fixture(scope="module")
-def tp_engines(tmp_path_factory) -> dict[int, Path]:
-    """A random Qwen3 pair (4 KV heads, so tp 4 splits them) built for TensorRT at tp 2 (NVFP4) and tp 4."""
+def tp_engines(gpt_oss_pair, tmp_path_factory) -> dict[int, Path]:
+    """Built for TensorRT: tp 2, the gpt-oss pair (4 experts, 2 per rank) in NVFP4; tp 4, a random Qwen3 pair
+    (4 KV heads, so tp 4 splits them; 2 layers and a 1-layer drafter, as each layer adds export time) in float16."""
     root = tmp_path_factory.mktemp("tp_graphs")
-    write_random_pair(root / "pair", "qwen3", num_kv_heads=4, block_size=4)
-    engines = {}
-    for tp in SIZES:
-        quantized = QUANTIZATION[tp] != "none"
-        cfg = BuildConfig(target=root / "pair" / "target", drafter=root / "pair" / "drafter",
-                          output=root / f"tp{tp}", dtype="float16" if not quantized else "bfloat16", tp_size=tp,
-                          backend="tensorrt", max_batch_size=4, max_seq_len=128, quantization=QUANTIZATION[tp],
-                          quantize_drafter=quantized, calibration_samples=8)
-        engines[tp] = build_engine(cfg, force=False, progress=False)
-    return engines
+    write_random_pair(root / "pair", "qwen3", num_kv_heads=4, block_size=4, num_layers=2, draft_layers=1)
+    common = dict(backend="tensorrt", max_batch_size=4, max_seq_len=128)
+    return {
+        2: build_engine(BuildConfig(target=gpt_oss_pair / "target", drafter=gpt_oss_pair / "drafter", tp_size=2,
+                                    output=root / "tp2", dtype="bfloat16", quantization="nvfp4", quantize_drafter=True,
+                                    moe_parallel="ep", calibration_samples=4, calibration_max_tokens=24, **common),
+                        force=False, progress=False),
+        4: build_engine(BuildConfig(target=root / "pair" / "target", drafter=root / "pair" / "drafter", tp_size=4,
+                                    output=root / "tp4", dtype="float16", **common), force=False, progress=False),
+    }
 
 
 def expected_collectives(tp_engine: Path) -> dict[str, Counter]:
@@ -106,9 +109,11 @@ def test_every_rank_has_checked_graphs_with_its_collectives(tp_engines, tp):
 
 
 def test_nvfp4_graphs_hold_the_stored_weights_and_fp4_quantize_nodes(tp_engines):
-    """Each NVFP4 linear of each rank: its packed E2M1 bytes, FP8 block scales and global scale are the rank
-    file's own (a FLOAT4E2M1 initializer holds the checkpoint's bytes as they are), and each quantized input
-    goes through TensorRT's TRT_FP4DynamicQuantize (q/k/v and gate/up share theirs)."""
+    """Each NVFP4 linear and experts projection of each rank: its packed E2M1 bytes, FP8 block scales and global
+    scale are the rank file's own (a FLOAT4E2M1 initializer holds the checkpoint's bytes as they are; the experts,
+    stored by ModelOpt packed along K as [E, K/2, N], as the linears they are, [E, N, K/2], since ONNX packs along
+    the innermost axis); each rank holds its own 2 of the 4 experts; each quantized input goes through TensorRT's
+    TRT_FP4DynamicQuantize (q/k/v and gate/up share theirs)."""
     import onnx_ir as ir
     from safetensors.torch import load_file
 
@@ -116,18 +121,27 @@ def test_nvfp4_graphs_hold_the_stored_weights_and_fp4_quantize_nodes(tp_engines)
     target, drafter, _ = engine_specs(read_engine_config(engine))
     for rank in range(2):
         weights = load_file(str(engine / f"rank{rank}.safetensors"))
-        for graph, layers, linears in (("target_step", target.num_layers, 7), ("drafter_draft", drafter.num_layers, 7)):
+        for graph, prefix, layers, linears in (("target_step", "target.", target.num_layers, 4),
+                                               ("drafter_draft", "drafter.", drafter.num_layers, 7)):
             model = ir.load(graph_dir(engine, rank) / f"{graph}.onnx")
             stored = {name: v.const_value for name, v in model.graph.initializers.items()
                       if name.endswith(".stored_weight")}
             assert len(stored) == linears * layers and all(t.dtype == ir.DataType.FLOAT4E2M1 for t in stored.values())
             for name, tensor in stored.items():
-                prefix = name.removesuffix(".stored_weight")
-                assert tensor.tobytes() == weights[f"{prefix}.weight"].numpy().tobytes(), name
-                scale = model.graph.initializers[f"{prefix}.stored_weight_scale"].const_value
-                assert scale.tobytes() == weights[f"{prefix}.weight_scale"].view(torch.uint8).numpy().tobytes()
+                module = name.removesuffix(".stored_weight")
+                assert tensor.tobytes() == weights[f"{module}.weight"].numpy().tobytes(), name
+                scale = model.graph.initializers[f"{module}.stored_weight_scale"].const_value
+                assert scale.tobytes() == weights[f"{module}.weight_scale"].view(torch.uint8).numpy().tobytes()
             ops = Counter(node.op_type for node in model.graph)
-            assert ops["TRT_FP4DynamicQuantize"] == 4 * layers, (graph, ops)  # qkv, o, gate/up, down
+            assert ops["TRT_FP4DynamicQuantize"] == 4 * layers, (graph, ops)  # q/k/v, o, gate/up (experts: theirs), down
+            if graph != "target_step":
+                continue
+            for layer in range(layers):
+                for projection in ("gate_up_proj", "down_proj"):
+                    name = f"{prefix}model.layers.{layer}.mlp.experts.{projection}"
+                    experts = model.graph.initializers[f"{name}_stored_weight"].const_value
+                    assert experts.dtype == ir.DataType.FLOAT4E2M1 and experts.shape[0] == 2
+                    assert experts.tobytes() == weights[name].transpose(1, 2).contiguous().numpy().tobytes(), name
 
 
 def test_ranks_hold_different_shards(tp_engines):
@@ -156,7 +170,7 @@ def test_compile_refuses_a_graph_of_another_rank_or_split(tp_engines, tmp_path, 
 
 
 def test_onnxruntime_backend_stays_tp_1(tp_engines, tmp_path, capsys):
-    pair = tp_engines[2].parent / "pair"
+    pair = tp_engines[4].parent / "pair"
     config = tmp_path / "b.yaml"
     config.write_text(f"target: {pair / 'target'}\ndrafter: {pair / 'drafter'}\noutput: {tmp_path / 'e'}\n"
                       "backend: onnxruntime\ntp_size: 2\n")
@@ -187,35 +201,11 @@ def test_tensorrt_rtx_builds_every_rank(rtx, tp_engines, tp):
                 assert layer_types(parsed.network)["DYNAMIC_QUANTIZE"] > 0
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_ep_engine(gpt_oss_pair, tmp_path_factory) -> Path:
-    """The gpt-oss pair at tp 2 with expert parallelism (as the 120b config): 2 of its 4 experts per rank."""
-    cfg = BuildConfig(target=gpt_oss_pair / "target", drafter=gpt_oss_pair / "drafter", dtype="float16", tp_size=2,
-                      moe_parallel="ep", backend="tensorrt", max_batch_size=4, max_seq_len=128,
-                      output=tmp_path_factory.mktemp("gpt_oss_ep") / "engine")
-    return build_engine(cfg, force=False, progress=False)
+def test_a_failed_rank_export_names_the_rank(tp_engines, tmp_path):
+    """Ranks export in processes of their own (builder.export_graphs): a failure in one says which rank and why."""
+    from trtllm_dflash.engine.builder import export_graphs
 
-
-def test_gpt_oss_expert_parallel_ranks_hold_their_experts_and_collectives(gpt_oss_ep_engine, rtx):
-    """Each rank's target graph holds its own 2 experts (the rank file's bytes), all-reduces the experts' partial
-    sums like the dense MLP's, and TensorRT-RTX parses the collectives and builds the plan (SM89)."""
-    import onnx_ir as ir
-    from safetensors.torch import load_file
-
-    engine = gpt_oss_ep_engine
-    cfg = read_engine_config(engine)
-    expected = expected_collectives(engine)["target_step"]
-    for rank in range(2):
-        path = graph_dir(engine, rank) / "target_step.onnx"
-        onnx.checker.check_model(str(path))
-        model = ir.load(path)
-        collectives = [n for n in model.graph if n.op_type == "DistCollective"]
-        assert Counter(n.attributes["collective_operation"].as_string() for n in collectives) == expected
-        assert graph_placement(path) == (rank, 2)
-        weights = load_file(str(engine / f"rank{rank}.safetensors"))
-        name = "model.layers.0.mlp.experts.gate_up_proj"
-        stored = model.graph.initializers[f"target.{name}"].const_value
-        assert stored.shape[0] == 2 and stored.tobytes() == weights[f"target.{name}"].numpy().tobytes()
-        parsed = parse_graph(rtx, path, static_dims={"max_len": engine_shapes(cfg)["max_len"].max})
-        assert layer_types(parsed.network)["DIST_COLLECTIVE"] == sum(expected.values())
-        assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 50_000
+    shutil.copy(tp_engines[2] / "config.json", tmp_path / "config.json")  # no rank files: the export cannot load them
+    with pytest.raises(RuntimeError, match=r"exporting rank \d's graphs failed \(exit 1\): .*rank\d\.safetensors"):
+        export_graphs(tmp_path, read_engine_config(tmp_path), workers=2)
+    assert not (tmp_path / "onnx").exists()

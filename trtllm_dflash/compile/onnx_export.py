@@ -119,7 +119,9 @@ from torch.export import Dim
 from trtllm_dflash.compile.accept_graph import export_accept_graph, plugin_accept_graph
 from trtllm_dflash.compile.onnx_ops import TRANSLATIONS, GraphKVCache
 from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.quantized import QuantizedInput
+from trtllm_dflash.models.moe import Experts
+from trtllm_dflash.models.quantized import ActivationQuant, QuantizedInput
+from trtllm_dflash.quantize.experts import EXPERT_WEIGHTS, read_quantized_experts
 from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
 from trtllm_dflash.models.target import TargetModel
 
@@ -250,11 +252,18 @@ def _check_exportable(model: nn.Module, what: str) -> None:
         if isinstance(module, QuantizedInput) and module.stored_weight is None:
             raise ValueError(f"{what}.{name}: {module.fmt} linears are exported only with their stored weight "
                              "(keep_stored_weights)")
+        if isinstance(module, Experts):
+            for projection in EXPERT_WEIGHTS:
+                quantized = isinstance(getattr(module, f"{projection}_input"), ActivationQuant)
+                if quantized and projection not in module.stored_formats:
+                    raise ValueError(f"{what}.{name}.{projection}: quantized experts are exported only with their "
+                                     "stored weights (keep_stored_weights)")
 
 
 def keep_stored_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> int:
-    """Give every QuantizedInput of `model` its stored weight from `state` (the model's own tensors in ModelOpt's
-    unified format, HF names), so its graph holds FP8 / NVFP4 weights and Q/DQ nodes; returns how many."""
+    """Give every QuantizedInput of `model` its stored weight, and every quantized experts projection its stored
+    experts, from `state` (the model's own tensors in ModelOpt's unified format, HF names), so its graph holds
+    FP8 / NVFP4 weights and Q/DQ nodes; returns how many."""
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, QuantizedInput):
@@ -262,6 +271,12 @@ def keep_stored_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> 
             assert q is not None, name
             module.keep_stored_weight(q)
             count += 1
+        elif isinstance(module, Experts):
+            for projection in EXPERT_WEIGHTS:
+                experts = read_quantized_experts(state, f"{name}.{projection}")
+                if experts is not None:
+                    module.keep_stored(projection, experts)
+                    count += 1
     return count
 
 

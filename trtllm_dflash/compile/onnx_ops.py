@@ -208,14 +208,17 @@ def _(x, input_scale):
 
 @torch.library.custom_op("dflash_onnx::nvfp4_dequantize", mutates_args=())
 def nvfp4_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """An NVFP4 weight (packed float4_e2m1fn_x2 [out, in/2]) as float32 [out, in] (quantize/nvfp4.py)."""
-    q = NVFP4Weight(weight.view(torch.uint8), weight_scale, weight_scale_2.reshape(()))
-    return dequantize_nvfp4(q, torch.float32)
+    """An NVFP4 weight (packed float4_e2m1fn_x2 [..., out, in/2]: a linear, or experts [E, N, K/2]) as float32
+    [..., out, in] (quantize/nvfp4.py)."""
+    *lead, out, half = weight.shape
+    q = NVFP4Weight(weight.view(torch.uint8).reshape(-1, half), weight_scale.reshape(-1, weight_scale.shape[-1]),
+                    weight_scale_2.reshape(()))
+    return dequantize_nvfp4(q, torch.float32).reshape(*lead, out, 2 * half)
 
 
 @nvfp4_dequantize.register_fake
 def _(weight, weight_scale, weight_scale_2):
-    return torch.empty((weight.shape[0], 2 * weight.shape[1]), dtype=torch.float32, device=weight.device)
+    return torch.empty((*weight.shape[:-1], 2 * weight.shape[-1]), dtype=torch.float32, device=weight.device)
 
 
 def _fp4_dynamic_quantize_schema() -> OpSchema:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 import warnings
 from collections import abc
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -84,16 +88,6 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
                         f"'trtllm-dflash[onnx]' ({exc}).") from None
 
 
-def check_moe_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What a mixture-of-experts (gpt-oss) target can be built into: every backend unquantized; quantized experts
-    run on the torch executor only (the exported graphs would hold them dequantized, see docs/backends.md)."""
-    if not spec.num_experts:
-        return
-    if cfg.backend != "torch" and cfg.quantization != "none":
-        raise UserError(f"{source}: backend {cfg.backend} cannot export {cfg.quantization} experts of "
-                        f"{spec.model_type} targets yet; use backend: torch or quantization: none for this engine.")
-
-
 def check_gemma4_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
     """What a Gemma 4 target can be built into today: the torch executor (the exported graphs have one head_dim
     and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in yet)."""
@@ -118,6 +112,30 @@ def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: st
         raise UserError(f"{what}, which backend {cfg.backend} does not support yet; use backend: torch.")
     if cfg.quantize_drafter:
         raise UserError(f"{what}, which quantize_drafter does not support yet; use quantize_drafter: false.")
+
+
+def export_graphs(root: Path, cfg: EngineConfig, workers: int | None = None) -> None:
+    """Every rank's graphs (ROOT holds config.json and the rank files). One rank is exported here; several run in
+    up to `workers` (default: the CPU cores) processes of their own (engine/export_rank.py), since an export is
+    mostly single-threaded Python: a tp 8 engine on an 8-core machine exports in about the time of one rank."""
+    ranks = range(cfg.mapping.tp_size)
+    workers = min(len(ranks), workers or os.cpu_count() or 1)
+    if workers == 1:
+        for rank in ranks:
+            export_rank_graphs(root, cfg, rank)
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+
+    def export(rank: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trtllm_dflash.engine.export_rank", str(root), str(rank),
+                               str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    with ThreadPoolExecutor(workers) as pool:
+        for rank, done in zip(ranks, pool.map(export, ranks)):
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines()
+                raise RuntimeError(f"exporting rank {rank}'s graphs failed (exit {done.returncode}): "
+                                   f"{lines[-1] if lines else 'no message'}")
 
 
 def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
@@ -167,7 +185,6 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
                 f"{target.spec.max_position_embeddings}."
             )
-        check_moe_target(cfg, target.spec, source)
         check_gemma4_target(cfg, target.spec, source)
         check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none",
                  cfg.moe_parallel)
@@ -237,11 +254,10 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             build=cfg.model_dump(mode="json"),
             backend=cfg.backend,
         )
+        (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")
         if cfg.backend in ("onnxruntime", "tensorrt"):  # TensorRT plans are built from the graphs by `compile`
             ranks = f" of {cfg.tp_size} ranks" if cfg.tp_size > 1 else ""
             with _stage(report, f"exported the ONNX graphs of the target and drafter steps{ranks}"):
-                for rank in range(cfg.tp_size):
-                    export_rank_graphs(tmp, engine_cfg, rank)
-        (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")
+                export_graphs(tmp, engine_cfg)
         write_manifest(tmp)
     return cfg.output

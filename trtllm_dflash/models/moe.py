@@ -20,7 +20,7 @@ Quantized experts (models/quantized.py) quantize x before routing and h of every
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from torch import nn
 from trtllm_dflash.models.layers import exporting
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from trtllm_dflash.quantize.experts import QuantizedExperts
 
 MoEParallel = Literal["tp", "ep"]
 
@@ -87,6 +90,32 @@ class Experts(nn.Module):
         # The projections' input quantization when the experts are quantized (models/quantized.py)
         self.gate_up_proj_input: nn.Module = nn.Identity()
         self.down_proj_input: nn.Module = nn.Identity()
+        # Set for an ONNX export of quantized experts only (keep_stored): the weights as stored, per projection
+        self.stored_formats: dict[str, str] = {}  # projection -> "nvfp4" | "fp8"; tensors: <projection>_stored_*
+
+    def keep_stored(self, projection: str, q: "QuantizedExperts") -> None:
+        """Hold projection's stored FP8 / NVFP4 experts (the values of the dequantized parameter) for an export.
+        NVFP4 experts are packed along K ([E, K/2, N]); ONNX packs FLOAT4E2M1 along the innermost axis, so they are
+        held as the linears they are, [E, N, K/2] with scales [E, N, K/16] (QuantizedExperts.expert's layout)."""
+        if q.fmt == "nvfp4":
+            tensors = (q.weight.transpose(1, 2).contiguous().view(torch.float4_e2m1fn_x2),
+                       q.weight_scale.transpose(1, 2).contiguous(), q.weight_scale_2.float())
+        else:
+            tensors = (q.weight.contiguous(), q.weight_scale.float(), None)
+        for suffix, tensor in zip(("weight", "scale", "scale_2"), tensors):
+            self.register_buffer(f"{projection}_stored_{suffix}", tensor, persistent=False)  # graph initializers
+        self.stored_formats[projection] = q.fmt
+
+    def weight(self, projection: str) -> torch.Tensor:
+        """[E, K, N] of `projection`: the parameter, or under export the stored experts dequantized in the graph."""
+        fmt = self.stored_formats.get(projection)
+        if fmt is None:
+            return getattr(self, projection)
+        w, scale, scale_2 = (getattr(self, f"{projection}_stored_{s}") for s in ("weight", "scale", "scale_2"))
+        ops = torch.ops.dflash_onnx
+        if fmt == "nvfp4":
+            return ops.nvfp4_dequantize(w, scale, scale_2).transpose(1, 2)
+        return ops.fp8_dequantize(w, scale)
 
 
 class MoEMLP(nn.Module):
@@ -127,8 +156,9 @@ class MoEMLP(nn.Module):
         ex = self.experts
         local = ex.first + torch.arange(ex.gate_up_proj.shape[0], device=flat.device)  # [E]
         combine = ((idx[:, :, None] == local).to(weights.dtype) * weights[:, :, None]).sum(1)  # [N, E]
-        h = gated_activation(ex.gate_up_proj_input(flat) @ ex.gate_up_proj + ex.gate_up_proj_bias[:, None])
-        y = ex.down_proj_input(h) @ ex.down_proj  # [E, N, hidden]
+        gate_up, down = ex.weight("gate_up_proj").to(flat.dtype), ex.weight("down_proj").to(flat.dtype)
+        h = gated_activation(ex.gate_up_proj_input(flat) @ gate_up + ex.gate_up_proj_bias[:, None])
+        y = ex.down_proj_input(h) @ down  # [E, N, hidden]
         if ex.adds_down_bias:
             y = y + ex.down_proj_bias[:, None]
         return (y * combine.T[:, :, None].to(y.dtype)).sum(0).to(flat.dtype)

@@ -37,6 +37,9 @@ class ActivationQuant(nn.Module):
         self.register_buffer("input_scale", input_scale.float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():  # the Q/DQ nodes of compile/onnx_ops.py
+            ops = torch.ops.dflash_onnx
+            return (ops.nvfp4_qdq if self.fmt == "nvfp4" else ops.fp8_qdq)(x, self.input_scale)
         quant = fake_quant_nvfp4_activation if self.fmt == "nvfp4" else fake_quant_fp8_activation
         return quant(x, self.input_scale).to(x.dtype)
 
