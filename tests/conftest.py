@@ -15,11 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trtllm_dflash.config import BuildConfig
+from trtllm_dflash.config import BuildConfig, load_build_config
 from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.random_pair import write_random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BIAS_TOKEN = 100
 
@@ -153,3 +155,12 @@ def ort_engine_dir(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def gpt_oss_ort_engine(ort_engine_dir) -> Path:
     return ort_engine_dir("gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def demo_ort_engine(tmp_path_factory) -> Path:
+    """build_configs/demo.yaml with `backend: onnxruntime` (float32 graphs, 4 slots): the demo's compiled form, shared
+    by tests/test_demo.py (its graphs, TensorRT-RTX plans) and tests/test_serve_onnxruntime.py (served by Triton)."""
+    pytest.importorskip("onnxruntime")
+    cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo_ort") / "engine")
+    return build_engine(cfg.model_copy(update={"backend": "onnxruntime", "max_batch_size": 4}), progress=False)

@@ -53,21 +53,14 @@ def test_greedy_dflash_equals_ar_on_held_out_prompts_and_accepts_drafts(demo_eng
     assert cmp.mean_acceptance_length >= 2.5, cmp.mean_acceptance_length
 
 
-@pytest.fixture(scope="module")
-def demo_tensorrt_engine(tmp_path_factory) -> Path:
-    """The demo pair built for TensorRT in float16 (its ONNX graphs; plans are made by `compile` on a GPU)."""
-    cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo_trt") / "engine")
-    return build_engine(cfg.model_copy(update={"backend": "tensorrt", "dtype": "float16"}), progress=False)
-
-
 @pytest.mark.slow
-def test_demo_graphs_are_checked_and_hold_the_expected_nodes(demo_tensorrt_engine):
+def test_demo_graphs_are_checked_and_hold_the_expected_nodes(demo_ort_engine):
     import onnx
 
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
     from trtllm_dflash.runtime.executor import engine_specs
 
-    target, drafter, _ = engine_specs(read_engine_config(demo_tensorrt_engine))
+    target, drafter, _ = engine_specs(read_engine_config(demo_ort_engine))
     L, D = target.num_layers, drafter.num_layers
     expected = {  # op type -> count
         "target_step": {"Attention": L, "RotaryEmbedding": 2 * L, "TensorScatter": 2 * L},
@@ -77,22 +70,23 @@ def test_demo_graphs_are_checked_and_hold_the_expected_nodes(demo_tensorrt_engin
         "accept_plugin": {"DFlashAccept": 1},
     }
     for graph, counts in expected.items():
-        path = graph_dir(demo_tensorrt_engine, 0) / f"{graph}.onnx"
+        path = graph_dir(demo_ort_engine, 0) / f"{graph}.onnx"
         onnx.checker.check_model(str(path))
         ops = [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
         assert {op: ops.count(op) for op in counts} == counts, graph
 
 
 @pytest.mark.slow
-def test_demo_graphs_build_with_tensorrt_rtx_in_float16(demo_tensorrt_engine):
-    """Every graph the demo engine holds for TensorRT, built ahead of time on this CPU for SM89 and SM120 (the
-    plugin form of the acceptance step excepted: TensorRT-RTX has no plugins)."""
+def test_demo_graphs_build_with_tensorrt_rtx(demo_ort_engine):
+    """Every graph of the demo's compiled form (float32; float16 graphs: tests/test_tensor_parallel_graphs.py), built
+    ahead of time on this CPU for SM89 and SM120 (the plugin form of the acceptance step excepted: TensorRT-RTX
+    has no plugins)."""
     rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
     from trtllm_dflash.compile.tensorrt_build import GRAPHS, build_plan, engine_shapes
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
 
-    cfg = read_engine_config(demo_tensorrt_engine)
+    cfg = read_engine_config(demo_ort_engine)
     for graph in (*GRAPHS, "accept"):
-        plan = build_plan(rtx, graph_dir(demo_tensorrt_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
+        plan = build_plan(rtx, graph_dir(demo_ort_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
                           shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
         assert len(plan) > 20_000, graph

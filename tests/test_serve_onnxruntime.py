@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve import HELD_OUT, MAX_TOKENS, ROOT, Server, _generate, _triton_cli
+from tests.test_serve import HELD_OUT, MAX_TOKENS, Server, _generate, _triton_cli
 from trtllm_dflash.cli import main
-from trtllm_dflash.config import load_build_config
-from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.serve.repository import SERVE_CONFIG
 
 pytest.importorskip("onnxruntime")
@@ -20,9 +18,8 @@ NUM_PROMPTS = 4
 
 
 @pytest.fixture(scope="module")
-def ort_demo_engine(tmp_path_factory) -> Path:
-    cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo_ort") / "engine")
-    return build_engine(cfg.model_copy(update={"backend": "onnxruntime", "max_batch_size": 4}), progress=False)
+def ort_demo_engine(demo_ort_engine) -> Path:
+    return demo_ort_engine  # tests/conftest.py
 
 
 def run_records(engine: Path, tmp: Path, backend: str) -> dict[str, dict]:

@@ -117,7 +117,7 @@ def outputs(path: Path) -> dict:
 def demo_tp(tmp_path_factory) -> dict[int, Path]:
     tmp = tmp_path_factory.mktemp("demo_tp")
     demo = ROOT / "trtllm_dflash" / "assets" / "demo"
-    return {tp: build(tmp, demo, f"demo_tp{tp}", tp_size=tp, max_seq_len=512) for tp in (1, 2, 4, 8)}
+    return {tp: build(tmp, demo, f"demo_tp{tp}", tp_size=tp, max_seq_len=512) for tp in (1, 2, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def prompts(tmp_path_factory) -> Path:
 
 @pytest.mark.mpi
 @needs_mpi
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", [2, 4])  # tp 8: the random pair below (8 processes on 2 cores take a minute a run)
 def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
     ref, out = tmp_path / "tp1.jsonl", tmp_path / f"tp{tp}.jsonl"
     assert main(["run", str(demo_tp[1]), "--input", str(prompts), "--output", str(ref), "--max-new-tokens", "24"]) == 0
