@@ -14,10 +14,11 @@ import torch
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime import costs as costs_module
-from trtllm_dflash.runtime.costs import PassCosts, load_or_measure, profile_key, profile_path, read_profile
+from trtllm_dflash.runtime.costs import (PassCosts, acceptance_path, load_or_measure, profile_key, profile_path,
+                                         read_profile)
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.speculative.schedule import (AcceptanceEstimate, AutoBlockSize, CostCorrection,
+from trtllm_dflash.speculative.schedule import (PRIOR_RATE, AcceptanceEstimate, AutoBlockSize, CostCorrection,
                                                 choose_verify_length, expected_committed)
 
 # ------------------------------------------------------------------------------------------------
@@ -364,3 +365,38 @@ def test_bad_block_size_words_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["run", "engine", "--stream", "x", "--block-size", "sometimes"])
     assert exc.value.code == 2 and "must be an integer or auto" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# The acceptance record: the last run's rates are the next run's prior
+# ------------------------------------------------------------------------------------------------
+
+def test_the_last_runs_acceptance_is_the_next_runs_prior(cached_profile, tmp_path, capsys):
+    engine_dir = cached_profile[0]
+    first = Engine.load(engine_dir, block_size="auto")
+    flat = [PRIOR_RATE] * 7
+    assert first.auto_block.estimate.prior == flat
+    reqs = mixed_requests(first.executor.vocab_size)
+    results = list(first.decoder("dflash").generate(reqs))
+    assert any(k > 1 for r in results for k in r.verify_lengths)  # drafts were verified: there is something to record
+    rates = first.auto_block.estimate.conditional_rates()
+    path = acceptance_path(engine_dir)
+    assert json.loads(path.read_text())["rates"] == rates != flat
+    assert Engine.load(engine_dir, block_size="auto").auto_block.estimate.prior == rates
+    # A record of another engine (or another block size) is not this engine's: the default prior.
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {"manifest_sha256": "0" * 64}))
+    assert Engine.load(engine_dir, block_size="auto").auto_block.estimate.prior == flat
+    path.write_text(json.dumps(data | {"rates": rates[:3]}))
+    assert Engine.load(engine_dir, block_size="auto").auto_block.estimate.prior == flat
+    # One that is not a record at all: one sentence naming it, exit 2, nothing written.
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"id": 0, "prompt_token_ids": [5, 6, 7]}) + "\n")
+    for bad in ("{not json", json.dumps(data | {"rates": [1.5] * 7})):
+        path.write_text(bad)
+        capsys.readouterr()
+        assert main(["run", str(engine_dir), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+                     "--block-size", "auto"]) == EXIT_USER_ERROR
+        err = capsys.readouterr().err.strip()
+        assert f"{path}: not a readable acceptance record" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "out.jsonl").exists()

@@ -14,6 +14,12 @@ engine copied over) is re-measured and replaced; a file that is not a profile at
 sentence (delete it to re-measure).
 The cache cannot live in the engine directory, whose manifest admits no extra file: it lives under
 $TRTLLM_DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/trtllm-dflash, else ~/.cache/trtllm-dflash.
+
+Next to the profiles, `acceptance/<engine>.json` records the engine's acceptance rates per block position as the
+last run left them (every few hundred steps and at the end of a run): the next run with this engine starts from
+them instead of a flat guess (speculative/schedule.py). They depend on the engine and the prompts, not on the
+machine, so they are keyed by the engine's manifest alone; a record of another engine or block size is ignored,
+one that is not a record at all is refused with one sentence, like a profile.
 """
 
 from __future__ import annotations
@@ -173,8 +179,7 @@ def device_name(executor: Executor) -> str:
 
 
 def profile_key(engine_dir: Path, executor: Executor, backend: str) -> ProfileKey:
-    manifest = hashlib.sha256((Path(engine_dir) / MANIFEST).read_bytes()).hexdigest()
-    return ProfileKey(PROFILE_VERSION, manifest, backend, device_name(executor), torch.get_num_threads(),
+    return ProfileKey(PROFILE_VERSION, engine_sha256(engine_dir), backend, device_name(executor), torch.get_num_threads(),
                       executor.block_size, executor.num_slots)
 
 
@@ -264,3 +269,39 @@ def costs_table(costs: PassCosts, context: int | None = None) -> list[str]:
                         extrapolate=True)
         lines.append(f"| {b} | " + " | ".join(cells) + f" | {draft * 1e3:.2f} |")
     return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# The acceptance record (the last run's rates: the next run's prior)
+# ------------------------------------------------------------------------------------------------
+
+def engine_sha256(engine_dir: Path) -> str:
+    return hashlib.sha256((Path(engine_dir) / MANIFEST).read_bytes()).hexdigest()
+
+
+def acceptance_path(engine_dir: Path) -> Path:
+    return cache_dir() / "acceptance" / f"{engine_sha256(engine_dir)[:16]}.json"
+
+
+def read_acceptance(engine_dir: Path, positions: int) -> list[float] | None:
+    """The rates the last run of this engine recorded (P(d_j accepted | d_1..d_{j-1} accepted), j = 1..positions),
+    or None when there is none for this engine and block size; a file that is not a record: one sentence."""
+    path = acceptance_path(engine_dir)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        rates = data["rates"]
+        if not (isinstance(rates, list) and all(isinstance(q, (int, float)) and 0 <= q <= 1 for q in rates)):
+            raise ValueError("rates is not a list of probabilities")
+        same = data["manifest_sha256"] == engine_sha256(engine_dir) and len(rates) == positions
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{path}: not a readable acceptance record ({type(exc).__name__}: {exc}); delete it and "
+                        "`--block-size auto` starts from its default prior.") from None
+    return [float(q) for q in rates] if same else None
+
+
+def write_acceptance(engine_dir: Path, rates: list[float]) -> None:
+    path = acceptance_path(engine_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"manifest_sha256": engine_sha256(engine_dir), "rates": rates}) + "\n")

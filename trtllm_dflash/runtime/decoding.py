@@ -366,3 +366,6 @@ def run_to_completion(scheduler, requests: Iterable[Request]) -> Iterator[Result
         for update in scheduler.step():
             if update.result is not None:
                 yield update.result
+    auto_block = getattr(scheduler, "auto_block", None)
+    if auto_block is not None:  # the acceptance seen, as the next run's prior (--block-size auto)
+        auto_block.save()

@@ -27,11 +27,11 @@ from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
-from trtllm_dflash.runtime.costs import load_or_measure
+from trtllm_dflash.runtime.costs import load_or_measure, read_acceptance, write_acceptance
 from trtllm_dflash.runtime.options import BlockSize, RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
-from trtllm_dflash.speculative.schedule import AutoBlockSize
+from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
 from trtllm_dflash.stats import acceptance_length_from_totals, mean_acceptance_length
 
 TP_COMMANDS = ("run", "serve")  # the commands that run tensor-parallel engines under mpirun
@@ -89,7 +89,10 @@ class Engine:
         auto_block = None
         if auto:
             costs, _ = load_or_measure(root, executor, backend, report=report)
-            auto_block = AutoBlockSize(costs, executor.block_size)
+            positions = executor.block_size - 1
+            prior = read_acceptance(root, positions)  # the last run's rates, if any
+            auto_block = AutoBlockSize(costs, executor.block_size, AcceptanceEstimate(positions, prior=prior),
+                                       record=lambda rates: write_acceptance(root, rates))
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor, auto_block)
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:

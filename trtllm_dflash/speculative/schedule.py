@@ -16,7 +16,7 @@ k commits exactly what the target alone would (the acceptance rule is the same f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 # Conditional acceptance P(d_j accepted | d_1..d_{j-1} accepted) assumed before any step is seen, and how many
@@ -32,6 +32,8 @@ DECAY = 0.98
 CONTEXT_STEP = 16
 # Weight of one step's observed / predicted time in the running cost correction (a window of ~10 steps).
 TIME_WEIGHT = 0.1
+# The engine's acceptance rates are recorded (the next run's prior) every this many steps, and at the end of a run.
+SAVE_EVERY = 256
 
 
 def expected_committed(accept_at_least: Sequence[float], k: int) -> float:
@@ -71,13 +73,17 @@ class AcceptanceEstimate:
     """P(d_j accepted | d_1..d_{j-1} accepted) per block position j = 1 .. K, from recent steps, with a prior.
 
     Counts are exponentially decayed per step (DECAY) and smoothed by PRIOR_WEIGHT observations at the prior
-    rates: PRIOR_RATE for the engine's estimate, the engine's own rates for a request's estimate (a request
-    starts from what the engine has seen lately and moves towards what its own steps show).
+    rates: for the engine's estimate, the rates its last run recorded (runtime/costs.py) or else PRIOR_RATE; for a
+    request's estimate, the engine's own rates (a request starts from what the engine has seen lately and moves
+    towards what its own steps show).
     """
 
     def __init__(self, num_positions: int, prior_rate: float = PRIOR_RATE, prior_weight: float = PRIOR_WEIGHT,
-                 decay: float = DECAY):
-        self.prior_rate, self.prior_weight, self.decay = prior_rate, prior_weight, decay
+                 decay: float = DECAY, prior: Sequence[float] | None = None):
+        """`prior`: rates per position to start from (e.g. the last run's, runtime/costs.py); default prior_rate."""
+        self.prior_weight, self.decay = prior_weight, decay
+        self.prior = list(prior) if prior is not None else [prior_rate] * num_positions
+        assert len(self.prior) == num_positions and all(0.0 <= q <= 1.0 for q in self.prior), self.prior
         self.verified = [0.0] * num_positions  # decayed count of steps that verified d_j with d_1..d_{j-1} accepted
         self.accepted = [0.0] * num_positions  # ... and accepted d_j
 
@@ -91,9 +97,14 @@ class AcceptanceEstimate:
                 self.verified[j - 1] += 1
                 self.accepted[j - 1] += n >= j
 
+    @property
+    def evidence(self) -> float:
+        """The decayed number of steps behind the estimate of position 1 (0: the prior alone)."""
+        return self.verified[0] if self.verified else 0.0
+
     def conditional_rates(self, prior: Sequence[float] | None = None) -> list[float]:
-        """The rates per position, smoothed towards `prior` (per position; default: prior_rate everywhere)."""
-        prior = prior if prior is not None else [self.prior_rate] * len(self.verified)
+        """The rates per position, smoothed towards `prior` (per position; default: this estimate's own prior)."""
+        prior = prior if prior is not None else self.prior
         return [(a + self.prior_weight * q) / (v + self.prior_weight)
                 for a, v, q in zip(self.accepted, self.verified, prior)]
 
@@ -134,10 +145,13 @@ class AutoBlockSize:
     times) and the acceptance estimate (learnt)."""
 
     def __init__(self, costs: StepCostModel, block_size: int, estimate: AcceptanceEstimate | None = None,
-                 correction: CostCorrection | None = None):
+                 correction: CostCorrection | None = None, record: Callable[[list[float]], None] | None = None):
+        """`record`: called with the engine's conditional rates every SAVE_EVERY steps and by `save` (runtime/costs.py
+        keeps them as the next run's prior)."""
         self.costs, self.block_size = costs, block_size
         self.estimate = estimate or AcceptanceEstimate(block_size - 1)
         self.correction = correction or CostCorrection()
+        self.record, self._steps = record, 0
         # Predicted seconds for k = 1 .. block_size by (batch, context rounded up to CONTEXT_STEP): interpolating
         # the cost tables for every k costs ~1 ms of Python, a tenth of a small model's AR step.
         self._seconds: dict[tuple[int, int], list[float]] = {}
@@ -172,6 +186,14 @@ class AutoBlockSize:
         self.estimate.observe(verify_length, accepted)
         for estimate, n in zip(requests, accepted):
             estimate.observe(verify_length, [n])
+        self._steps += 1
+        if self._steps % SAVE_EVERY == 0:
+            self.save()
+
+    def save(self) -> None:
+        """Hand the engine's rates to `record`, once any step has verified a draft."""
+        if self.record is not None and self.estimate.evidence > 0:
+            self.record(self.estimate.conditional_rates())
 
     def observe_time(self, batch: int, context: float, k: int, seconds: float) -> None:
         """A step of `batch` requests at longest context `context`, verifying k tokens each, took `seconds`."""
