@@ -152,7 +152,7 @@ class MoEMLP(nn.Module):
     def _every_expert(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The exported form (no data-dependent shapes): every local expert over every token, the outputs summed
         with each token's routing weight of that expert (0 where it was not chosen). The same result as the loop
-        above, at num_experts / top_k times its multiply-adds: see docs/backends.md §Mixture of experts."""
+        above, at num_experts / top_k times its multiply-adds: see docs/backends.md §gpt-oss in the graphs."""
         ex = self.experts
         local = ex.first + torch.arange(ex.gate_up_proj.shape[0], device=flat.device)  # [E]
         combine = ((idx[:, :, None] == local).to(weights.dtype) * weights[:, :, None]).sum(1)  # [N, E]
