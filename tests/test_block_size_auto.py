@@ -15,7 +15,7 @@ from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime import costs as costs_module
 from trtllm_dflash.runtime.costs import (PassCosts, acceptance_path, load_or_measure, profile_key, profile_path,
-                                         read_profile)
+                                         read_acceptance, read_profile, write_acceptance)
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.schedule import (PRIOR_RATE, AcceptanceEstimate, AutoBlockSize, CostCorrection,
@@ -400,3 +400,11 @@ def test_the_last_runs_acceptance_is_the_next_runs_prior(cached_profile, tmp_pat
         err = capsys.readouterr().err.strip()
         assert f"{path}: not a readable acceptance record" in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_unwritable_cache_costs_the_next_run_its_prior_not_this_run(engine_dir, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(blocker / "cache"))
+    write_acceptance(engine_dir, [0.5] * 7)  # no error: the run's results matter more than the next run's prior
+    assert read_acceptance(engine_dir, 7) is None

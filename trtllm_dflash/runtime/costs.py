@@ -302,6 +302,11 @@ def read_acceptance(engine_dir: Path, positions: int) -> list[float] | None:
 
 
 def write_acceptance(engine_dir: Path, rates: list[float]) -> None:
+    """Record `rates` for the next run. A cache that cannot be written costs the next run its prior, not this run
+    its results: the error is dropped."""
     path = acceptance_path(engine_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"manifest_sha256": engine_sha256(engine_dir), "rates": rates}) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"manifest_sha256": engine_sha256(engine_dir), "rates": rates}) + "\n")
+    except OSError:
+        pass
