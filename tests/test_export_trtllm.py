@@ -321,14 +321,6 @@ def test_quantized_drafter_is_exported_dequantized(nvfp4):
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gpt_oss_pair(tmp_path_factory) -> Path:
-    """The tiny gpt-oss of tests/test_gpt_oss.py: 4 layers (sliding and full), 4 experts (top 2), hidden 64, I 128."""
-    root = tmp_path_factory.mktemp("gpt_oss_export_pair")
-    write_random_pair(root, "gpt_oss", block_size=8, seed=0)
-    return root
-
-
-@pytest.fixture(scope="module")
 def gpt_oss(gpt_oss_pair, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """{"tp1" | "tp2" (experts by intermediate features) | "ep2" (whole experts): (engine, export)}."""
     tmp = tmp_path_factory.mktemp("gpt_oss_export")

@@ -39,11 +39,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> Path:
-    """The tiny gpt-oss of tests/test_gpt_oss.py: 4 layers (sliding and full), 4 experts (top 2), hidden 64, I 128."""
-    root = tmp_path_factory.mktemp("gpt_oss_pair")
-    write_random_pair(root, "gpt_oss", block_size=8, seed=0)
-    return root
+def pair(gpt_oss_pair) -> Path:
+    """tests/conftest.py's tiny gpt-oss: 4 layers (sliding and full), 4 experts (top 2), hidden 64, I 128."""
+    return gpt_oss_pair
 
 
 @pytest.fixture(scope="module", params=["nvfp4", "fp8"])
