@@ -125,6 +125,9 @@ def test_ar_runs_beside_every_block_size(bench_engine, tmp_path):
             p["performance"]["system_output_throughput_tok_s"] / p["ar_same_phase_tok_s"], abs=1e-3)
     assert [b["measured_speedup"] for b in report["speedup_bound"]] == [dflash[4]["speedup_vs_ar"],
                                                                        dflash[8]["speedup_vs_ar"]]
+    for b in report["speedup_bound"]:
+        p = dflash[b["block_size"]]
+        assert b["measured_tpot_speedup"] == p["tpot_speedup_vs_ar"] > 0
 
 
 def test_bench_refuses_more_concurrency_than_slots(bench_engine, tmp_path, capsys):

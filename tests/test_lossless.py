@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import BIAS_TOKEN
-from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.decoding import Decoder, Request, prefill_groups
 
 MAX_NEW = [1, 5, 17, 40, 33, 64]  # per request; 6 requests on 4 slots: requests join mid-run
 
@@ -92,3 +92,30 @@ def test_shorter_blocks_of_a_trained_drafter_stay_lossless(biased_pairs, hf_outp
     assert all(dflash[r.id].output_token_ids == hf_outputs[r.id] for r in reqs)
     steps = [n for r in dflash.values() for n in r.acceptance_lengths]
     assert max(steps) == block_size
+
+
+def test_prefill_groups_pad_only_where_a_pass_costs_more():
+    # By increasing length; the next prompt joins while n x (its length - the group's longest) <= pass_tokens.
+    assert prefill_groups([10, 100, 12, 95, 11, 300], pass_tokens=32) == [[0, 4, 2], [3, 1], [5]]
+    assert prefill_groups([40, 8, 40], pass_tokens=32) == [[1, 0, 2]]  # 1 x 32 joins, then 2 x 0
+    assert prefill_groups([41, 8, 41], pass_tokens=32) == [[1], [0, 2]]  # 1 x 33 does not
+    assert prefill_groups([1, 2, 3], pass_tokens=0) == [[0], [1], [2]]
+    assert prefill_groups([1, 2, 300], pass_tokens=10**6) == [[0, 1, 2]]
+    assert prefill_groups([], pass_tokens=32) == []
+
+
+def test_admitted_prompts_prefill_in_length_groups(biased_engines):
+    """On the CPU, the first step's 4 prompts (3, 30, 9 and 17 tokens) prefill as [3, 9, 17] padded to 17 and [30]
+    alone, and the outputs stay AR's (test_greedy_dflash_equals_ar_equals_hf_generate runs the same requests)."""
+    engine = biased_engines[8]
+    ex, shapes = engine.executor, []
+    forward = ex.target_forward
+    ex.target_forward = lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or forward(ids, *a, **k)
+    try:
+        decoder = Decoder(ex, "ar", ())
+        for req in requests(ex.vocab_size):
+            decoder.submit(req)
+        decoder.step()
+    finally:
+        del ex.target_forward
+    assert shapes[:2] == [(3, 17), (1, 30)]
