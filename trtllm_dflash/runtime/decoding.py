@@ -123,14 +123,22 @@ class _Active:
     # steps committed) that the drafter's context does not hold yet, oldest first; added in one call before the
     # next draft (one call per position would cost a tenth of an AR step on a small model)
     pending_context: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0  # positions in pending_context (kept, not summed: a step checks every request's)
     acceptance: AcceptanceEstimate | None = None  # --block-size auto: this request's own acceptance estimate
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     first_token_at: float | None = None
 
-    @property
-    def num_pending(self) -> int:
-        return sum(chunk.shape[0] for chunk in self.pending_context)
+    def hold_context(self, features: torch.Tensor) -> None:
+        """Keep target features [n, F] of the next n positions for the drafter's next context update."""
+        self.pending_context.append(features)
+        self.num_pending += features.shape[0]
+
+    def take_context(self) -> torch.Tensor:
+        """The held features [num_pending, F], oldest first; none are held afterwards."""
+        features = torch.cat(self.pending_context)
+        self.pending_context, self.num_pending = [], 0
+        return features
 
     @property
     def start(self) -> int:
@@ -302,7 +310,7 @@ class Decoder:
         first = sample_tokens(out.logits, sampling, (last + 1)[:, None])[:, 0]
         if self.mode == "dflash" and self.auto_block is not None and max(lengths) <= MAX_PENDING_CONTEXT:
             for row, a in enumerate(admitted):  # until a speculative step needs them
-                a.pending_context.append(out.hidden[row, : lengths[row]])
+                a.hold_context(out.hidden[row, : lengths[row]])
         elif self.mode == "dflash":
             # Padding columns of shorter prompts land past their `start` and stay masked.
             self.executor.append_context(out.hidden, zeros, slots)
@@ -331,7 +339,7 @@ class Decoder:
             bonus = sample_tokens(out.logits, sampling, (starts + 1)[:, None])[:, 0]
             accepted = torch.zeros_like(bonus)
             for row, a in enumerate(active):
-                a.pending_context.append(out.hidden[row, :1])
+                a.hold_context(out.hidden[row, :1])
             if max(a.num_pending for a in active) >= MAX_PENDING_CONTEXT:
                 self._flush_context(active, slots)
         else:
@@ -362,14 +370,12 @@ class Decoder:
         write can run past a slot's last position."""
         groups: dict[int, list[int]] = {}
         for row, a in enumerate(active):
-            if a.pending_context:
+            if a.num_pending:
                 groups.setdefault(a.num_pending, []).append(row)
         for n, rows in groups.items():
-            hidden = torch.stack([torch.cat(active[row].pending_context) for row in rows])  # [len(rows), n, F]
             starts = torch.tensor([active[row].start - n for row in rows], device=slots.device)
+            hidden = torch.stack([active[row].take_context() for row in rows])  # [len(rows), n, F]
             self.executor.append_context(hidden, starts, slots[rows])
-        for a in active:
-            a.pending_context.clear()
 
 
 def prefill_groups(lengths: list[int], pass_tokens: int) -> list[list[int]]:
