@@ -131,6 +131,31 @@ def test_steps_slower_than_predicted_correct_the_costs():
     assert auto.choose(batch=1, context=64) == 8
 
 
+def test_held_back_features_are_priced_into_a_speculative_step():
+    """After plain AR steps, a speculative step first hands the drafter their features (one append_context of all
+    the held-back positions); the choice pays for it, and the time correction does not count it twice."""
+    batches, tokens = (1, 2, 4, 8), (1, 2, 4, 8)
+    target = tuple(tuple(roofline_ms(b, t) / 1e3 for t in tokens) for b in batches)
+    draft = tuple(tuple(1e-3 for _ in tokens) for _ in batches)
+    context = tuple(tuple(0.5e-3 * t for t in tokens) for _ in batches)  # 0.5 ms per position, any batch
+    tiny = tuple(tuple(1e-9 for _ in tokens) for _ in batches)
+    costs = PassCosts(batches, tokens, (64,), (target,), (draft,), context, tiny)
+    assert costs.context_seconds(1, 8) == pytest.approx(4e-3)
+    assert costs.context_seconds(1, 100) == pytest.approx(50e-3)  # continued linearly past the grid
+    assert costs.context_seconds(1, 0) == 0.0
+    auto = AutoBlockSize(costs, block_size=8)
+    assert auto.choose(batch=1, context=64) > 1
+    assert auto.choose(batch=1, context=64, pending=100) == 1  # a 50 ms hand-over outweighs one step's gain
+    k = auto.choose(batch=1, context=64, pending=4)  # 2 ms: still the exact argmax, flush included
+    at_least = auto.estimate.accept_at_least()
+    rates = [expected_committed(at_least, j) / (costs.step_seconds(1, 64, j) + (2e-3 if j > 1 else 0))
+             for j in range(1, 9)]
+    assert k == rates.index(max(rates)) + 1
+    # A speculative step that took exactly its predicted time plus the hand-over leaves the correction at 1.
+    auto.observe_time(1, 64, 8, costs.step_seconds(1, 64, 8) + costs.context_seconds(1, 100), pending=100)
+    assert auto.correction.factor(8) == pytest.approx(1.0)
+
+
 def test_cost_correction_is_a_running_mean_of_observed_over_predicted():
     c = CostCorrection(weight=0.5)
     c.observe(4, predicted_seconds=0.010, observed_seconds=0.020)  # ratio 2: 1 + 0.5 x (2 - 1)
@@ -175,11 +200,11 @@ class RandomVerifyLength(AutoBlockSize):
         super().__init__(costs=None, block_size=block_size)
         self.rng, self.chosen = random.Random(seed), []
 
-    def choose(self, batch: int, context: float, requests=()) -> int:
+    def choose(self, batch: int, context: float, requests=(), pending: float = 0.0) -> int:
         self.chosen.append(self.rng.randint(1, self.block_size))
         return self.chosen[-1]
 
-    def observe_time(self, batch: int, context: float, k: int, seconds: float) -> None:
+    def observe_time(self, batch: int, context: float, k: int, seconds: float, pending: float = 0.0) -> None:
         pass  # no cost model: the choice is random
 
 
@@ -214,7 +239,7 @@ def test_any_verify_lengths_keep_dflash_equal_to_ar(biased_engines):
 class FullBlock(RandomVerifyLength):
     """Always the whole block: the prompt's features wait in `pending_context` until the first draft."""
 
-    def choose(self, batch: int, context: float, requests=()) -> int:
+    def choose(self, batch: int, context: float, requests=(), pending: float = 0.0) -> int:
         return self.block_size
 
 

@@ -84,6 +84,16 @@ class PassCosts:
         return max(target + rest, 1e-9)
 
 
+    def context_seconds(self, batch: int, positions: float) -> float:
+        """Handing the drafter `positions` held-back positions of features per request (the flush before a
+        speculative step that follows plain AR steps): the measured append_context, continued linearly past the
+        largest block measured."""
+        if positions <= 0:
+            return 0.0
+        return _interp(self.batches, [_interp(self.tokens, row, positions, extrapolate=True) for row in self.context_s],
+                       batch)
+
+
 def _interp(xs: tuple[int, ...], ys, x: float, extrapolate: bool = False) -> float:
     """Piecewise-linear y(x) through (xs, ys); clamped outside xs, or with `extrapolate` continued past the
     last point with the last segment's slope (never below the last value). Example: xs (1, 3), ys (2, 4): x 2 -> 3."""

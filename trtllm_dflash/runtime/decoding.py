@@ -329,9 +329,10 @@ class Decoder:
         slots, starts, sampling = self._batch(active)
         anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
         k = self.executor.block_size
-        began, context = time.perf_counter(), max(a.start for a in active)
+        began, context, pending = time.perf_counter(), max(a.start for a in active), 0.0
         if self.auto_block is not None:
-            k = self.auto_block.choose(len(active), context, [a.acceptance for a in active])
+            pending = sum(a.num_pending for a in active) / len(active)
+            k = self.auto_block.choose(len(active), context, [a.acceptance for a in active], pending)
 
         if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
             block = anchors[:, None]  # [B, 1]
@@ -361,7 +362,7 @@ class Decoder:
             self._commit(a, block[row, 1 : n + 1].tolist() + [int(bonus[row])])
         if self.auto_block is not None:
             self.auto_block.observe(k, accepted_list, [a.acceptance for a in active])
-            self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began)
+            self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began, pending)
 
     def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:
         """Give the drafter the features that the prompt and plain AR steps (k = 1) left pending: request r's are

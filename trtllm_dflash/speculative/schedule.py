@@ -68,6 +68,10 @@ class StepCostModel(Protocol):
         """Seconds of one decoding step of `batch` requests at mean context `context`, verifying k tokens each."""
         ...
 
+    def context_seconds(self, batch: int, positions: float) -> float:
+        """Seconds to hand the drafter `positions` held-back positions of features for each of `batch` requests."""
+        ...
+
 
 class AcceptanceEstimate:
     """P(d_j accepted | d_1..d_{j-1} accepted) per block position j = 1 .. K, from recent steps, with a prior.
@@ -164,14 +168,19 @@ class AutoBlockSize:
         """A request's own estimate (its prior: the engine's rates at each choice)."""
         return AcceptanceEstimate(self.block_size - 1, decay=self.estimate.decay)
 
-    def choose(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate] = ()) -> int:
+    def choose(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate] = (),
+               pending: float = 0.0) -> int:
         """The verify length for a step of `batch` requests; with the requests' own estimates, the batch's expected
         committed tokens are the sum of theirs (E[committed | k] is linear in P(accepted >= j), so the mean of
-        their P(accepted >= j) stands for the batch)."""
+        their P(accepted >= j) stands for the batch). `pending`: positions of features per request that plain AR
+        steps held back from the drafter; a speculative step hands them over first, and pays for it."""
         key = (batch, -(-int(context) // CONTEXT_STEP) * CONTEXT_STEP)
         if key not in self._seconds:
             self._seconds[key] = [self.predicted_seconds(batch, key[1], k) for k in range(1, self.block_size + 1)]
         seconds = [t * self.correction.factor(k) for k, t in enumerate(self._seconds[key], start=1)]
+        if pending > 0:
+            flush = self.costs.context_seconds(batch, pending) * self.correction.factor(2)
+            seconds = seconds[:1] + [t + flush for t in seconds[1:]]
         if requests:
             engine = self.estimate.conditional_rates()
             per_request = [r.accept_at_least(engine) for r in requests]
@@ -195,6 +204,10 @@ class AutoBlockSize:
         if self.record is not None and self.estimate.evidence > 0:
             self.record(self.estimate.conditional_rates())
 
-    def observe_time(self, batch: int, context: float, k: int, seconds: float) -> None:
-        """A step of `batch` requests at longest context `context`, verifying k tokens each, took `seconds`."""
-        self.correction.observe(k, self.predicted_seconds(batch, context, k), seconds)
+    def observe_time(self, batch: int, context: float, k: int, seconds: float, pending: float = 0.0) -> None:
+        """A step of `batch` requests at longest context `context`, verifying k tokens each (after handing the drafter
+        `pending` held-back positions per request, if k > 1), took `seconds`."""
+        predicted = self.predicted_seconds(batch, context, k)
+        if k > 1 and pending > 0:
+            predicted += self.costs.context_seconds(batch, pending)
+        self.correction.observe(k, predicted, seconds)
