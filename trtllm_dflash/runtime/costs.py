@@ -83,7 +83,6 @@ class PassCosts:
                             context, extrapolate=True)
         return max(target + rest, 1e-9)
 
-
     def context_seconds(self, batch: int, positions: float) -> float:
         """Handing the drafter `positions` held-back positions of features per request (the flush before a
         speculative step that follows plain AR steps): the measured append_context, continued linearly past the

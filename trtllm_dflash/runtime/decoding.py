@@ -40,7 +40,7 @@ MAX_PENDING_CONTEXT = 512
 # A target pass's fixed cost in prompt tokens, on the CPU (the demo target on 1 thread: 5.5 ms for 1 token,
 # ~0.18 ms per further token): admitted prompts are prefilled in groups of similar lengths when padding them
 # to one length would cost more than another pass. On a GPU a pass costs about the same for any prompt
-# length that fits, so the admitted prompts prefill together, padded (None: one group).
+# length that fits, so on devices not listed here the admitted prompts prefill together, padded.
 PREFILL_PASS_TOKENS = {"cpu": 32}
 
 
@@ -173,9 +173,9 @@ class Decoder:
     """Continuous-batching scheduler over one executor's KV-cache slots, `mode` 'dflash' or 'ar'.
 
     `submit` queues requests; every `step` admits queued requests into free slots (one batched
-    prefill), runs one decoding step (a draft + verify pass, or one AR token) for every running
-    request and returns what each request committed. Finished requests free their slot in the
-    same step, so the next step admits new ones. `generate` is the batch-job loop over it.
+    prefill; on the CPU, one per group of similar prompt lengths), runs one decoding step (a draft +
+    verify pass, or one AR token) for every running request and returns what each request committed.
+    Finished requests free their slot in the same step, so the next step admits new ones. `generate` is the batch-job loop over it.
 
     `cancel` ends a request at the next step: before anything is admitted, it leaves with what it has
     committed (finish_reason "cancelled") and its slot is released exactly as a finished request's.
