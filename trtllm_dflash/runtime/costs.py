@@ -89,8 +89,7 @@ class PassCosts:
         largest block measured."""
         if positions <= 0:
             return 0.0
-        return _interp(self.batches, [_interp(self.tokens, row, positions, extrapolate=True) for row in self.context_s],
-                       batch)
+        return _grid2(self.batches, self.tokens, self.context_s, batch, positions, extrapolate_cols=True)
 
 
 def _interp(xs: tuple[int, ...], ys, x: float, extrapolate: bool = False) -> float:
@@ -106,8 +105,9 @@ def _interp(xs: tuple[int, ...], ys, x: float, extrapolate: bool = False) -> flo
     return max(y, float(ys[-1])) if x > xs[-1] else y
 
 
-def _grid2(rows: tuple[int, ...], cols: tuple[int, ...], table, r: float, c: float) -> float:
-    return _interp(rows, [_interp(cols, row, c) for row in table], r)
+def _grid2(rows: tuple[int, ...], cols: tuple[int, ...], table, r: float, c: float,
+           extrapolate_cols: bool = False) -> float:
+    return _interp(rows, [_interp(cols, row, c, extrapolate=extrapolate_cols) for row in table], r)
 
 
 def _doubling(limit: int) -> tuple[int, ...]:

@@ -177,10 +177,9 @@ class AutoBlockSize:
         key = (batch, -(-int(context) // CONTEXT_STEP) * CONTEXT_STEP)
         if key not in self._seconds:
             self._seconds[key] = [self.predicted_seconds(batch, key[1], k) for k in range(1, self.block_size + 1)]
-        seconds = [t * self.correction.factor(k) for k, t in enumerate(self._seconds[key], start=1)]
-        if pending > 0:
-            flush = self.costs.context_seconds(batch, pending) * self.correction.factor(2)
-            seconds = seconds[:1] + [t + flush for t in seconds[1:]]
+        hand_over = self._hand_over_seconds(batch, pending)
+        seconds = [(t + (hand_over if k > 1 else 0.0)) * self.correction.factor(k)
+                   for k, t in enumerate(self._seconds[key], start=1)]
         if requests:
             engine = self.estimate.conditional_rates()
             per_request = [r.accept_at_least(engine) for r in requests]
@@ -207,7 +206,9 @@ class AutoBlockSize:
     def observe_time(self, batch: int, context: float, k: int, seconds: float, pending: float = 0.0) -> None:
         """A step of `batch` requests at longest context `context`, verifying k tokens each (after handing the drafter
         `pending` held-back positions per request, if k > 1), took `seconds`."""
-        predicted = self.predicted_seconds(batch, context, k)
-        if k > 1 and pending > 0:
-            predicted += self.costs.context_seconds(batch, pending)
-        self.correction.observe(k, predicted, seconds)
+        hand_over = self._hand_over_seconds(batch, pending) if k > 1 else 0.0
+        self.correction.observe(k, self.predicted_seconds(batch, context, k) + hand_over, seconds)
+
+    def _hand_over_seconds(self, batch: int, pending: float) -> float:
+        """What a speculative step pays first to give the drafter `pending` held-back positions per request."""
+        return self.costs.context_seconds(batch, pending) if pending > 0 else 0.0
