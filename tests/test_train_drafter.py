@@ -15,7 +15,14 @@ from tests.conftest import build
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
-from trtllm_dflash.train.drafter import block_loss, sample_blocks
+from trtllm_dflash.train.drafter import (
+    batch_features,
+    block_loss,
+    load_frozen_target,
+    padded_features,
+    sample_blocks,
+    target_features,
+)
 
 ARGS = ["--block-size", "8", "--num-layers", "2", "--target-layer-ids", "1", "3", "--batch-size", "4",
         "--anchors", "8", "--response-tokens", "24", "--held-out", "4", "--lr", "3e-3"]
@@ -100,6 +107,40 @@ def test_resume_after_a_kill_gives_the_same_drafter(qwen3_pair, data, tmp_path):
     assert train(qwen3_pair / "target", data, killed, 40) == 0
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(killed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cached_features_are_the_steps_own(qwen3_pair, tmp_path):
+    """--cache-features: each sequence's features, computed once in length groups, are what the step computes
+    on its padded batch (fails if a group's rows are mixed up or cut at the wrong length)."""
+    from rich.progress import Progress
+
+    target, _, _ = load_frozen_target(qwen3_pair / "target")
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(4, 512, (n,), generator=gen) for n in (5, 40, 17, 17, 3, 64, 29)]
+    with Progress(disable=True) as bar:
+        cached = target_features(target, seqs, (1, 3), bar, batch_tokens=64)  # several groups of 1-3
+    pick = [5, 0, 2, 4]
+    S = max(len(seqs[i]) for i in pick)
+    ids = torch.zeros(len(pick), S, dtype=torch.long)
+    for row, i in enumerate(pick):
+        ids[row, : len(seqs[i])] = seqs[i]
+    with torch.inference_mode():
+        want = batch_features(target, ids, (1, 3))
+    got = padded_features([cached[i] for i in pick], S)
+    assert got.shape == want.shape == (4, 64, 2 * target.spec.hidden_size)
+    for row, i in enumerate(pick):
+        n = len(seqs[i])
+        torch.testing.assert_close(got[row, :n], want[row, :n], atol=1e-5, rtol=1e-5)
+        assert not got[row, n:].any()
+
+
+def test_training_on_cached_features_follows_the_uncached_run(qwen3_pair, data, tmp_path):
+    """The same run with and without --cache-features: the same losses up to float rounding."""
+    assert train(qwen3_pair / "target", data, tmp_path / "plain", 4) == 0
+    assert train(qwen3_pair / "target", data, tmp_path / "cached", 4, "--cache-features") == 0
+    plain, cached = (json.loads((tmp_path / d / "training.json").read_text()) for d in ("plain", "cached"))
+    assert cached["config"]["cache_features"] and not plain["config"]["cache_features"]
+    assert plain["state"]["losses"] == pytest.approx(cached["state"]["losses"], rel=1e-4)
 
 
 def test_bad_arguments(qwen3_pair, data, tmp_path, capsys):

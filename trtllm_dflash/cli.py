@@ -357,6 +357,10 @@ def _add_train_drafter(sub) -> None:
     t.add_argument("--seed", type=_seed, default=d.seed, help="sampling seed")
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype,
                    help="dtype of the written drafter")
+    t.add_argument("--cache-features", action="store_true",
+                   help="compute the target's features of every training sequence once and keep them in memory "
+                        "(4 x len(target_layer_ids) x hidden_size bytes per token) instead of running the target "
+                        "every step: steps cost the drafter's pass only")
     t.set_defaults(func=cmd_train_drafter)
 
 

@@ -30,6 +30,7 @@ class TrainConfig:
     save_every: int = 50
     seed: int = 0
     dtype: str = "float32"  # dtype of the written drafter
+    cache_features: bool = False  # compute the target's features of every sequence once, keep them in memory
 
     def __post_init__(self) -> None:
         """Refuse, before any work, settings that cannot train (each message names the option)."""

@@ -127,6 +127,55 @@ def sample_blocks(seqs: list[torch.Tensor], loss_masks: list[torch.Tensor], anch
     return input_ids, block_ids, block_pos, labels, mask
 
 
+def batch_features(target: TargetModel, input_ids: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """The target's features [B, S, len(layer_ids) * hidden] of a batch of sequences (padded with token 0)."""
+    B, S = input_ids.shape
+    return target(input_ids, torch.arange(S).expand(B, S), torch.arange(B), target.new_cache(B, S), layer_ids).hidden
+
+
+@torch.inference_mode()
+def target_features(target: TargetModel, seqs: list[torch.Tensor], layer_ids: tuple[int, ...], bar: Progress,
+                    batch_tokens: int = 8192) -> list[torch.Tensor]:
+    """Every training sequence's features [len, len(layer_ids) * hidden], computed once (`--cache-features`).
+
+    Sequences of similar length share a pass, so little is padded. The training step then costs the drafter's
+    pass only; what it reads is what the step would have computed, up to float rounding of other batch shapes."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    width = len(layer_ids) * target.spec.hidden_size
+    total = sum(len(s) for s in seqs)
+    bar.console.print(f"computing the target's features of {len(seqs)} sequences once ({total} tokens, "
+                      f"{total * width * 4 / 2**30:.2f} GiB in memory)")
+    task = bar.add_task("target features", total=len(seqs), loss=float("nan"), al=float("nan"))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    start = 0
+    while start < len(order):
+        longest = len(seqs[order[start]])
+        stop = start + 1
+        while stop < len(order) and (stop - start + 1) * len(seqs[order[stop]]) <= max(batch_tokens, longest):
+            longest = len(seqs[order[stop]])
+            stop += 1
+        group = order[start:stop]
+        ids = torch.zeros(len(group), longest, dtype=torch.long)
+        for row, i in enumerate(group):
+            ids[row, : len(seqs[i])] = seqs[i]
+        feats = batch_features(target, ids, layer_ids)
+        for row, i in enumerate(group):
+            out[i] = feats[row, : len(seqs[i])].clone()
+        bar.advance(task, len(group))
+        start = stop
+    bar.remove_task(task)
+    return out
+
+
+def padded_features(feats: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Cached features of a batch as [B, length, width], zeros past each sequence's end (never attended: a block
+    sees only the context before its anchor)."""
+    batch = torch.zeros(len(feats), length, feats[0].shape[-1])
+    for row, f in enumerate(feats):
+        batch[row, : len(f)] = f
+    return batch
+
+
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, block: int, gamma: float) -> torch.Tensor:
     """Cross-entropy with weight exp(-(k-1)/gamma) at block slot k, normalised by the valid weights."""
     k = torch.arange(labels.shape[1]) % block
@@ -172,8 +221,9 @@ def _save_checkpoint(out: Path, drafter, opt, state: TrainState, cfg: TrainConfi
 def _load_checkpoint(out: Path, drafter, opt, cfg: TrainConfig, rng: torch.Generator) -> TrainState:
     ck = out / CHECKPOINT
     meta = json.loads((ck / "state.json").read_text())
-    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
-    if saved != {k: v for k, v in asdict(cfg).items()}:
+    # a setting the checkpoint's version did not have yet had its default then
+    saved = asdict(TrainConfig()) | {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
+    if saved != asdict(cfg):
         diff = sorted(k for k in saved if saved[k] != asdict(cfg)[k])
         raise UserError(f"{ck}: the checkpoint was made with different settings ({', '.join(diff)}); "
                         "use the same arguments to resume, or another --output.")
@@ -244,6 +294,7 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
         seqs = [torch.tensor(r["prompt_token_ids"] + r["response_token_ids"]) for r in train_rows]
         masks = [torch.tensor([False] * len(r["prompt_token_ids"]) + [True] * len(r["response_token_ids"]))
                  for r in train_rows]
+        cached = target_features(target, seqs, params.target_layer_ids, bar) if cfg.cache_features else None
         lm_head = target.lm_head.weight
         task = bar.add_task("training drafter", total=cfg.steps, completed=state.step,
                             loss=state.losses[-1] if state.losses else float("nan"),
@@ -255,11 +306,11 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
             pick = torch.randint(0, len(seqs), (cfg.batch_size,), generator=gen).tolist()
             input_ids, block_ids, block_pos, labels, mask = sample_blocks(
                 [seqs[i] for i in pick], [masks[i] for i in pick], cfg.anchors, cfg.block_size, mask_id, gen)
+            if cached is not None:
+                feats = padded_features([cached[i] for i in pick], input_ids.shape[1])
             with torch.inference_mode():
-                S = input_ids.shape[1]
-                cache = target.new_cache(len(pick), S)
-                feats = target(input_ids, torch.arange(S).expand(len(pick), S), torch.arange(len(pick)), cache,
-                               params.target_layer_ids).hidden
+                if cached is None:
+                    feats = batch_features(target, input_ids, params.target_layer_ids)
                 embeds = target.embed(block_ids)
             hidden = drafter.forward_blocks(feats.clone(), embeds.clone(), block_pos, mask)
             loss = block_loss(F.linear(hidden, lm_head), labels, cfg.block_size, cfg.decay)
