@@ -67,7 +67,7 @@ def test_draft_to_target_applies_offsets():
 def test_converted_config_maps_back_to_the_z_lab_parameters(drafters):
     config = json.loads((drafters["pruned"] / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
-    assert config["aux_hidden_state_layer_ids"] == [2, 4, 6]  # z-lab [1, 3, 5] + 1
+    assert config["aux_hidden_state_layer_ids"] == [2, 6, 11, 16]  # z-lab [1, 5, 10, 15] + 1
     assert config["draft_vocab_size"] == KEPT
     original = load_drafter(drafters["z-lab"])
     for name in ("whole", "pruned"):
@@ -92,7 +92,7 @@ def test_pruned_vocabulary_is_lossless_and_accepts_drafts(engines, drafters):
     config = json.loads((engines["pruned"] / "config.json").read_text())
     assert config["dflash"]["draft_vocab_size"] == KEPT
     weights = load_file(str(engines["pruned"] / "rank0.safetensors"))
-    assert weights["drafter.draft_lm_head.weight"].shape == (KEPT, 256) and weights["drafter.d2t"].dtype == torch.int64
+    assert weights["drafter.draft_lm_head.weight"].shape == (KEPT, 192) and weights["drafter.d2t"].dtype == torch.int64
     kept = set((torch.arange(KEPT) + weights["drafter.d2t"]).tolist())
 
     engine = Engine.load(engines["pruned"])
@@ -147,8 +147,8 @@ BROKEN = {
     "d2t-outside": (lambda d: _edit_tensors(d, d2t=lambda t: t + 4096), ("'d2t'", "outside the target vocabulary")),
     "t2d-disagrees": (lambda d: _edit_tensors(d, t2d=lambda t: t.roll(1)), ("'t2d'", "does not mark")),
     "model-type": (lambda d: _edit_config(d, speculators_model_type="eagle3"), ("speculators_model_type", "'eagle3'")),
-    "layer-ids": (lambda d: _edit_config(d, aux_hidden_state_layer_ids=[2, 4, 7]),
-                  ("aux_hidden_state_layer_ids", "[7]")),
+    "layer-ids": (lambda d: _edit_config(d, aux_hidden_state_layer_ids=[2, 6, 11, 17]),
+                  ("aux_hidden_state_layer_ids", "[17]")),
 }
 
 
