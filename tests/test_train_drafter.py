@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.nn.utils.rnn import pad_sequence
 
 from tests.conftest import build
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
@@ -19,7 +20,6 @@ from trtllm_dflash.train.drafter import (
     batch_features,
     block_loss,
     load_frozen_target,
-    padded_features,
     sample_blocks,
     target_features,
 )
@@ -120,13 +120,9 @@ def test_cached_features_are_the_steps_own(qwen3_pair, tmp_path):
     with Progress(disable=True) as bar:
         cached = target_features(target, seqs, (1, 3), bar, batch_tokens=64)  # several groups of 1-3
     pick = [5, 0, 2, 4]
-    S = max(len(seqs[i]) for i in pick)
-    ids = torch.zeros(len(pick), S, dtype=torch.long)
-    for row, i in enumerate(pick):
-        ids[row, : len(seqs[i])] = seqs[i]
     with torch.inference_mode():
-        want = batch_features(target, ids, (1, 3))
-    got = padded_features([cached[i] for i in pick], S)
+        want = batch_features(target, pad_sequence([seqs[i] for i in pick], batch_first=True), (1, 3))
+    got = pad_sequence([cached[i] for i in pick], batch_first=True)  # as the training step pads them
     assert got.shape == want.shape == (4, 64, 2 * target.spec.hidden_size)
     for row, i in enumerate(pick):
         n = len(seqs[i])

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
@@ -155,25 +156,13 @@ def target_features(target: TargetModel, seqs: list[torch.Tensor], layer_ids: tu
             longest = len(seqs[order[stop]])
             stop += 1
         group = order[start:stop]
-        ids = torch.zeros(len(group), longest, dtype=torch.long)
-        for row, i in enumerate(group):
-            ids[row, : len(seqs[i])] = seqs[i]
-        feats = batch_features(target, ids, layer_ids)
+        feats = batch_features(target, pad_sequence([seqs[i] for i in group], batch_first=True), layer_ids)
         for row, i in enumerate(group):
             out[i] = feats[row, : len(seqs[i])].clone()
         bar.advance(task, len(group))
         start = stop
     bar.remove_task(task)
     return out
-
-
-def padded_features(feats: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Cached features of a batch as [B, length, width], zeros past each sequence's end (never attended: a block
-    sees only the context before its anchor)."""
-    batch = torch.zeros(len(feats), length, feats[0].shape[-1])
-    for row, f in enumerate(feats):
-        batch[row, : len(f)] = f
-    return batch
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, block: int, gamma: float) -> torch.Tensor:
@@ -223,8 +212,9 @@ def _load_checkpoint(out: Path, drafter, opt, cfg: TrainConfig, rng: torch.Gener
     meta = json.loads((ck / "state.json").read_text())
     # a setting the checkpoint's version did not have yet had its default then
     saved = asdict(TrainConfig()) | {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
-    if saved != asdict(cfg):
-        diff = sorted(k for k in saved if saved[k] != asdict(cfg)[k])
+    wanted = asdict(cfg)
+    if saved != wanted:
+        diff = sorted(k for k in saved if saved[k] != wanted[k])
         raise UserError(f"{ck}: the checkpoint was made with different settings ({', '.join(diff)}); "
                         "use the same arguments to resume, or another --output.")
     drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")))
@@ -306,13 +296,13 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
             pick = torch.randint(0, len(seqs), (cfg.batch_size,), generator=gen).tolist()
             input_ids, block_ids, block_pos, labels, mask = sample_blocks(
                 [seqs[i] for i in pick], [masks[i] for i in pick], cfg.anchors, cfg.block_size, mask_id, gen)
-            if cached is not None:
-                feats = padded_features([cached[i] for i in pick], input_ids.shape[1])
             with torch.inference_mode():
-                if cached is None:
-                    feats = batch_features(target, input_ids, params.target_layer_ids)
+                computed = None if cached is not None else batch_features(target, input_ids, params.target_layer_ids)
                 embeds = target.embed(block_ids)
-            hidden = drafter.forward_blocks(feats.clone(), embeds.clone(), block_pos, mask)
+            # cached: zeros past each sequence's end, never attended (a block sees only the context before its anchor)
+            feats = (pad_sequence([cached[i] for i in pick], batch_first=True) if cached is not None
+                     else computed.clone())
+            hidden = drafter.forward_blocks(feats, embeds.clone(), block_pos, mask)
             loss = block_loss(F.linear(hidden, lm_head), labels, cfg.block_size, cfg.decay)
             if not torch.isfinite(loss):
                 raise UserError(f"training diverged at step {state.step + 1} of {cfg.steps} (loss {loss.item()}); "
