@@ -118,17 +118,40 @@ def test_requests_own_acceptance_decides_the_batchs_k():
 
 def test_steps_slower_than_predicted_correct_the_costs():
     # Batch 1 on the hand table: the model favours the whole block; real speculative steps that take 3x what
-    # the model says (the calibration never sees the scheduler's work) must bring the choice down to k = 1,
-    # and AR steps slower than predicted must bring it back up.
+    # the model says beside AR steps that take what it says (the calibration never sees the scheduler's work) must
+    # bring the choice down to k = 1, and AR steps as slow must bring it back up.
     auto = AutoBlockSize(hand_costs(), block_size=8)
     assert auto.choose(batch=1, context=64) == 8
     for _ in range(40):
+        auto.observe_time(1, 64, 1, auto.predicted_seconds(1, 64, 1))
         auto.observe_time(1, 64, 8, 3 * auto.predicted_seconds(1, 64, 8))
-    assert auto.correction.factor(8) == pytest.approx(3.0, rel=0.05) and auto.correction.factor(1) == 1.0
+    assert auto.correction.factor(1, 8) == pytest.approx(3.0, rel=0.05) and auto.correction.factor(1, 1) == 1.0
     assert auto.choose(batch=1, context=64) == 1
     for _ in range(40):
         auto.observe_time(1, 64, 1, 3 * auto.predicted_seconds(1, 64, 1))
+        auto.observe_time(1, 64, 8, 3 * auto.predicted_seconds(1, 64, 8))
     assert auto.choose(batch=1, context=64) == 8
+
+
+def test_the_machines_drift_does_not_change_the_choice():
+    """Every step 2x slower than predicted, speculative steps alone for a long spell (no AR step to compare with):
+    read as the machine slowing down, which moves every k's cost alike, so the choice stays the model's."""
+    auto = AutoBlockSize(hand_costs(), block_size=8)
+    for _ in range(100):
+        auto.observe_time(1, 64, 8, 2 * auto.predicted_seconds(1, 64, 8))
+    assert auto.correction.factor(1, 8) == pytest.approx(2.0, rel=0.05)
+    assert auto.correction.factor(1, 1) == pytest.approx(auto.correction.factor(1, 8))
+    assert auto.choose(batch=1, context=64) == 8
+
+
+def test_cost_correction_is_per_batch_size_bucket():
+    """Speculative steps at batch 2 that take 3x their prediction beside AR steps as predicted: batch 2 and 3 (one
+    bucket) price speculation at 3x, batch 1 and 4 keep the model's own costs."""
+    c = CostCorrection(weight=1.0)
+    c.observe(2, 1, predicted_seconds=0.010, observed_seconds=0.010)
+    c.observe(2, 4, predicted_seconds=0.010, observed_seconds=0.030)
+    assert c.factor(2, 4) == c.factor(3, 16) == pytest.approx(3.0)
+    assert c.factor(1, 4) == c.factor(4, 4) == 1.0
 
 
 def test_held_back_features_are_priced_into_a_speculative_step():
@@ -151,19 +174,30 @@ def test_held_back_features_are_priced_into_a_speculative_step():
     rates = [expected_committed(at_least, j) / (costs.step_seconds(1, 64, j) + (2e-3 if j > 1 else 0))
              for j in range(1, 9)]
     assert k == rates.index(max(rates)) + 1
+    # Paid once for the requests' remaining tokens, a step bears its own tokens' share: 50 ms spread over 10,000
+    # tokens to go no longer stops speculation; over 40, a step committing E tokens bears E / 40 of it.
+    assert auto.choose(batch=1, context=64, pending=100, remaining=10_000) == auto.choose(batch=1, context=64)
+    k = auto.choose(batch=1, context=64, pending=100, remaining=40)
+    rates = [expected_committed(at_least, j) / (costs.step_seconds(1, 64, j)
+                                                 + (50e-3 * expected_committed(at_least, j) / 40 if j > 1 else 0))
+             for j in range(1, 9)]
+    assert k == rates.index(max(rates)) + 1
     # A speculative step that took exactly its predicted time plus the hand-over leaves the correction at 1.
     auto.observe_time(1, 64, 8, costs.step_seconds(1, 64, 8) + costs.context_seconds(1, 100), pending=100)
-    assert auto.correction.factor(8) == pytest.approx(1.0)
+    assert auto.correction.factor(1, 8) == pytest.approx(1.0)
 
 
 def test_cost_correction_is_a_running_mean_of_observed_over_predicted():
-    c = CostCorrection(weight=0.5)
-    c.observe(4, predicted_seconds=0.010, observed_seconds=0.020)  # ratio 2: 1 + 0.5 x (2 - 1)
-    assert c.factor(2) == 1.5 and c.factor(1) == 1.0
-    c.observe(1, predicted_seconds=0.010, observed_seconds=0.005)  # AR steps: their own factor
-    assert c.factor(1) == 0.75 and c.factor(16) == 1.5
-    c.observe(1, predicted_seconds=0.0, observed_seconds=0.005)  # nothing to compare with: ignored
-    assert c.factor(1) == 0.75
+    c = CostCorrection(weight=0.5, fresh_steps=2)
+    c.observe(1, 1, predicted_seconds=0.010, observed_seconds=0.020)  # AR: the level, 1 + 0.5 x (2 - 1)
+    assert c.factor(1, 1) == c.factor(1, 4) == 1.5
+    c.observe(1, 4, predicted_seconds=0.010, observed_seconds=0.030)  # 1 step after an AR step: the ratio (3 / 1.5)
+    assert c.factor(1, 1) == 1.5 and c.factor(1, 4) == pytest.approx(1.5 * 1.5)  # ratio 1 + 0.5 x (2 - 1)
+    c.observe(1, 4, predicted_seconds=0.010, observed_seconds=0.030)  # 2 steps after: still the ratio
+    assert c.factor(1, 4) == pytest.approx(1.5 * 1.75)
+    c.observe(1, 4, predicted_seconds=0.010, observed_seconds=0.0)  # nothing to compare with: ignored
+    c.observe(1, 4, predicted_seconds=0.010, observed_seconds=0.0525)  # 3 steps after: the level (0.0525 / 1.75 = 3)
+    assert c.factor(1, 1) == pytest.approx(2.25) and c.factor(1, 4) == pytest.approx(2.25 * 1.75)
 
 
 def test_pass_costs_interpolate_between_grid_points():
@@ -200,7 +234,7 @@ class RandomVerifyLength(AutoBlockSize):
         super().__init__(costs=None, block_size=block_size)
         self.rng, self.chosen = random.Random(seed), []
 
-    def choose(self, batch: int, context: float, requests=(), pending: float = 0.0) -> int:
+    def choose(self, batch: int, context: float, requests=(), pending: float = 0.0, remaining=None) -> int:
         self.chosen.append(self.rng.randint(1, self.block_size))
         return self.chosen[-1]
 
@@ -239,7 +273,7 @@ def test_any_verify_lengths_keep_dflash_equal_to_ar(biased_engines):
 class FullBlock(RandomVerifyLength):
     """Always the whole block: the prompt's features wait in `pending_context` until the first draft."""
 
-    def choose(self, batch: int, context: float, requests=(), pending: float = 0.0) -> int:
+    def choose(self, batch: int, context: float, requests=(), pending: float = 0.0, remaining=None) -> int:
         return self.block_size
 
 

@@ -42,8 +42,8 @@ from trtllm_dflash.runtime.executor import Executor
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.stats import cpu_name
 
-PROFILE_VERSION = 2  # 2: the drafter pass per verify length (its lm_head reads out k - 1 drafts)
-REPEATS = 3  # timed calls per grid point after one warm-up; the minimum is kept (other work only adds time)
+PROFILE_VERSION = 3  # 2: the drafter pass per verify length (its lm_head reads out k - 1 drafts); 3: timed in rounds
+REPEATS = 3  # timed calls per grid point after one warm-up; the fastest is kept (other work only adds time)
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,33 @@ def _fastest(fn: Callable[[], object]) -> float:
     return best
 
 
+class _Rounds:
+    """Calls to time, each REPEATS times after a warm-up, in rounds over all of them; each keeps its fastest time.
+
+    A shared machine drifts by a third over seconds (seen here: the same AR step at batch 32 took 54 ms in one run
+    and 94 ms in the next). Timed back to back, one call's repeats would all fall in the same spell and a whole
+    row of the grid with them, skewing the very ratios between verify lengths that the choice rests on; in
+    rounds, a call's repeats lie a round apart (seconds) and a slow spell spoils one round, not one row."""
+
+    def __init__(self):
+        self._calls: list[Callable[[], object]] = []
+
+    def add(self, fn: Callable[[], object]) -> int:
+        self._calls.append(fn)
+        return len(self._calls) - 1
+
+    def run(self) -> list[float]:
+        for fn in self._calls:
+            fn()
+        best = [float("inf")] * len(self._calls)
+        for _ in range(REPEATS):
+            for i, fn in enumerate(self._calls):
+                start = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - start)
+        return best
+
+
 def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> PassCosts:
     """Time the executor's passes on the grid (slots 0 .. batch - 1; their cache rows past position 0 are
     overwritten, which is harmless before any request runs: a slot's positions past its start are never read)."""
@@ -145,17 +172,26 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
     hidden = prefill.hidden[:, :block]  # [slots, block, F]
     greedy = {b: Sampling.greedy(b, dev) for b in batches}
 
-    target, draft = [], []
+    # The passes that make up a step, timed in rounds (_Rounds); the table of each holds indices into its times.
+    rounds = _Rounds()
+    target_at, draft_at = [], []
     for c in contexts:
         starts = torch.full((batches[-1],), c, device=dev)
-        target.append(tuple(tuple(_fastest(lambda b=b, t=t: ex.target_forward(
-            ids[:b, c:c + t], starts[:b], slots[:b], capture=True)) for t in tokens) for b in batches))
-        draft.append(tuple(tuple(_fastest(lambda b=b, t=t: ex.draft(ids[:b, c], starts[:b], slots[:b], max(1, t - 1)))
-                                 for t in tokens) for b in batches))
+        target_at.append([[rounds.add(lambda b=b, t=t, c=c, starts=starts: ex.target_forward(
+            ids[:b, c:c + t], starts[:b], slots[:b], capture=True)) for t in tokens] for b in batches])
+        draft_at.append([[rounds.add(lambda b=b, t=t, c=c, starts=starts: ex.draft(
+            ids[:b, c], starts[:b], slots[:b], max(1, t - 1))) for t in tokens] for b in batches])
     c = contexts[0]
     starts = torch.full((batches[-1],), c, device=dev)
-    context = tuple(tuple(_fastest(lambda b=b, t=t: ex.append_context(hidden[:b, :t], starts[:b], slots[:b]))
-                          for t in tokens) for b in batches)
+    context_at = [[rounds.add(lambda b=b, t=t: ex.append_context(hidden[:b, :t], starts[:b], slots[:b]))
+                   for t in tokens] for b in batches]
+    times = rounds.run()
+
+    def table(at):
+        return tuple(table(row) for row in at) if isinstance(at, list) else times[at]
+
+    # The acceptance reads one pass's logits ([batch, tokens, vocab]: too many to hold for the whole grid at once),
+    # so each is timed on its own; it is a small part of a step.
     accept = []
     for b in batches:
         row = []
@@ -168,7 +204,7 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
                 row.append(_fastest(lambda b=b, t=t, logits=logits: ex.accept(
                     ids[:b, c + 1:c + t], logits, greedy[b], starts[:b])))
         accept.append(tuple(row))
-    return PassCosts(batches, tokens, contexts, tuple(target), tuple(draft), context, tuple(accept))
+    return PassCosts(batches, tokens, contexts, table(target_at), table(draft_at), table(context_at), tuple(accept))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -332,7 +332,8 @@ class Decoder:
         began, context, pending = time.perf_counter(), max(a.start for a in active), 0.0
         if self.auto_block is not None:
             pending = sum(a.num_pending for a in active) / len(active)
-            k = self.auto_block.choose(len(active), context, [a.acceptance for a in active], pending)
+            remaining = sum(a.request.max_new_tokens - len(a.output) for a in active) / len(active)
+            k = self.auto_block.choose(len(active), context, [a.acceptance for a in active], pending, remaining)
 
         if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
             block = anchors[:, None]  # [B, 1]

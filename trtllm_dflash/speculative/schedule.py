@@ -16,7 +16,9 @@ k commits exactly what the target alone would (the acceptance rule is the same f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 # Conditional acceptance P(d_j accepted | d_1..d_{j-1} accepted) assumed before any step is seen, and how many
@@ -32,6 +34,9 @@ DECAY = 0.98
 CONTEXT_STEP = 16
 # Weight of one step's observed / predicted time in the running cost correction (a window of ~10 steps).
 TIME_WEIGHT = 0.1
+# A speculative step measures the ratio of its cost to an AR step's only this many steps after an AR step of its batch
+# size (CostCorrection): apart by more, the machine's drift between the two would count as the ratio.
+FRESH_STEPS = 16
 # The engine's acceptance rates are recorded (the next run's prior) every this many steps, and at the end of a run.
 SAVE_EVERY = 256
 
@@ -121,27 +126,58 @@ class AcceptanceEstimate:
         return out
 
 
-class CostCorrection:
-    """How much longer real steps take than the cost model predicts: observed / predicted seconds, a running
-    mean for plain AR steps (k = 1) and one for speculative steps (k > 1).
+@dataclass
+class _Correction:
+    """One batch-size bucket's correction (CostCorrection)."""
 
-    The model is calibrated on each pass alone, repeated, with its weights hot in the caches; a real
-    speculative step alternates drafter and target passes (each evicting the other's weights) and adds the
-    scheduler's own work around them, which the calibration never sees. Example: a speculative step predicted
-    at 20 ms that takes 26 ms moves the speculative factor from 1.0 towards 1.3 by TIME_WEIGHT.
+    level: float = 1.0  # an AR step's observed / predicted seconds, lately
+    ratio: float = 1.0  # a speculative step's observed / predicted over an AR step's, measured side by side
+    last_ar: float = -math.inf  # the step count at the bucket's last AR step
+
+
+class CostCorrection:
+    """How much longer real steps take than the cost model predicts (observed / predicted seconds), per bucket of
+    batch sizes (1, 2-3, 4-7, ...): a level, for plain AR steps (k = 1), and a ratio of speculative steps (k > 1)
+    to AR steps.
+
+    Why correct at all: the model is calibrated on each pass alone, repeated, with its weights hot in the caches; a
+    real speculative step alternates drafter and target passes (each evicting the other's weights) and adds the
+    scheduler's own work around them, which the calibration never sees, and that work is a larger share of a small
+    batch's step than of a large one's (hence the buckets).
+
+    Why a level and a ratio: a shared machine's speed drifts by a third over seconds (runtime/costs.py), every
+    k's alike. A factor common to every k cannot change a choice; only the ratio can, and a ratio of two classes
+    measured minutes apart would be mostly drift. So a speculative step within FRESH_STEPS steps of an AR step of
+    its bucket moves the ratio (it and the level describe the same moment); a later one, with no recent AR step to
+    compare with, moves only the level (read as the machine's drift at the ratio last measured). Example: AR steps
+    as predicted, then speculative steps at 1.3x their prediction: the ratio moves from 1 towards 1.3 by
+    TIME_WEIGHT a step, and the speculative steps' cost in the choice with it.
     """
 
-    def __init__(self, weight: float = TIME_WEIGHT):
-        self.weight = weight
-        self.factors = {False: 1.0, True: 1.0}  # keyed by "speculative" (k > 1)
+    def __init__(self, weight: float = TIME_WEIGHT, fresh_steps: int = FRESH_STEPS):
+        self.weight, self.fresh_steps = weight, fresh_steps
+        self._buckets: dict[int, _Correction] = {}
+        self._steps = 0
 
-    def factor(self, k: int) -> float:
-        return self.factors[k > 1]
+    def bucket(self, batch: int) -> _Correction:
+        return self._buckets.setdefault(batch.bit_length(), _Correction())
 
-    def observe(self, k: int, predicted_seconds: float, observed_seconds: float) -> None:
-        if predicted_seconds > 0 and observed_seconds > 0:
-            f = self.factors[k > 1]
-            self.factors[k > 1] = f + self.weight * (observed_seconds / predicted_seconds - f)
+    def factor(self, batch: int, k: int) -> float:
+        b = self.bucket(batch)
+        return b.level * (b.ratio if k > 1 else 1.0)
+
+    def observe(self, batch: int, k: int, predicted_seconds: float, observed_seconds: float) -> None:
+        if not (predicted_seconds > 0 and observed_seconds > 0):
+            return
+        self._steps += 1
+        b, r, w = self.bucket(batch), observed_seconds / predicted_seconds, self.weight
+        if k == 1:
+            b.level += w * (r - b.level)
+            b.last_ar = self._steps
+        elif self._steps - b.last_ar <= self.fresh_steps:
+            b.ratio += w * (r / b.level - b.ratio)
+        else:
+            b.level += w * (r / b.ratio - b.level)
 
 
 class AutoBlockSize:
@@ -169,23 +205,32 @@ class AutoBlockSize:
         return AcceptanceEstimate(self.block_size - 1, decay=self.estimate.decay)
 
     def choose(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate] = (),
-               pending: float = 0.0) -> int:
+               pending: float = 0.0, remaining: float | None = None) -> int:
         """The verify length for a step of `batch` requests; with the requests' own estimates, the batch's expected
         committed tokens are the sum of theirs (E[committed | k] is linear in P(accepted >= j), so the mean of
-        their P(accepted >= j) stands for the batch). `pending`: positions of features per request that plain AR
-        steps held back from the drafter; a speculative step hands them over first, and pays for it."""
+        their P(accepted >= j) stands for the batch).
+
+        `pending`: positions of features per request that plain AR steps held back from the drafter; a speculative
+        step hands them over first. That is paid once and serves every later step of the requests: with
+        `remaining`, the tokens the requests may still commit (the mean of their budgets left, this step's included),
+        a speculative step is charged the share of its own tokens, hand-over x E[committed | k] / remaining; without
+        it, the whole hand-over. Example: a 4 ms hand-over and 40 tokens to go charge a step committing 2.5 tokens
+        0.25 ms. A budget is an upper bound (a request may stop earlier), so the charge is a lower one."""
         key = (batch, -(-int(context) // CONTEXT_STEP) * CONTEXT_STEP)
         if key not in self._seconds:
             self._seconds[key] = [self.predicted_seconds(batch, key[1], k) for k in range(1, self.block_size + 1)]
-        hand_over = self._hand_over_seconds(batch, pending)
-        seconds = [(t + (hand_over if k > 1 else 0.0)) * self.correction.factor(k)
-                   for k, t in enumerate(self._seconds[key], start=1)]
         if requests:
             engine = self.estimate.conditional_rates()
             per_request = [r.accept_at_least(engine) for r in requests]
             at_least = [sum(col) / len(per_request) for col in zip(*per_request)]
         else:
             at_least = self.estimate.accept_at_least()
+        hand_over = self._hand_over_seconds(batch, pending)
+        seconds = [self._seconds[key][0] * self.correction.factor(batch, 1)]
+        for k, t in enumerate(self._seconds[key][1:], start=2):
+            tokens = expected_committed(at_least, k)
+            share = tokens / max(remaining, tokens) if remaining is not None else 1.0
+            seconds.append((t + hand_over * share) * self.correction.factor(batch, k))
         return choose_verify_length(at_least, seconds)
 
     def observe(self, verify_length: int, accepted: Sequence[int],
@@ -207,7 +252,7 @@ class AutoBlockSize:
         """A step of `batch` requests at longest context `context`, verifying k tokens each (after handing the drafter
         `pending` held-back positions per request, if k > 1), took `seconds`."""
         hand_over = self._hand_over_seconds(batch, pending) if k > 1 else 0.0
-        self.correction.observe(k, self.predicted_seconds(batch, context, k) + hand_over, seconds)
+        self.correction.observe(batch, k, self.predicted_seconds(batch, context, k) + hand_over, seconds)
 
     def _hand_over_seconds(self, batch: int, pending: float) -> float:
         """What a speculative step pays first to give the drafter `pending` held-back positions per request."""
