@@ -10,8 +10,9 @@
    concurrency, medians of --repeats runs (auto measures the engine's pass costs first, or reads them from
    the cache: runtime/costs.py);
 3. benchmarks/baselines.py at batch size 1 with our dflash in auto: HF generate(), HF prompt lookup, ar, dflash;
-4. writes benchmarks/results/block_size_auto.json (the bench report, the baselines, the checks below) and
-   prints markdown: tokens/s per configuration and concurrency, auto / ar, auto / best fixed block, the
+4. writes benchmarks/results/block_size_auto.json (the bench report, the baselines, the checks below), the
+   figure block_size_auto.png (speedup over the same phase's AR per concurrency; `--replot` redraws it from the
+   JSON) and prints markdown: tokens/s per configuration and concurrency, auto / ar, auto / best fixed block, the
    chosen k's distribution, and auto at batch 1 / HF prompt lookup.
 
 The issue's targets (issue 14) are checked and reported, not asserted: auto >= 0.95x ar and within 5% of the
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
 from trtllm_dflash.bench.machine import describe  # noqa: E402
 from trtllm_dflash.bench.options import BenchOptions  # noqa: E402
+from trtllm_dflash.bench.plot import require_matplotlib  # noqa: E402
 from trtllm_dflash.bench.report import markdown as bench_markdown  # noqa: E402
 from trtllm_dflash.bench.runner import bench  # noqa: E402
 from trtllm_dflash.config import load_build_config  # noqa: E402
@@ -116,6 +118,34 @@ def markdown(rows: list[dict], base: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: Path) -> None:
+    """Speedup over the same phase's AR against concurrency, one line per fixed block and one for auto, with the
+    issue's 0.95x line: the ratios the checks rest on (raw tokens/s would carry the machine's drift between
+    phases)."""
+    plt = require_matplotlib()
+    rows = result["checks"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    concurrency = [r["concurrency"] for r in rows]
+    for name in rows[0]["speedup_vs_same_phase_ar"]:
+        label = "auto" if name == "auto" else f"block {name}"
+        ax.plot(concurrency, [r["speedup_vs_same_phase_ar"][name] for r in rows], marker="o", label=label,
+                linewidth=2.5 if name == "auto" else 1.2)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(0.95, color="grey", linewidth=0.8, linestyle="--", label="0.95x AR")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrency, [str(c) for c in concurrency])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("tokens/s over AR's (same phase)")
+    bench_report = result["bench"]
+    ax.set_title(f"--block-size auto vs fixed blocks ({bench_report['backend']}, {bench_report['max_new_tokens']} "
+                 f"new tokens, medians of {bench_report['repeats']})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=Path, help="default: engines/demo-bench[-onnxruntime], built if missing")
@@ -129,6 +159,8 @@ def main() -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--quick", action="store_true", help="8 requests, 32 new tokens, 1 repeat, concurrency 1,2,8")
     p.add_argument("--output", type=Path, help="default: benchmarks/results/block_size_auto[_onnxruntime].json")
+    p.add_argument("--replot", action="store_true", help="only draw the figure (--output with .png) again from the "
+                   "JSON an earlier run wrote to --output")
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.max_new_tokens, args.repeats, args.concurrency = 8, 32, 1, "1,2,8"
@@ -136,6 +168,10 @@ def main() -> None:
     if args.output is None:
         suffix = "" if args.backend == "torch" else f"_{args.backend}"
         args.output = ROOT / "benchmarks" / "results" / f"block_size_auto{suffix}.json"
+    if args.replot:
+        plot(json.loads(args.output.read_text()), args.output.with_suffix(".png"))
+        print(f"figure in {args.output.with_suffix('.png')}")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
@@ -171,6 +207,7 @@ def main() -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.output.with_suffix(".png"))
     print(bench_markdown(report))
     print(markdown(rows, base))
     print(f"{describe(report['machine'])}; {args.num_requests} requests, {args.max_new_tokens} new tokens, medians of "
