@@ -1,6 +1,6 @@
 """The whole benchmark report in one command: throughput vs concurrency, baselines, scaling; JSON + PNGs + markdown.
 
-    python benchmarks/run_all.py            # about 15 minutes on a quiet 2-core CPU
+    python benchmarks/run_all.py            # about 25 minutes on a 2-core CPU (the current demo pair)
     python benchmarks/run_all.py --quick    # a small version of every part (about 2 minutes), for checking
 
 1. builds engines/demo-bench from build_configs/demo_bench.yaml (the demo pair with 32 KV-cache slots);
