@@ -116,16 +116,6 @@ def _doubling(limit: int) -> tuple[int, ...]:
     return (*values, limit)
 
 
-def _fastest(fn: Callable[[], object]) -> float:
-    fn()  # warm-up (first call of a shape: allocations, onnxruntime's kernel choice)
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 class _Rounds:
     """Calls to time, each REPEATS times after a warm-up, in rounds over all of them; each keeps its fastest time.
 
@@ -143,7 +133,7 @@ class _Rounds:
 
     def run(self) -> list[float]:
         for fn in self._calls:
-            fn()
+            fn()  # warm-up (first call of a shape: allocations, onnxruntime's kernel choice)
         best = [float("inf")] * len(self._calls)
         for _ in range(REPEATS):
             for i, fn in enumerate(self._calls):
@@ -151,6 +141,13 @@ class _Rounds:
                 fn()
                 best[i] = min(best[i], time.perf_counter() - start)
         return best
+
+
+def _fastest(fn: Callable[[], object]) -> float:
+    """One call's fastest time (a round of one)."""
+    rounds = _Rounds()
+    rounds.add(fn)
+    return rounds.run()[0]
 
 
 def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> PassCosts:
