@@ -56,7 +56,8 @@ def main() -> None:
         side_by_side(engine, requests[:2], repeats=1)  # warm-up
         cmp = side_by_side(engine, requests, repeats=args.repeats)
         mean_prompt = sum(len(r.prompt_token_ids) for r in requests) / len(requests)
-        costs = step_costs(engine, context_len=int(mean_prompt + args.max_new_tokens / 2), repeats=50)
+        costs = step_costs(engine, context_len=int(mean_prompt + args.max_new_tokens / 2),
+                           context_rows=round(cmp.mean_acceptance_length), repeats=50)
         row = {
             "block_size": block_size, "dtype": engine.config.dtype, "num_prompts": len(requests),
             "outputs_identical": cmp.identical,

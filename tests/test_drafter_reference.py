@@ -72,16 +72,32 @@ def test_cached_batched_drafter_equals_reference(qwen3_pair):
         padded[r, :n] = features[r][:n]
     drafter.append_context(padded, torch.arange(max(lengths)).expand(3, -1), slots, cache)
     starts = torch.tensor(lengths)
-    for accepted in ([2, 0, 5], None):
+    context = None  # positions committed by the last step that the next draft pass adds itself
+    for accepted, fused in (([2, 0, 5], False), ([1, 3, 0], True), ([0, 0, 0], True), (None, None)):
         embeds = torch.randn(3, block, H)
-        got = drafter(embeds, starts[:, None] + torch.arange(block), starts, slots, cache)
+        added = () if context is None else (context, context_positions)
+        got = drafter(embeds, starts[:, None] + torch.arange(block), starts, slots, cache, *added)
         for r in range(3):
             s = int(starts[r])
             want = reference_draft(W64, ckpt.spec, features[r][:s].double(), embeds[r].double(), s, theta)
             torch.testing.assert_close(got[r].double(), want, atol=1e-4, rtol=1e-4)
         if accepted is None:
             break
-        # Commit accepted + 1 positions per request; append a full block of features (the verify pass's).
-        step = torch.stack([features[r][int(starts[r]): int(starts[r]) + block] for r in range(3)])
-        drafter.append_context(step, starts[:, None] + torch.arange(block), slots, cache)
-        starts = starts + torch.tensor(accepted) + 1
+        committed = torch.tensor(accepted) + 1
+        if fused:
+            # As the Decoder does: each request's own committed rows, padded at the end to the longest; the padding
+            # lands at or after the next start, masked until overwritten.
+            context = torch.zeros(3, int(committed.max()), F)
+            for r in range(3):
+                context[r, : committed[r]] = features[r][int(starts[r]): int(starts[r] + committed[r])]
+            context_positions = starts[:, None] + torch.arange(context.shape[1])
+        else:
+            # Commit accepted + 1 positions per request in a pass of their own: a full block of features, as a
+            # verify pass gives them, whose rows past the committed ones are features of rejected drafts (here
+            # noise): those positions must be overwritten before they become visible.
+            step = torch.randn(3, block, F)
+            for r in range(3):
+                step[r, : committed[r]] = features[r][int(starts[r]): int(starts[r] + committed[r])]
+            drafter.append_context(step, starts[:, None] + torch.arange(block), slots, cache)
+            context = None
+        starts = starts + committed

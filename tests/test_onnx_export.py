@@ -29,6 +29,7 @@ from trtllm_dflash.compile.onnx_export import (
 from trtllm_dflash.compile.onnx_ops import tensor_scatter
 from trtllm_dflash.engine_dir import graph_dir
 from trtllm_dflash.models.quantized import quantize_inputs
+from trtllm_dflash.runtime.executor import DraftContext
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.core import block_input
 
@@ -82,10 +83,11 @@ class OrtGraphs:
         self._run(DRAFTER_CONTEXT, {"target_hidden": hidden, "positions": positions}, self.draft_cache, r0, [],
                   write=True)
 
-    def draft(self, block_ids, starts, r0):
+    def draft(self, block_ids, starts, r0, context: DraftContext):
         positions = starts[:, None] + torch.arange(block_ids.shape[1])
-        return self._run(DRAFTER_DRAFT, {"block_ids": block_ids, "positions": positions}, self.draft_cache, r0,
-                         ["draft_tokens"], write=False)[0]
+        inputs = {"block_ids": block_ids, "positions": positions, "context_hidden": context.hidden,
+                  "context_positions": context.positions()}
+        return self._run(DRAFTER_DRAFT, inputs, self.draft_cache, r0, ["draft_tokens"], write=True)[0]
 
 
 def _kv_shape(model) -> tuple[int, int]:
@@ -146,9 +148,10 @@ def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     # The context pass only writes K/V: no attention.
     assert (ops[DRAFTER_CONTEXT]["Attention"], ops[DRAFTER_CONTEXT]["RotaryEmbedding"],
             ops[DRAFTER_CONTEXT]["TensorScatter"]) == (0, draft_layers, 2 * draft_layers)
-    # The draft reads the context cache without writing it, and ends in the greedy ArgMax.
+    # The draft writes the new context rows (RoPE over context and block keys at once, and the queries), attends,
+    # and ends in the greedy ArgMax.
     assert (ops[DRAFTER_DRAFT]["Attention"], ops[DRAFTER_DRAFT]["RotaryEmbedding"], ops[DRAFTER_DRAFT]["TensorScatter"],
-            ops[DRAFTER_DRAFT]["ArgMax"]) == (draft_layers, 2 * draft_layers, 0, 1)
+            ops[DRAFTER_DRAFT]["ArgMax"]) == (draft_layers, 2 * draft_layers, 2 * draft_layers, 1)
     # Embedding and lm_head are in both target_step and drafter_draft, stored once in the shared file.
     external = {f.stem: {t.name: {e.key: e.value for e in t.external_data}
                          for t in onnx.load(str(f), load_external_data=False).graph.initializer if t.external_data}
@@ -178,29 +181,40 @@ def test_onnxruntime_equals_the_torch_executor(exported):
         torch.testing.assert_close(hidden, ref.hidden, atol=1e-4, rtol=0)
         return ref
 
-    def context_and_draft(hidden, starts, r0, draft_starts):
+    def context_and_draft(hidden, starts, r0, draft_starts, fused):
+        """The drafter gets `hidden` at `starts` in a pass of its own, or (`fused`) in the draft pass itself."""
         slots = torch.arange(r0, r0 + len(starts))
-        ex.append_context(hidden, starts, slots)
-        graphs.append_context(hidden, starts, r0)
+        features = hidden.shape[-1]
+        if fused:
+            context = DraftContext(hidden, starts)
+        else:
+            ex.append_context(hidden, starts, slots)
+            graphs.append_context(hidden, starts, r0)
+            context = None
         anchors = torch.randint(0, vocab, (len(starts),), generator=g)
-        assert torch.equal(graphs.draft(block_input(anchors, mask_id, block_size), draft_starts, r0),
-                           ex.draft(anchors, draft_starts, slots))
+        # The graphs take at least one context row: a padding row where there is nothing to add (the executors'
+        # choice), given to both so that the caches stay equal.
+        padding = DraftContext.padding(draft_starts, features, hidden.dtype)
+        context = context or padding
+        assert torch.equal(graphs.draft(block_input(anchors, mask_id, block_size), draft_starts, r0, context),
+                           ex.draft(anchors, draft_starts, slots, context=context))
         # A shorter run-time block (one draft token): TorchExecutor.draft's code with block_size 2.
         short = block_input(anchors, mask_id, 2)
         positions = draft_starts[:, None] + torch.arange(2)
-        hidden = ex.drafter(ex.target.embed(short), positions, draft_starts, slots, ex.draft_cache)
-        assert torch.equal(graphs.draft(short, draft_starts, r0), ex.target.logits(hidden[:, 1:]).argmax(-1))
+        hidden = ex.drafter(ex.target.embed(short), positions, draft_starts, slots, ex.draft_cache,
+                            padding.hidden, padding.positions())
+        assert torch.equal(graphs.draft(short, draft_starts, r0, padding), ex.target.logits(hidden[:, 1:]).argmax(-1))
 
     lengths = torch.tensor([11, 6])  # rows 0, 1: a padded batch, as Decoder._prefill builds it
     prompts = torch.randint(0, vocab, (2, 11), generator=g)
     ref = target(prompts, torch.zeros(2, dtype=torch.long), r0=0)
-    context_and_draft(ref.hidden, torch.zeros(2, dtype=torch.long), 0, draft_starts=lengths)
+    context_and_draft(ref.hidden, torch.zeros(2, dtype=torch.long), 0, draft_starts=lengths, fused=False)
     ref = target(torch.randint(0, vocab, (1, 4), generator=g), torch.zeros(1, dtype=torch.long), r0=2)
-    context_and_draft(ref.hidden, torch.zeros(1, dtype=torch.long), 2, draft_starts=torch.tensor([4]))
+    context_and_draft(ref.hidden, torch.zeros(1, dtype=torch.long), 2, draft_starts=torch.tensor([4]), fused=False)
 
     starts = torch.tensor([11, 6, 4])  # verify one block per row, then commit 3 of its positions
     ref = target(torch.randint(0, vocab, (3, block_size), generator=g), starts, r0=0)
-    context_and_draft(ref.hidden[:, :3], starts, 0, draft_starts=starts + 3)
+    context_and_draft(ref.hidden[:, :3], starts, 0, draft_starts=starts + 3, fused=True)
     starts = torch.tensor([9, 7])  # rows 1, 2: AR steps on top of the caches
     for _ in range(3):
         target(torch.randint(0, vocab, (2, 1), generator=g), starts, r0=1)

@@ -88,6 +88,14 @@ def graph_dir(root: Path, rank: int) -> Path:
     return Path(root) / GRAPHS / f"rank{rank}"
 
 
+def check_draft_graph_inputs(inputs: list[str], where: Path) -> None:
+    """Refuse a drafter_draft graph (or a plan compiled from one) exported before the draft pass took the new
+    context rows (`context_hidden`): an engine of an earlier trtllm-dflash, whose executor contract differs."""
+    if "context_hidden" not in inputs:
+        raise UserError(f"{where}: this drafter_draft graph was exported by an earlier trtllm-dflash (it has no "
+                        "context_hidden input); build the engine again with `trtllm-dflash build CONFIG --force`.")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

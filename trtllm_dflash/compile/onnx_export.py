@@ -4,8 +4,9 @@
 and DFlashDrafter.forward with their caches replaced by graph inputs (onnx_ops.GraphKVCache), and writes
 
     target_step.onnx      prefill, verify and AR: one target pass
-    drafter_context.onnx  the drafter's context K/V of committed positions (DFlashDrafter.append_context)
-    drafter_draft.onnx    one block draft -> greedy draft tokens (DFlashDrafter.forward + target lm_head)
+    drafter_context.onnx  the drafter's context K/V of many committed positions (DFlashDrafter.append_context)
+    drafter_draft.onnx    the context K/V of the positions the last step committed, then one block draft ->
+                          greedy draft tokens (DFlashDrafter.forward + target lm_head): one drafter pass a step
     weights.onnx.data     the initializers of all three, each stored once (4 KiB aligned)
     accept.onnx           the acceptance step in plain ops, accept_plugin.onnx the same as one DFlashAccept
                           node for TensorRT (compile/accept_graph.py)
@@ -40,8 +41,13 @@ drafter_context.onnx
 drafter_draft.onnx
     in   block_ids    int64  [batch, block]   [anchor, MASK, ...] (speculative.core.block_input), block >= 2
          positions    int64  [batch, block]   start_b + arange(block); the context is positions < start_b
-         past_key_i, past_value_i    the drafter's caches (read only: no outputs)
+         context_hidden dtype [batch, ctx, n_feat * hidden]   features of positions the context does not hold yet
+                             (those the last step committed), written into the caches before the block attends;
+                             rows at or after start_b are padding (masked, overwritten later)
+         context_positions int64 [batch, ctx]  context_start_b + arange(ctx)
+         past_key_i, past_value_i    the drafter's caches, i = 0 .. drafter layers - 1
     out  draft_tokens int64  [batch, block - 1]   argmax of the target's lm_head on the drafter's hidden states
+         present_key_i, present_value_i   the caches with the context rows written (the block's are not)
 
 Cache invariant (as TorchExecutor's): row b's positions < start_b hold its request's K/V; positions at or
 after start_b are masked and overwritten before they become visible, so rejected drafts need no clean-up.
@@ -168,19 +174,21 @@ class DrafterContext(nn.Module):
 
 
 class DrafterDraft(nn.Module):
-    """drafter_draft.onnx: TorchExecutor.draft's drafter pass + greedy tokens, for given block ids."""
+    """drafter_draft.onnx: TorchExecutor.draft's drafter pass (the new context rows first written into the cache) +
+    greedy tokens, for given block ids."""
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter):
         super().__init__()
         self.target, self.drafter = target, drafter  # `target` as in TargetStep: the embedding keeps its name
 
-    def forward(self, block_ids, positions, past: list[torch.Tensor]):
+    def forward(self, block_ids, positions, context_hidden, context_positions, past: list[torch.Tensor]):
         cache = GraphKVCache(past)
         rows = torch.arange(block_ids.shape[0], device=block_ids.device)
-        hidden = self.drafter(self.target.embed(block_ids), positions, positions[:, 0], rows, cache)
+        hidden = self.drafter(self.target.embed(block_ids), positions, positions[:, 0], rows, cache,
+                              context_hidden, context_positions)
         # lm_head over the whole block, then drop row 0: any op on the [B, block - 1, ...] slice makes
         # torch.export assume block - 1 != 1, and block 2 (one draft token) is a valid run-time block size.
-        return self.target.logits(hidden).argmax(dim=-1)[:, 1:]
+        return (self.target.logits(hidden).argmax(dim=-1)[:, 1:], *cache.present())
 
 
 @dataclass(frozen=True)
@@ -236,13 +244,17 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
         {("target_hidden", 0): "batch", ("target_hidden", 1): "ctx", **names(d_layers)},
     ))
     starts = torch.tensor([4, 6, 9])
+    context_starts = starts - torch.tensor([2, 1, 4])  # 2, 1 and 4 new positions, padded to 5 rows
     graphs.append(_Graph(
         DRAFTER_DRAFT, DrafterDraft(target, drafter),
-        (torch.zeros(b, 7, dtype=torch.long), starts[:, None] + torch.arange(7), d_past),
-        ({0: batch, 1: block}, {0: batch, 1: block}, [cache_axes] * len(d_past)),
-        ["block_ids", "positions", *cache_names(d_layers, "past")],
-        ["draft_tokens"],
-        {("block_ids", 0): "batch", ("block_ids", 1): "block", **names(d_layers)},
+        (torch.zeros(b, 7, dtype=torch.long), starts[:, None] + torch.arange(7),
+         torch.zeros(b, 5, features, dtype=drafter.norm.weight.dtype), context_starts[:, None] + torch.arange(5),
+         d_past),
+        ({0: batch, 1: block}, {0: batch, 1: block}, {0: batch, 1: ctx}, {0: batch, 1: ctx},
+         [cache_axes] * len(d_past)),
+        ["block_ids", "positions", "context_hidden", "context_positions", *cache_names(d_layers, "past")],
+        ["draft_tokens", *cache_names(d_layers, "present")],
+        {("block_ids", 0): "batch", ("block_ids", 1): "block", ("context_hidden", 1): "ctx", **names(d_layers)},
     ))
     return graphs
 

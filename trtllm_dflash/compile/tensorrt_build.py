@@ -46,7 +46,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trtllm_dflash.engine_dir import EngineConfig, graph_dir, open_engine, write_manifest
+from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs, graph_dir, open_engine, write_manifest
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.outputs import atomic_directory
 
@@ -172,6 +172,13 @@ def graph_placement(onnx_path: Path) -> tuple[int, int]:
     except (KeyError, ValueError):
         raise UserError(f"{onnx_path}: the graph does not say which rank and tp_size it was exported for "
                         "(metadata 'rank' and 'tp_size'); rebuild the engine.") from None
+
+
+def graph_inputs(onnx_path: Path) -> list[str]:
+    """The names of a graph's inputs."""
+    import onnx
+
+    return [i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input]
 
 
 def set_collective_ranks(trt: ModuleType, network, onnx_path: Path) -> int:
@@ -418,6 +425,8 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
                 exported = "rank {} of tp_size {}".format(*graph_placement(path))
                 raise UserError(f"{path}: this graph was exported for {exported}, but it is rank {rank}'s graph of an "
                                 f"engine split for tp_size {ranks}; rebuild the engine.")
+        draft = graph_dir(root, rank) / "drafter_draft.onnx"
+        check_draft_graph_inputs(graph_inputs(draft), draft)
 
     import torch
 

@@ -12,8 +12,10 @@ ctx = hidden_norm(fc(concat(target hidden of target_layer_ids))):
 `x` starts as the target's raw embedding rows of the block times `input_embedding_scale` (1 unless the
 drafter's config says otherwise: the target's own scale, e.g. Gemma's sqrt(hidden), is not applied).
 `ctx` is the same for every layer and never passes through input_layernorm or an MLP. Its K/V do not
-depend on the block, so they are computed once per committed position (`append_context`) and cached,
-exactly what the reference's DynamicCache + crop achieves. The drafter has no embedding: the target's is
+depend on the block, so they are computed once per committed position and cached, exactly what the
+reference's DynamicCache + crop achieves: in the draft pass itself for the few positions a step commits
+(`forward(..., context=)`, as the reference does), or on their own for many at once (`append_context`: a
+prompt, or the positions that plain AR steps held back). The drafter has no embedding: the target's is
 used. Nor has it an lm_head, except a speculators-format drafter whose lm_head differs from the target's
 (a pruned draft vocabulary): it drafts in its own vocabulary, and d2t maps each draft to a target id.
 """
@@ -154,23 +156,41 @@ class DFlashDrafter(nn.Module):
         context_len: torch.Tensor,  # [B] context positions < context_len are valid (= start)
         slots: torch.Tensor,  # [B]
         cache: KVCache,
+        context: torch.Tensor | None = None,  # [B, C, n_feat * hidden] features of positions not yet in the cache
+        context_positions: torch.Tensor | None = None,  # [B, C] their absolute positions
     ) -> torch.Tensor:
-        """One non-causal pass over the block; returns the final-normed hidden states [B, block, hidden]."""
+        """One non-causal pass over the block; returns the final-normed hidden states [B, block, hidden].
+
+        With `context`, the pass first adds those positions to the context cache, as append_context would, in the
+        same layers: each layer projects the context rows and the block rows in one K/V projection (the reference's
+        k_proj(cat[target_hidden, noise])), writes the context rows' K/V and attends over the updated cache. One
+        drafter pass per step instead of two. Context rows at or after a request's context_len are padding: they
+        are written, stay masked and are overwritten before they become visible."""
         x = self.scale_embeddings(block_embeds)
         block = x.shape[1]
         kv_len = int(context_len.max())
-        cos, sin = self.rotary(block_positions, x.dtype)
+        if context is not None:
+            ctx = self.hidden_norm(self.fc(context))
+            C = ctx.shape[1]
+            cos, sin = self.rotary(torch.cat([context_positions, block_positions], dim=1), x.dtype)
+        else:
+            C = 0
+            cos, sin = self.rotary(block_positions, x.dtype)
+        cos_b, sin_b = cos[:, C:], sin[:, C:]
         ctx_visible = torch.arange(kv_len, device=x.device)[None, :] < context_len[:, None]  # [B, kv_len]
         mask = torch.cat([ctx_visible, ctx_visible.new_ones(x.shape[0], block)], dim=1)
         mask = mask[:, None, :].expand(-1, block, -1)  # [B, block, kv_len + block]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = apply_rotary(attn.query(h), cos, sin)
-            k_blk, v_blk = attn.key_value(h)
+            q = apply_rotary(attn.query(h), cos_b, sin_b)
+            k_new, v_new = attn.key_value(h if context is None else torch.cat([ctx, h], dim=1))  # [B, C + block, ...]
+            k_new = apply_rotary(k_new, cos, sin)
+            if context is not None:
+                cache.write(i, slots, context_positions, k_new[:, :C], v_new[:, :C])
             k_ctx, v_ctx = cache.read(i, slots, kv_len)
-            k = torch.cat([k_ctx, apply_rotary(k_blk, cos, sin)], dim=1)
-            v = torch.cat([v_ctx, v_blk], dim=1)
+            k = torch.cat([k_ctx, k_new[:, C:]], dim=1)
+            v = torch.cat([v_ctx, v_new[:, C:]], dim=1)
             x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

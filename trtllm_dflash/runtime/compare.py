@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trtllm_dflash.runtime.executor import DraftContext
 from trtllm_dflash.runtime.decoding import Request, Result
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.stats import all_steps, mean_acceptance_length
@@ -68,7 +69,7 @@ def side_by_side(engine: Engine, requests: list[Request], repeats: int = 1) -> C
 @dataclass(frozen=True)
 class StepCosts:
     context_len: int
-    draft_s: float  # one drafter pass over a block (batch 1)
+    draft_s: float  # one drafter pass over a block (batch 1), adding the context rows the step before committed
     verify_s: float  # one target pass over a block
     ar_s: float  # one target pass over one token
 
@@ -77,28 +78,35 @@ class StepCosts:
         return acceptance_length * self.ar_s / (self.verify_s + self.draft_s)
 
 
-def step_costs(engine: Engine, context_len: int, repeats: int = 25) -> StepCosts:
-    """Median times of the three passes at one context length, batch size 1."""
+def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int = 25) -> StepCosts:
+    """Median times of the three passes at one context length, batch size 1, each timed where the loop runs it: a
+    drafter pass right after a verify pass and a verify pass right after a drafter pass (as in DFlash steps), an AR
+    pass right after an AR pass (as in plain decoding): on a CPU, a pass that follows the other model's pass finds
+    its weights out of the caches, and a pass repeated alone would not. The drafter pass adds `context_rows` positions to the drafter's context first, as a step adds those the
+    step before committed (the acceptance length, rounded)."""
     ex = engine.executor
     block = ex.block_size
     slots, starts = torch.tensor([0], device=ex.device), torch.tensor([context_len], device=ex.device)
     ids = torch.randint(4, ex.vocab_size, (1, context_len + block), generator=torch.Generator().manual_seed(0))
     ids, zero = ids.to(ex.device), torch.tensor([0], device=ex.device)
-    ex.append_context(ex.target_forward(ids[:, :context_len], zero, slots, capture=True).hidden, zero, slots)
-
-    def median(fn) -> float:
-        fn()  # warm-up
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
+    hidden = ex.target_forward(ids[:, :context_len], zero, slots, capture=True).hidden  # [1, context_len, F]
+    ex.append_context(hidden, zero, slots)
+    rows = max(1, min(context_rows, context_len))
+    new = DraftContext(hidden[:, context_len - rows:], starts - rows)
     anchor = ids[:, context_len]
-    return StepCosts(
-        context_len=context_len,
-        draft_s=median(lambda: ex.draft(anchor, starts, slots)),
-        verify_s=median(lambda: ex.target_forward(ids[:, context_len:context_len + block], starts, slots, capture=True)),
-        ar_s=median(lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False)),
-    )
+    passes = {  # in the order a loop runs them
+        "draft": lambda: ex.draft(anchor, starts, slots, context=new),
+        "verify": lambda: ex.target_forward(ids[:, context_len:context_len + block], starts, slots, capture=True),
+    }
+    ar = {"ar": lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False)}
+    samples: dict[str, list[float]] = {name: [] for name in (*passes, *ar)}
+    for loop in (passes, ar):
+        for fn in loop.values():  # warm-up
+            fn()
+        for _ in range(repeats):
+            for name, fn in loop.items():
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(times) for name, times in samples.items()}
+    return StepCosts(context_len=context_len, draft_s=median["draft"], verify_s=median["verify"], ar_s=median["ar"])

@@ -1,9 +1,11 @@
 """Measured pass costs of one engine on one machine and backend (`--block-size auto`'s cost model).
 
 A DFlash step of a batch of B requests verifying k tokens each costs
-    t_step(B, L, k) = t_target(B, k, L) + t_accept(B, k) [+ t_draft(B, L, k) + t_context(B, k) for k > 1]
+    t_step(B, L, k) = t_target(B, k, L) + t_accept(B, k) [+ t_draft(B, L, k) for k > 1]
 where L is the batch's longest context (the attention reads that many positions) and the drafter pass, over
-the whole block, reads out k - 1 drafts (the torch executor runs the lm_head over those only). Each term is measured
+the whole block, first adds k positions of features to the drafter's context (what the step before committed,
+at most k) and reads out k - 1 drafts (the torch executor runs the lm_head over those only). t_context(B, n), the
+drafter's context update in a pass of its own, prices the hand-over of the features plain AR steps held back. Each term is measured
 on a small grid (batch 1, 2, 4 .. slots; tokens 1, 2, 4 .. block_size; two context lengths) and
 interpolated linearly in between; beyond the longest measured context, linearly extrapolated.
 
@@ -38,11 +40,13 @@ import torch
 from trtllm_dflash.engine_dir import MANIFEST
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.outputs import write_text_atomic
-from trtllm_dflash.runtime.executor import Executor
+from trtllm_dflash.runtime.executor import DraftContext, Executor
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.stats import cpu_name
 
-PROFILE_VERSION = 3  # 2: the drafter pass per verify length (its lm_head reads out k - 1 drafts); 3: timed in rounds
+# 2: the drafter pass per verify length (its lm_head reads out k - 1 drafts); 3: timed in rounds; 4: the drafter pass
+# adds the context rows of the step before (one drafter pass a step)
+PROFILE_VERSION = 4
 REPEATS = 3  # timed calls per grid point after one warm-up; the fastest is kept (other work only adds time)
 
 
@@ -67,9 +71,9 @@ class PassCosts:
     tokens: tuple[int, ...]  # tokens per request measured, increasing, 1 .. block_size
     contexts: tuple[int, ...]  # context lengths measured, increasing
     target_s: tuple[tuple[tuple[float, ...], ...], ...]  # [context][batch][tokens] target pass, hidden captured
-    draft_s: tuple[tuple[tuple[float, ...], ...], ...]  # [context][batch][tokens] drafter pass reading out tokens - 1
-    # drafts (at least 1)
-    context_s: tuple[tuple[float, ...], ...]  # [batch][tokens] append_context of that many positions
+    # [context][batch][tokens] drafter pass adding `tokens` context rows and reading out tokens - 1 drafts (at least 1)
+    draft_s: tuple[tuple[tuple[float, ...], ...], ...]
+    context_s: tuple[tuple[float, ...], ...]  # [batch][tokens] append_context of that many positions, a pass of its own
     accept_s: tuple[tuple[float, ...], ...]  # [batch][tokens] acceptance (k = 1: sampling) of a k-token pass
 
     def step_seconds(self, batch: int, context: float, k: int) -> float:
@@ -77,8 +81,7 @@ class PassCosts:
         target = _interp(self.contexts, [_grid2(self.batches, self.tokens, t, batch, k) for t in self.target_s],
                          context, extrapolate=True)
         rest = _grid2(self.batches, self.tokens, self.accept_s, batch, k)
-        if k > 1:  # plain AR steps (k = 1) hand their features to the drafter later, many positions per call
-            rest += _grid2(self.batches, self.tokens, self.context_s, batch, k)
+        if k > 1:  # plain AR steps (k = 1) hand their features to the drafter later (context_seconds)
             rest += _interp(self.contexts, [_grid2(self.batches, self.tokens, d, batch, k) for d in self.draft_s],
                             context, extrapolate=True)
         return max(target + rest, 1e-9)
@@ -176,8 +179,10 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
         starts = torch.full((batches[-1],), c, device=dev)
         target_at.append([[rounds.add(lambda b=b, t=t, c=c, starts=starts: ex.target_forward(
             ids[:b, c:c + t], starts[:b], slots[:b], capture=True)) for t in tokens] for b in batches])
+        # A step's drafter pass first adds what the step before committed: t positions here, the most it can be.
         draft_at.append([[rounds.add(lambda b=b, t=t, c=c, starts=starts: ex.draft(
-            ids[:b, c], starts[:b], slots[:b], max(1, t - 1))) for t in tokens] for b in batches])
+            ids[:b, c], starts[:b], slots[:b], max(1, t - 1),
+            DraftContext(hidden[:b, :t], (starts[:b] - t).clamp(min=0)))) for t in tokens] for b in batches])
     c = contexts[0]
     starts = torch.full((batches[-1],), c, device=dev)
     context_at = [[rounds.add(lambda b=b, t=t: ex.append_context(hidden[:b, :t], starts[:b], slots[:b]))

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedTokenizerBase
 
-from trtllm_dflash.runtime.executor import Executor
+from trtllm_dflash.runtime.executor import DraftContext, Executor
 from trtllm_dflash.runtime.options import Mode
 from trtllm_dflash.runtime.stop_strings import first_stop
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
@@ -119,9 +120,10 @@ class _Active:
     output: list[int] = field(default_factory=list)  # committed tokens; the last one is the anchor
     acceptance_lengths: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)
-    # --block-size auto: target features [n, F] of the positions just before `start` (the prompt's, those plain AR
-    # steps committed) that the drafter's context does not hold yet, oldest first; added in one call before the
-    # next draft (one call per position would cost a tenth of an AR step on a small model)
+    # Target features [n, F] of the positions just before `start` that the drafter's context does not hold yet,
+    # oldest first: those the last verify step committed, which join the next draft pass; with --block-size auto
+    # also the prompt's and those plain AR steps committed, added in a call of their own before the next draft
+    # when there are more than a block's worth (one call per position would cost a tenth of an AR step on a small model)
     pending_context: list[torch.Tensor] = field(default_factory=list)
     num_pending: int = 0  # positions in pending_context (kept, not summed: a step checks every request's)
     acceptance: AcceptanceEstimate | None = None  # --block-size auto: this request's own acceptance estimate
@@ -136,7 +138,8 @@ class _Active:
 
     def take_context(self) -> torch.Tensor:
         """The held features [num_pending, F], oldest first; none are held afterwards."""
-        features = torch.cat(self.pending_context)
+        chunks = self.pending_context
+        features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         self.pending_context, self.num_pending = [], 0
         return features
 
@@ -331,7 +334,8 @@ class Decoder:
         k = self.executor.block_size
         began, context, pending = time.perf_counter(), max(a.start for a in active), 0.0
         if self.auto_block is not None:
-            pending = sum(a.num_pending for a in active) / len(active)
+            # Held-back features that need a pass of their own before a draft (the rest join the draft pass)
+            pending = sum(a.num_pending for a in active if a.num_pending > k) / len(active)
             remaining = sum(a.request.max_new_tokens - len(a.output) for a in active) / len(active)
             k = self.auto_block.choose(len(active), context, [a.acceptance for a in active], pending, remaining)
 
@@ -342,42 +346,53 @@ class Decoder:
             accepted = torch.zeros_like(bonus)
             for row, a in enumerate(active):
                 a.hold_context(out.hidden[row, :1])
-            if max(a.num_pending for a in active) >= MAX_PENDING_CONTEXT:
-                self._flush_context(active, slots)
+            self._flush_context([a for a in active if a.num_pending >= MAX_PENDING_CONTEXT])
         else:
-            self._flush_context(active, slots)
-            draft = self.executor.draft(anchors, starts, slots, k - 1)  # [B, k-1] greedy, one drafter pass
+            self._flush_context([a for a in active if a.num_pending > self.executor.block_size])
+            # One drafter pass: the features the last step committed join the context, then the block is drafted.
+            draft = self.executor.draft(anchors, starts, slots, k - 1, self._draft_context(active))  # [B, k-1] greedy
             block = torch.cat([anchors[:, None], draft], dim=1)  # [B, k]
             out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
             accepted, bonus = self.executor.accept(draft, out.logits, sampling, starts)  # [B], [B]
-            # The anchor and the accepted drafts are now in the target's KV cache: give the drafter their
-            # features. Rows past a request's own accepted length fall at or after its new start and stay
-            # masked until overwritten.
-            self.executor.append_context(out.hidden[:, : int(accepted.max()) + 1], starts, slots)
         accepted_list = accepted.tolist()  # on a GPU, this waits for the step's work: the time below is real
         for row, a in enumerate(active):
             n = accepted_list[row]
             a.verify_lengths.append(k)
             if k > 1:
                 a.acceptance_lengths.append(n + 1)
+                # The anchor and the accepted drafts are now in the target's KV cache; the drafter gets their
+                # features with its next draft pass.
+                a.hold_context(out.hidden[row, : n + 1])
             self._commit(a, block[row, 1 : n + 1].tolist() + [int(bonus[row])])
         if self.auto_block is not None:
             self.auto_block.observe(k, accepted_list, [a.acceptance for a in active])
             self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began, pending)
 
-    def _flush_context(self, active: list[_Active], slots: torch.Tensor) -> None:
-        """Give the drafter the features that the prompt and plain AR steps (k = 1) left pending: request r's are
-        positions start_r - n_r .. start_r - 1. One call per distinct n_r (usually one or two: the AR steps'
-        rows, which every running request has alike, and a new request's prompt), so nothing is padded and no
-        write can run past a slot's last position."""
-        groups: dict[int, list[int]] = {}
-        for row, a in enumerate(active):
-            if a.num_pending:
-                groups.setdefault(a.num_pending, []).append(row)
-        for n, rows in groups.items():
-            starts = torch.tensor([active[row].start - n for row in rows], device=slots.device)
-            hidden = torch.stack([active[row].take_context() for row in rows])  # [len(rows), n, F]
-            self.executor.append_context(hidden, starts, slots[rows])
+    def _draft_context(self, active: list[_Active]) -> DraftContext | None:
+        """The features each request holds for the drafter (at most block_size positions each, once the flush has
+        run), as one DraftContext padded to the most any request holds; None if none holds any."""
+        held = [a.take_context() if a.num_pending else None for a in active]
+        some = next((h for h in held if h is not None), None)
+        if some is None:
+            return None
+        starts = torch.tensor([a.start - (0 if h is None else h.shape[0]) for a, h in zip(active, held)],
+                              device=some.device)
+        empty = some.new_zeros(0, some.shape[-1])
+        return DraftContext(pad_sequence([empty if h is None else h for h in held], batch_first=True), starts)
+
+    def _flush_context(self, requests: list[_Active]) -> None:
+        """Give the drafter, in passes of their own, the features these requests hold (a prompt's, or those plain AR
+        steps held back): request r's are positions start_r - n_r .. start_r - 1. One call per distinct n_r (usually
+        one or two: the AR steps' rows, which every running request has alike, and a new request's prompt), so
+        nothing is padded and no write can run past a slot's last position."""
+        groups: dict[int, list[_Active]] = {}
+        for a in requests:
+            groups.setdefault(a.num_pending, []).append(a)
+        dev = self.executor.device
+        for n, group in groups.items():
+            starts = torch.tensor([a.start - n for a in group], device=dev)
+            hidden = torch.stack([a.take_context() for a in group])  # [len(group), n, F]
+            self.executor.append_context(hidden, starts, torch.tensor([a.slot for a in group], device=dev))
 
 
 def prefill_groups(lengths: list[int], pass_tokens: int) -> list[list[int]]:

@@ -40,6 +40,30 @@ class StepOutput:
     hidden: torch.Tensor | None  # [B, T, len(target_layer_ids) * hidden_size] with `capture`, else None
 
 
+@dataclass(frozen=True)
+class DraftContext:
+    """Target features that a draft pass adds to the drafter's context before it drafts (Executor.draft).
+
+    Row b holds features of positions starts[b] .. starts[b] + C - 1. A request with fewer new positions than C is
+    padded at the end: its padding rows fall at or after its block's start, where the drafter's cache is masked
+    and later overwritten. C may exceed a request's own count by at most the drafter's block_size: a slot's caches
+    hold that many positions past max_seq_len."""
+
+    hidden: torch.Tensor  # [B, C, len(target_layer_ids) * hidden_size]
+    starts: torch.Tensor  # [B] int64
+
+    @classmethod
+    def padding(cls, starts: torch.Tensor, features: int, dtype: torch.dtype) -> "DraftContext":
+        """One row of zeros per request at its block's first position, for a draft graph when a step has no context
+        to add: the graphs take at least one row (a dimension of 0 is not one every runtime accepts), and the
+        drafter's mask hides that position until the next step's context overwrites it."""
+        return cls(torch.zeros(starts.shape[0], 1, features, dtype=dtype, device=starts.device), starts)
+
+    def positions(self) -> torch.Tensor:
+        """[B, C] absolute position of each row."""
+        return self.starts[:, None] + torch.arange(self.hidden.shape[1], device=self.starts.device)
+
+
 class Executor(Protocol):
     """Runs the target and the drafter over per-slot KV caches; everything the Decoder relies on.
 
@@ -60,14 +84,16 @@ class Executor(Protocol):
         ...
 
     def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-              num_drafts: int | None = None) -> torch.Tensor:
+              num_drafts: int | None = None, context: DraftContext | None = None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (default block_size - 1) for the block [anchor, MASK...] at positions
         starts + arange(block_size). The drafter always runs over the whole block; only the first num_drafts
-        drafts are read out (an executor may save the lm_head of the others)."""
+        drafts are read out (an executor may save the lm_head of the others). With `context`, the same drafter pass
+        first adds those features to the drafter's context (each request's positions up to its start)."""
         ...
 
     def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
-        """Give the drafter captured target features hidden [B, C, F] at positions starts + arange(C)."""
+        """Give the drafter captured target features hidden [B, C, F] at positions starts + arange(C), in a pass
+        of their own (many positions: a prompt, or what plain AR steps held back)."""
         ...
 
     def accept(self, draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling,
@@ -126,16 +152,18 @@ class TorchExecutor:
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
-    def draft(self, anchors, starts, slots, num_drafts=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] for the block after each anchor (at position `starts`), as target
-        token ids (a drafter with a pruned vocabulary maps its own through d2t). The lm_head runs over the
-        num_drafts positions read out only: with a small verify length it is most of a small drafter's pass."""
+        token ids (a drafter with a pruned vocabulary maps its own through d2t), after adding `context` to the
+        drafter's cache in the same pass. The lm_head runs over the num_drafts positions read out only: with a
+        small verify length it is most of a small drafter's pass."""
         assert self.drafter is not None
         p = self.drafter.params
         n = self.block_size - 1 if num_drafts is None else num_drafts
         block = block_input(anchors, p.mask_token_id, self.block_size)
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
-        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache)
+        new = () if context is None else (context.hidden, context.positions())
+        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, *new)
         return self.drafter.greedy_tokens(hidden[:, 1:n + 1], self.target.logits)
 
     @torch.inference_mode()

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trtllm_dflash.engine_dir import EngineConfig, graph_dir
+from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
-from trtllm_dflash.runtime.executor import StepOutput, engine_specs
+from trtllm_dflash.runtime.executor import DraftContext, StepOutput, engine_specs
 from trtllm_dflash.speculative.core import acceptance_inputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
@@ -99,6 +99,8 @@ class OnnxRuntimeExecutor:
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
                                                      providers=providers(ort, self.device))
                           for name in GRAPHS}
+        check_draft_graph_inputs([i.name for i in self._sessions["drafter_draft.onnx"].get_inputs()],
+                                 graphs / "drafter_draft.onnx")
         self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, max_len,
                                          target.head_dim, dtype, self.device)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
@@ -142,18 +144,23 @@ class OnnxRuntimeExecutor:
             logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden if capture else None)
 
-    def draft(self, anchors, starts, slots, num_drafts=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
-        whole block: the graph has one block length)."""
+        whole block: the graph has one block length), after writing `context` into the drafter's caches."""
         run = self._rows.run_of(slots)
         block = block_input(anchors, self.mask_token_id, self.block_size)
         steps = torch.arange(self.block_size, device=self.device)
+        if context is None:
+            context = DraftContext.padding(starts, self._hidden_features, self._dtype)
+        context_steps = torch.arange(context.hidden.shape[1], device=self.device)
         binding = self._sessions["drafter_draft.onnx"].io_binding()
         inputs = {"block_ids": run.spread(block, self.mask_token_id).contiguous(),
-                  "positions": run.spread(starts[:, None] + steps, steps).contiguous()}
+                  "positions": run.spread(starts[:, None] + steps, steps).contiguous(),
+                  "context_hidden": run.spread(context.hidden, 0).contiguous(),
+                  "context_positions": run.spread(context.positions(), context_steps).contiguous()}
         for name, tensor in inputs.items():
             _bind_input(binding, name, tensor)
-        _bind_caches(binding, self._drafter, run, write=False)
+        _bind_caches(binding, self._drafter, run, write=True)
         drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64, device=self.device)
         _bind_output(binding, "draft_tokens", drafts)
         self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)

@@ -45,11 +45,11 @@ from trtllm_dflash.compile.tensorrt_build import (
     plan_file,
     require_gpu,
 )
-from trtllm_dflash.engine_dir import EngineConfig
+from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
-from trtllm_dflash.runtime.executor import StepOutput, engine_specs
+from trtllm_dflash.runtime.executor import DraftContext, StepOutput, engine_specs
 from trtllm_dflash.speculative.core import acceptance_inputs, block_input, block_positions
 
 COMMAND = "--backend tensorrt"
@@ -160,6 +160,8 @@ class TensorRTExecutor:
             if engine is None:
                 raise UserError(f"{path}: TensorRT could not load this plan; run `trtllm-dflash compile {root}` again.")
             _check_plan(trt, engine, path, int(info["cache_length"]))
+            if graph == "drafter_draft":
+                check_draft_graph_inputs([engine.get_tensor_name(i) for i in range(engine.num_io_tensors)], path)
             engines[graph], contexts[graph] = engine, engine.create_execution_context()
             if cfg.mapping.tp_size > 1:
                 _ok(contexts[graph].set_communicator(nccl_communicator(device)), f"the NCCL communicator of {graph}")
@@ -187,16 +189,22 @@ class TensorRTExecutor:
                 logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden if capture else None)
 
-    def draft(self, anchors, starts, slots, num_drafts=None) -> torch.Tensor:
-        """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block)."""
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
+        writing `context` into the drafter's caches."""
         run = self._rows.run_of(slots)
         with self._on_own_stream():
             steps = torch.arange(self.block_size, device=self.device)
             block = block_input(anchors, self.mask_token_id, self.block_size)
+            if context is None:
+                context = DraftContext.padding(starts, self._features, self._dtype)
+            context_steps = torch.arange(context.hidden.shape[1], device=self.device)
             drafts = torch.empty((run.rows, self.block_size - 1), dtype=torch.int64, device=self.device)
             self._execute("drafter_draft", {"block_ids": run.spread(block, self.mask_token_id),
-                                            "positions": run.spread(starts[:, None] + steps, steps)},
-                          {"draft_tokens": drafts}, self._drafter, run, write=False)
+                                            "positions": run.spread(starts[:, None] + steps, steps),
+                                            "context_hidden": run.spread(context.hidden, 0),
+                                            "context_positions": run.spread(context.positions(), context_steps)},
+                          {"draft_tokens": drafts}, self._drafter, run, write=True)
             drafts = drafts[run.batch_rows.to(self.device), :num_drafts]
         return drafts
 
