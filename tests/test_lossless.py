@@ -1,5 +1,7 @@
 """Greedy DFlash output == greedy autoregressive output == HF generate(), token for token (fp32)."""
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -119,3 +121,42 @@ def test_admitted_prompts_prefill_in_length_groups(biased_engines):
     finally:
         del ex.target_forward
     assert shapes[:2] == [(3, 17), (1, 30)]
+
+
+class CountingExecutor:
+    """The real executor, its passes counted by kind (instrumentation: every call runs the real pass)."""
+
+    def __init__(self, executor):
+        self.executor, self.calls = executor, Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None):
+        self.calls["prefill" if last_index is not None else "verify"] += 1
+        return self.executor.target_forward(token_ids, starts, slots, capture, last_index)
+
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None):
+        self.calls["draft"] += 1
+        self.calls["draft adding context"] += context is not None
+        return self.executor.draft(anchors, starts, slots, num_drafts, context)
+
+    def append_context(self, hidden, starts, slots):
+        self.calls["append_context"] += 1
+        return self.executor.append_context(hidden, starts, slots)
+
+
+def test_a_step_runs_one_drafter_pass(biased_engines):
+    """The features a step commits join the next draft pass: after its prefill, a request costs the drafter one
+    pass a step (no context update of its own), and its tokens are AR's."""
+    engine = biased_engines[8]
+    reqs = requests(engine.executor.vocab_size)
+    counting = CountingExecutor(engine.executor)
+    dflash = {r.request.id: r for r in Decoder(counting, "dflash", ()).generate(reqs)}
+    ar = run(engine, "ar", reqs)
+    assert all(dflash[r.id].output_token_ids == ar[r.id].output_token_ids for r in reqs)
+    calls = counting.calls
+    assert calls["append_context"] == calls["prefill"]  # the prompts' features only
+    assert calls["draft"] == calls["verify"] > 0
+    # Every draft but one right after a prefill adds what the step before committed.
+    assert calls["draft adding context"] >= calls["draft"] - calls["prefill"]

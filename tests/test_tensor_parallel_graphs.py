@@ -88,7 +88,7 @@ def test_every_rank_has_checked_graphs_with_its_collectives(tp_engines, tp):
     expected = expected_collectives(engine)
     target, drafter, _ = engine_specs(read_engine_config(engine))
     cache_writes = {"target_step": 2 * target.num_layers, "drafter_context": 2 * drafter.num_layers,
-                    "drafter_draft": 0}
+                    "drafter_draft": 2 * drafter.num_layers}
     for rank in range(tp):
         for graph in GRAPHS:
             path = graph_dir(engine, rank) / f"{graph}.onnx"
@@ -121,19 +121,24 @@ def test_nvfp4_graphs_hold_the_stored_weights_and_fp4_quantize_nodes(tp_engines)
     target, drafter, _ = engine_specs(read_engine_config(engine))
     for rank in range(2):
         weights = load_file(str(engine / f"rank{rank}.safetensors"))
-        for graph, prefix, layers, linears in (("target_step", "target.", target.num_layers, 4),
-                                               ("drafter_draft", "drafter.", drafter.num_layers, 7)):
+        # Per layer: the linears (experts apart) and TensorRT FP4 quantize nodes, one per distinct input: the
+        # target's q/k/v, o, gate/up (experts: theirs) and down; the drafter's q (the block), k/v (the context rows
+        # and the block, projected at once), o, gate/up and down. The drafter's fc, outside its layers, once.
+        graphs = (("target_step", "target.", target.num_layers, 4, 4, 0),
+                  ("drafter_draft", "drafter.", drafter.num_layers, 7, 5, 1))
+        for graph, prefix, layers, linears, quantizes, fc in graphs:
             model = ir.load(graph_dir(engine, rank) / f"{graph}.onnx")
             stored = {name: v.const_value for name, v in model.graph.initializers.items()
                       if name.endswith(".stored_weight")}
-            assert len(stored) == linears * layers and all(t.dtype == ir.DataType.FLOAT4E2M1 for t in stored.values())
+            assert len(stored) == linears * layers + fc
+            assert all(t.dtype == ir.DataType.FLOAT4E2M1 for t in stored.values())
             for name, tensor in stored.items():
                 module = name.removesuffix(".stored_weight")
                 assert tensor.tobytes() == weights[f"{module}.weight"].numpy().tobytes(), name
                 scale = model.graph.initializers[f"{module}.stored_weight_scale"].const_value
                 assert scale.tobytes() == weights[f"{module}.weight_scale"].view(torch.uint8).numpy().tobytes()
             ops = Counter(node.op_type for node in model.graph)
-            assert ops["TRT_FP4DynamicQuantize"] == 4 * layers, (graph, ops)  # q/k/v, o, gate/up (experts: theirs), down
+            assert ops["TRT_FP4DynamicQuantize"] == quantizes * layers + fc, (graph, ops)
             if graph != "target_step":
                 continue
             for layer in range(layers):
