@@ -78,12 +78,14 @@ class StepCosts:
         return acceptance_length * self.ar_s / (self.verify_s + self.draft_s)
 
 
-def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int = 25) -> StepCosts:
+def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int = 60) -> StepCosts:
     """Median times of the three passes at one context length, batch size 1, each timed where the loop runs it: a
-    drafter pass right after a verify pass and a verify pass right after a drafter pass (as in DFlash steps), an AR
-    pass right after an AR pass (as in plain decoding): on a CPU, a pass that follows the other model's pass finds
-    its weights out of the caches, and a pass repeated alone would not. The drafter pass adds `context_rows` positions to the drafter's context first, as a step adds those the
-    step before committed (the acceptance length, rounded)."""
+    drafter pass after a target pass and a verify pass after a drafter pass (as in DFlash steps), an AR pass after
+    an AR pass (as in plain decoding): on a CPU, a pass that follows the other model's pass finds its weights out of
+    the caches, and a pass repeated alone would not. The three are timed in rounds (draft, verify, an untimed AR
+    pass, AR), so that a slow spell of a shared machine slows all three alike and leaves the bound's ratio
+    t_ar / (t_verify + t_draft) as it was. The drafter pass adds `context_rows` positions to the drafter's context
+    first, as a step adds those the step before committed (the acceptance length, rounded)."""
     ex = engine.executor
     block = ex.block_size
     slots, starts = torch.tensor([0], device=ex.device), torch.tensor([context_len], device=ex.device)
@@ -94,19 +96,18 @@ def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int
     rows = max(1, min(context_rows, context_len))
     new = DraftContext(hidden[:, context_len - rows:], starts - rows)
     anchor = ids[:, context_len]
-    passes = {  # in the order a loop runs them
+    passes = {  # one round, in this order; None: run untimed
         "draft": lambda: ex.draft(anchor, starts, slots, context=new),
         "verify": lambda: ex.target_forward(ids[:, context_len:context_len + block], starts, slots, capture=True),
+        None: lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False),
+        "ar": lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False),
     }
-    ar = {"ar": lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False)}
-    samples: dict[str, list[float]] = {name: [] for name in (*passes, *ar)}
-    for loop in (passes, ar):
-        for fn in loop.values():  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in passes if name is not None}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for name, fn in passes.items():
+            start = time.perf_counter()
             fn()
-        for _ in range(repeats):
-            for name, fn in loop.items():
-                start = time.perf_counter()
-                fn()
+            if name is not None and round_ > 0:
                 samples[name].append(time.perf_counter() - start)
     median = {name: statistics.median(times) for name, times in samples.items()}
     return StepCosts(context_len=context_len, draft_s=median["draft"], verify_s=median["verify"], ar_s=median["ar"])
