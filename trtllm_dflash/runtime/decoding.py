@@ -121,9 +121,9 @@ class _Active:
     acceptance_lengths: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)
     # Target features [n, F] of the positions just before `start` that the drafter's context does not hold yet,
-    # oldest first: those the last verify step committed, which join the next draft pass; with --block-size auto
-    # also the prompt's and those plain AR steps committed, added in a call of their own before the next draft
-    # when there are more than a block's worth (one call per position would cost a tenth of an AR step on a small model)
+    # oldest first: those the last verify step committed, which the next draft pass adds; with --block-size auto also
+    # the prompt's and those plain AR steps committed (held back: a request that never drafts again never pays for
+    # them), added in a pass of their own first when they are more than a block's worth
     pending_context: list[torch.Tensor] = field(default_factory=list)
     num_pending: int = 0  # positions in pending_context (kept, not summed: a step checks every request's)
     acceptance: AcceptanceEstimate | None = None  # --block-size auto: this request's own acceptance estimate
@@ -334,8 +334,8 @@ class Decoder:
         k = self.executor.block_size
         began, context, pending = time.perf_counter(), max(a.start for a in active), 0.0
         if self.auto_block is not None:
-            # Held-back features that need a pass of their own before a draft (the rest join the draft pass)
-            pending = sum(a.num_pending for a in active if a.num_pending > k) / len(active)
+            # Held-back features that need a pass of their own before a draft (up to a block's worth join the draft)
+            pending = sum(a.num_pending for a in active if a.num_pending > self.executor.block_size) / len(active)
             remaining = sum(a.request.max_new_tokens - len(a.output) for a in active) / len(active)
             k = self.auto_block.choose(len(active), context, [a.acceptance for a in active], pending, remaining)
 
