@@ -856,7 +856,8 @@ def static_target_pass(ex, token_ids, positions, slots, kv_len: int, capture: bo
 
 def static_draft_pass(ex, anchors, starts, slots, kv_len: int):
     """TorchExecutor.draft (DFlashDrafter.forward + lm_head argmax) with the context length `kv_len` given by
-    the caller instead of int(starts.max()); otherwise the same calls."""
+    the caller instead of int(starts.max()); otherwise the same calls, without the context rows a DFlash step
+    also adds in this pass (a K/V projection and cache write of a few rows per layer)."""
     import torch
 
     from trtllm_dflash.models.layers import apply_rotary, attend

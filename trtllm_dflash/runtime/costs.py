@@ -9,7 +9,7 @@ drafter's context update in a pass of its own, prices the hand-over of the featu
 on a small grid (batch 1, 2, 4 .. slots; tokens 1, 2, 4 .. block_size; two context lengths) and
 interpolated linearly in between; beyond the longest measured context, linearly extrapolated.
 
-The measurement takes seconds (20.0 s for the 32-slot demo engine on one CPU thread; 17.3 s on onnxruntime) and
+The measurement takes seconds (31.8 s for the 32-slot demo engine on one CPU thread; 26.2 s on onnxruntime) and
 is cached as JSON, keyed by what changes the numbers: the engine's manifest (its exact files), the backend, the CPU or GPU, the
 torch threads, the block size and slots. A profile whose key differs (another machine, other threads, a rebuilt
 engine copied over) is re-measured and replaced; a file that is not a profile at all is refused with one
