@@ -8,8 +8,11 @@ every branch of acceptance and commit. Unbiased random pairs accept almost nothi
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -24,6 +27,16 @@ from trtllm_dflash.train.random_pair import write_random_pair
 ROOT = Path(__file__).resolve().parents[1]
 
 BIAS_TOKEN = 100
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import a script that is not in a package (benchmarks/, docker/) as module `name`, registered in sys.modules
+    (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def bias_target(pair_dir: Path, token: int = BIAS_TOKEN, share: float = 0.85) -> None:

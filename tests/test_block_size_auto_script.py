@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "block_size_auto.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("block_size_auto_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import ROOT, load_script
 
 
 def bound(block_size: int, measured: float | None) -> dict:
@@ -23,7 +13,7 @@ def bound(block_size: int, measured: float | None) -> dict:
 def test_bound_checks_without_a_concurrency_1_run_are_empty_not_a_crash():
     """`--concurrency 2` has no batch-1 speedup to hold against the bound: no rows (it used to divide None after the
     whole benchmark had run, losing its results), while a measured block gets its ratio."""
-    script = load_script()
+    script = load_script(ROOT / "benchmarks" / "block_size_auto.py", "block_size_auto_script")
     assert script.bound_checks({"speedup_bound": [bound(4, None), bound(8, None)]}) == []
     rows = script.bound_checks({"speedup_bound": [bound(4, 1.2), bound(8, None)]})
     assert [(r["block_size"], r["measured_over_bound"], r["measured_tpot_over_bound"]) for r in rows] == [(4, 0.8, 0.8)]

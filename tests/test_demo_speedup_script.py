@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+from tests.conftest import ROOT, load_script
 from trtllm_dflash.runtime.compare import side_by_side
 from trtllm_dflash.runtime.decoding import Request
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_speedup.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("demo_speedup_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_pass_times_counts_every_pass_of_the_runs_and_leaves_the_executor_as_it_was(biased_engines):
@@ -26,7 +15,7 @@ def test_pass_times_counts_every_pass_of_the_runs_and_leaves_the_executor_as_it_
     ex = engine.executor
     requests = [Request(i, [5 + i, 9, 11 + 2 * i], max_new_tokens=12 + i) for i in range(3)]
     plain = side_by_side(engine, requests)
-    with load_script().pass_times(ex) as times:
+    with load_script(ROOT / "benchmarks" / "demo_speedup.py", "demo_speedup_script").pass_times(ex) as times:
         timed = side_by_side(engine, requests, repeats=2)
     steps = sum(len(r.acceptance_lengths) for r in timed.results)
     ar_tokens = sum(len(r.output_token_ids) for r in timed.results)

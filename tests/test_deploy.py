@@ -5,7 +5,6 @@ launch_node.sh really running the demo at tp 2 on the CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import load_script
 from trtllm_dflash.cli import main
 from trtllm_dflash.train.random_pair import write_random_pair
 
@@ -101,9 +101,7 @@ def test_compose_serves_with_a_health_check_ports_engines_and_gpus():
 
 
 def test_requirements_keep_the_images_torch():
-    spec = importlib.util.spec_from_file_location("docker_requirements", DOCKER / "requirements.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(DOCKER / "requirements.py", "docker_requirements")
     with_torch = module.requirements(ROOT / "pyproject.toml", ["mpi", "onnx"], have_torch=False)
     assert "torch==2.13.0" in with_torch and "mpich" in with_torch and "onnx==1.23.*" in with_torch
     image_torch = module.requirements(ROOT / "pyproject.toml", ["mpi"], have_torch=True)

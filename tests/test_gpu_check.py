@@ -16,19 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = load_script()
+gc = load_script(SCRIPT, "gpu_check")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: no refusal")
 
 
