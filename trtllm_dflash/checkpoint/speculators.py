@@ -304,8 +304,9 @@ def convert_to_speculators(drafter_dir: Path, target_dir: Path, output: Path, pr
     from trtllm_dflash.checkpoint.formats import load_pair
     from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
     from trtllm_dflash.inputs import read_text
-    from trtllm_dflash.outputs import atomic_directory
+    from trtllm_dflash.outputs import atomic_directory, check_output_dir
 
+    check_output_dir(output, "drafter", "OUTPUT", inputs=(drafter_dir, target_dir, *vocab_texts), force=force)
     target, drafter = load_pair(target_dir, drafter_dir)
     vocab = target.spec.vocab_size
     keep = None
