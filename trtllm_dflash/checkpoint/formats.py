@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from trtllm_dflash.checkpoint.mxfp4 import BLOCK as MXFP4_BLOCK
 from trtllm_dflash.checkpoint.mxfp4 import MXFP4Dir
-from trtllm_dflash.checkpoint.tensors import RenamedSafetensorsDir, SafetensorsDir, check_tensors
+from trtllm_dflash.checkpoint.tensors import RenamedSafetensorsDir, SafetensorsDir, check_tensors, save_safetensors
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object, require_dir
 from trtllm_dflash.models.spec import (
@@ -364,5 +363,5 @@ def save_drafter(directory: Path, spec: DecoderSpec, params: DFlashParams, num_t
     }
     expected = drafter_tensor_shapes(spec, params)
     tensors = {name: state_dict[name].detach().to(getattr(torch, dtype)).contiguous() for name in expected}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

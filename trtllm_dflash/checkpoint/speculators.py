@@ -46,7 +46,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from trtllm_dflash.checkpoint.formats import (
     D2T,
@@ -56,7 +55,7 @@ from trtllm_dflash.checkpoint.formats import (
     _spec_from,
     drafter_tensor_shapes,
 )
-from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors
+from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors, save_safetensors
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
 
@@ -290,8 +289,8 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
         "dtype": str(dtype).removeprefix("torch."),
     }
     output.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(output / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, output / "model.safetensors",
+                     metadata={"format": "pt"})
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

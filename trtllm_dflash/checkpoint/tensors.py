@@ -7,15 +7,34 @@ read.
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, whose file-system errors are OSErrors naming `path`, as Python's own writes give.
+
+    safetensors reports a full disk as `SafetensorError('... I/O error: No space left on device (os error 28)')`:
+    without the errno and the file, it would pass every handler of the user's file-system errors as a bug."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number) if number in errno.errorcode else str(exc), str(path)) from None
 
 
 class SafetensorsDir:

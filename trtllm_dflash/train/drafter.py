@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trtllm_dflash.checkpoint.formats import load_target, save_drafter, target_tensor_shapes
-from trtllm_dflash.checkpoint.tensors import check_tensors
+from trtllm_dflash.checkpoint.tensors import check_tensors, save_safetensors
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import require_file
@@ -188,7 +188,7 @@ def _save_checkpoint(out: Path, drafter, opt, state: TrainState, cfg: TrainConfi
     tmp = out / f".{CHECKPOINT}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    save_safetensors({k: v.contiguous() for k, v in drafter.state_dict().items()}, tmp / "drafter.safetensors")
     names = {id(p): n for n, p in drafter.named_parameters()}
     opt_tensors, opt_steps = {}, {}
     for group in opt.param_groups:
@@ -199,7 +199,7 @@ def _save_checkpoint(out: Path, drafter, opt, state: TrainState, cfg: TrainConfi
                 opt_tensors[f"exp_avg.{n}"], opt_tensors[f"exp_avg_sq.{n}"] = st["exp_avg"], st["exp_avg_sq"]
                 opt_steps[n] = float(st["step"])
     opt_tensors["rng_state"] = rng.get_state()
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_safetensors(opt_tensors, tmp / "optimizer.safetensors")
     (tmp / "state.json").write_text(json.dumps({"config": asdict(cfg), "state": asdict(state),
                                                 "optimizer_steps": opt_steps}, indent=1))
     final = out / CHECKPOINT
