@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 from trtllm_dflash import __version__
-from trtllm_dflash.errors import UserError
+from trtllm_dflash.errors import Interrupted, UserError
+from trtllm_dflash.inputs import argv_text, shown
 from trtllm_dflash.outputs import user_os_error
 from trtllm_dflash.runtime.options import MAX_TEMPERATURE, RunOptions
 
 EXIT_USER_ERROR = 2  # bad config / checkpoint / engine / path: nothing was produced
 EXIT_BAD_LINES = 1  # `run` finished, but some input lines were rejected
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports a command that SIGINT ended: 128 + 2
 MAX_SEED = 2**63 - 1
 
 
@@ -66,8 +68,8 @@ class _HelpFormatter(argparse.HelpFormatter):
                 or default == argparse.SUPPRESS
                 or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
             return text
-        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})".strip()
+        value = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+        return f"{text} (default: {value.replace('%', '%%')})".strip()
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -89,6 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("run needs --input and --output (or --stream PROMPT for interactive use).")
     if args.stream is not None and (args.input or args.output or args.resume):
         raise UserError("--stream prints to the terminal; it does not take --input, --output or --resume.")
+    if args.stream is not None and not argv_text(args.stream, "--stream").strip():
+        raise UserError("--stream: the prompt is empty; give the text to complete, or - to read prompts from stdin.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
                       args.threads, args.block_size, args.device, args.resume, args.progress, args.backend)
     world = init_world("nccl" if args.device == "cuda" else "gloo")
@@ -161,7 +165,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     fields = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__}
     fields["target_layer_ids"] = tuple(args.target_layer_ids) if args.target_layer_ids else None
-    state = train_drafter(args.target, args.data, args.output, TrainConfig(**fields), progress=sys.stderr.isatty())
+    try:
+        state = train_drafter(args.target, args.data, args.output, TrainConfig(**fields), progress=sys.stderr.isatty())
+    except KeyboardInterrupt:
+        raise Interrupted(f"what {args.output} holds so far (the target's responses once generated, the last "
+                          "checkpoint) is kept, and the same command resumes from it") from None
     last = state.evals[-1]["acceptance_length"] if state.evals else None
     print(f"drafter written to {args.output} after {state.step} steps; final loss {state.losses[-1]:.4f}, "
           f"held-out acceptance length {last}", file=sys.stderr)
@@ -261,14 +269,14 @@ def _block_size(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {shown(text)}") from None
 
 
 def _block_sizes(text: str) -> tuple[int | str, ...]:
     """--block-sizes: comma-separated integers and/or auto, e.g. 4,8,16,auto."""
     values = tuple(_block_size(x) for x in text.split(","))
     if any(v != "auto" and v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"must be positive integers or auto, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be positive integers or auto, got {shown(text)}")
     return values
 
 
@@ -276,9 +284,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {shown(text)}") from None
     if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"must be positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {shown(text)}")
     return values
 
 
@@ -286,7 +294,7 @@ def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(text.split(","))
     bad = [m for m in modes if m not in ("ar", "dflash")]
     if bad or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"must be ar, dflash or ar,dflash, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be ar, dflash or ar,dflash, got {shown(text)}")
     return modes
 
 
@@ -492,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt as exc:
+        left = exc.left if isinstance(exc, Interrupted) else "nothing was written"
+        print(f"error: interrupted (Ctrl-C); {left}.", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except UserError as exc:
         if not getattr(exc, "quiet", False):  # an error all MPI ranks share is printed by rank 0 only
             print(f"error: {exc}", file=sys.stderr)

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.inputs import read_text
+from trtllm_dflash.inputs import lone_surrogate, read_text, shown
 
 DTYPES = ("bfloat16", "float16", "float32")
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -28,7 +28,7 @@ def describe_validation_error(source: str, exc: ValidationError) -> str:
         return f"{source}: unknown key {field!r}."
     if err["type"] == "missing":
         return f"{source}: required key {field!r} is missing."
-    return f"{source}: field {field!r} {err['msg'].lower()}, got {err.get('input')!r}."
+    return f"{source}: field {field!r} {err['msg'].lower()}, got {shown(err.get('input'))}."
 
 
 class BuildConfig(BaseModel):
@@ -75,8 +75,13 @@ def load_build_config(path: Path, output: Path | None = None) -> BuildConfig:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}).") from None
+    except RecursionError:  # PyYAML recurses once per level: "[[[[..." 100,000 deep
+        raise UserError(f"{path}: not a build config (lists or mappings nested thousands deep).") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a build config must be a YAML mapping of keys to values.")
+    bad = lone_surrogate(raw)
+    if bad:
+        raise UserError(f"{path}: {bad}.")
     try:
         cfg = BuildConfig.model_validate(raw)
     except ValidationError as exc:

@@ -21,8 +21,9 @@ from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from trtllm_dflash.checkpoint.tokenizer import check_prompt_chars
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.inputs import loads, strict_lines
+from trtllm_dflash.inputs import loads, shown, strict_lines
 from trtllm_dflash.runtime.decoding import Request
 
 Format = Literal["speed-bench", "prompt"]
@@ -62,7 +63,7 @@ def _detect(obj: dict) -> Format | None:
 def _non_empty_str(obj: dict, key: str, where: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not value:
-        raise UserError(f"{where}: {key!r} must be a non-empty string, got {value!r}.")
+        raise UserError(f"{where}: {key!r} must be a non-empty string, got {shown(value)}.")
     return value
 
 
@@ -79,7 +80,7 @@ def _record(obj: dict, fmt: Format, lineno: int, where: str) -> BenchPrompt:
         category = _non_empty_str(obj, "category", where) if "category" in obj else None
         rid = obj.get("id", lineno)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise UserError(f"{where}: the id must be a string or an integer, got {rid!r}.")
+        raise UserError(f"{where}: the id must be a string or an integer, got {shown(rid)}.")
     return BenchPrompt(rid, text, category, lineno)
 
 
@@ -102,7 +103,7 @@ def load_dataset(path: Path) -> Dataset:
             raise UserError(f"{where}: a record must be a JSON object, got {type(obj).__name__}.")
         shape = _detect(obj)
         if shape is None:
-            raise UserError(f"{where}: unrecognized record with keys {sorted(obj)}; expected {EXPECTED}.")
+            raise UserError(f"{where}: unrecognized record with keys {shown(sorted(obj))}; expected {EXPECTED}.")
         if fmt is None:
             fmt, first_line = shape, lineno
         elif shape != fmt:
@@ -110,7 +111,7 @@ def load_dataset(path: Path) -> Dataset:
                             f"a {fmt} record.")
         prompt = _record(obj, fmt, lineno, where)
         if prompt.id in seen:
-            raise UserError(f"{where}: duplicate id {prompt.id!r}.")
+            raise UserError(f"{where}: duplicate id {shown(prompt.id)}.")
         seen.add(prompt.id)
         prompts.append(prompt)
     if fmt is None:
@@ -135,6 +136,10 @@ def to_requests(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, max_new_to
         raise UserError(f"--num-requests {num_requests}: {dataset.path} has only {len(dataset.prompts)} prompts.")
     requests = []
     for prompt in dataset.prompts[:num_requests]:
+        try:
+            check_prompt_chars(tokenizer, len(prompt.text), max_seq_len, "the prompt")
+        except ValueError as exc:
+            raise UserError(f"{dataset.path}:{prompt.line}: {exc}.") from None
         ids = prompt_token_ids(dataset, prompt, tokenizer)
         if len(ids) + max_new_tokens > max_seq_len:
             raise UserError(f"{dataset.path}:{prompt.line}: prompt ({len(ids)} tokens) + --max-new-tokens "

@@ -25,6 +25,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedTokenizerBase
 
+from trtllm_dflash.inputs import shown
 from trtllm_dflash.runtime.executor import DraftContext, Executor
 from trtllm_dflash.runtime.options import Mode
 from trtllm_dflash.runtime.stop_strings import first_stop
@@ -57,24 +58,28 @@ class Request:
     stop: tuple[str, ...] = ()  # stop strings: the text ends right before the first one (runtime/stop_strings.py)
 
 
+# top_k larger than any vocabulary means no limit; this bound keeps it an int32 (Triton's tensor, the kernels').
+MAX_TOP_K = 2**31 - 1
+
+
 def check_top_k(value, name: str) -> int:
-    """A request's top_k; ValueError (naming the field `name`) unless an integer >= 0."""
-    if type(value) is not int or value < 0:
-        raise ValueError(f"'{name}' must be an integer >= 0 (0: no limit), got {value!r}")
+    """A request's top_k; ValueError (naming the field `name`) unless an integer from 0 to MAX_TOP_K."""
+    if type(value) is not int or not 0 <= value <= MAX_TOP_K:
+        raise ValueError(f"'{name}' must be an integer from 0 to {MAX_TOP_K} (0: no limit), got {shown(value)}")
     return value
 
 
 def check_top_p(value, name: str) -> float:
     """A request's top_p; ValueError unless a number in (0, 1]."""
     if type(value) not in (int, float) or not (math.isfinite(value) and 0 < value <= 1):
-        raise ValueError(f"'{name}' must be a number in (0, 1] (1: no limit), got {value!r}")
+        raise ValueError(f"'{name}' must be a number in (0, 1] (1: no limit), got {shown(value)}")
     return float(value)
 
 
 def check_stop(value, name: str) -> tuple[str, ...]:
     """A request's stop strings; ValueError unless a list of non-empty strings."""
     if not (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)):
-        raise ValueError(f"'{name}' must be a list of strings, got {value!r}")
+        raise ValueError(f"'{name}' must be a list of strings, got {shown(value)}")
     if "" in value:
         raise ValueError(f"'{name}' has an empty string, which would stop every request at once")
     return tuple(value)
@@ -203,10 +208,10 @@ class Decoder:
         has stop strings without a tokenizer to find them."""
         limit = self.executor.max_seq_len
         if len(request.prompt_token_ids) + request.max_new_tokens > limit:
-            raise ValueError(f"request {request.id!r}: prompt ({len(request.prompt_token_ids)} tokens) + "
+            raise ValueError(f"request {shown(request.id)}: prompt ({len(request.prompt_token_ids)} tokens) + "
                              f"max_new_tokens ({request.max_new_tokens}) exceeds the engine's max_seq_len {limit}")
         if request.stop and self.tokenizer is None:
-            raise ValueError(f"request {request.id!r}: stop strings need a decoder with a tokenizer")
+            raise ValueError(f"request {shown(request.id)}: stop strings need a decoder with a tokenizer")
 
     def submit(self, request: Request) -> None:
         self.check(request)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from trtllm_dflash.checkpoint.tokenizer import check_prompt_chars
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.inputs import loads, read_lines
+from trtllm_dflash.inputs import loads, read_lines, shown
 from trtllm_dflash.runtime.decoding import Request, Result, check_stop, check_top_k, check_top_p
 from trtllm_dflash.runtime.options import MAX_TEMPERATURE
 from trtllm_dflash.runtime.stop_strings import output_text
@@ -35,7 +36,7 @@ class InputError:
     message: str
 
 
-def _prompt_ids(obj: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+def _prompt_ids(obj: dict, tokenizer: PreTrainedTokenizerBase, d: Defaults) -> list[int]:
     given = [k for k in PROMPT_KEYS if k in obj]
     if len(given) != 1:
         raise ValueError(f"needs exactly one of {', '.join(PROMPT_KEYS)}, got {given or 'none'}")
@@ -44,6 +45,7 @@ def _prompt_ids(obj: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) 
     if key == "prompt":
         if not isinstance(value, str) or not value:
             raise ValueError("'prompt' must be a non-empty string")
+        check_prompt_chars(tokenizer, len(value), d.max_seq_len, "'prompt'")
         return tokenizer(value)["input_ids"]
     if key == "messages":
         if not (isinstance(value, list) and value and all(
@@ -52,15 +54,16 @@ def _prompt_ids(obj: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) 
             raise ValueError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
         if tokenizer.chat_template is None:
             raise ValueError("'messages' needs a chat template, and this engine's tokenizer has none")
+        check_prompt_chars(tokenizer, sum(len(m["content"]) for m in value), d.max_seq_len, "'messages'")
         # DFlash drafters are trained on non-thinking prompts (docs/algorithm.md §Prompt format).
         ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
                                             enable_thinking=False, return_dict=False)
         return list(ids)
     if not (isinstance(value, list) and value and all(type(t) is int for t in value)):
         raise ValueError("'prompt_token_ids' must be a non-empty list of integers")
-    bad = [t for t in value if not 0 <= t < vocab_size]
+    bad = [t for t in value if not 0 <= t < d.vocab_size]
     if bad:
-        raise ValueError(f"'prompt_token_ids' has {bad[0]}, outside the vocabulary 0..{vocab_size - 1}")
+        raise ValueError(f"'prompt_token_ids' has {shown(bad[0])}, outside the vocabulary 0..{d.vocab_size - 1}")
     return value
 
 
@@ -69,20 +72,20 @@ def _parse(obj, lineno: int, tokenizer, d: Defaults) -> Request:
         raise ValueError(f"a request must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - KNOWN_KEYS)
     if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r}")
+        raise ValueError(f"unknown key {shown(unknown[0])}")
     rid = obj.get("id", lineno)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise ValueError(f"'id' must be a string or an integer, got {rid!r}")
+        raise ValueError(f"'id' must be a string or an integer, got {shown(rid)}")
     max_new = obj.get("max_new_tokens", d.max_new_tokens)
     if type(max_new) is not int or max_new < 1:
-        raise ValueError(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
+        raise ValueError(f"'max_new_tokens' must be a positive integer, got {shown(max_new)}")
     temperature = obj.get("temperature", d.temperature)
     if type(temperature) not in (int, float) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise ValueError(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}")
+        raise ValueError(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE:g}, got {shown(temperature)}")
     top_k = check_top_k(obj.get("top_k", 0), "top_k")
     top_p = check_top_p(obj.get("top_p", 1.0), "top_p")
     stop = check_stop(obj.get("stop", []), "stop")
-    ids = _prompt_ids(obj, tokenizer, d.vocab_size)
+    ids = _prompt_ids(obj, tokenizer, d)
     if len(ids) + max_new > d.max_seq_len:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the engine's max_seq_len {d.max_seq_len}"
@@ -108,7 +111,7 @@ def read_requests(path: Path, tokenizer: PreTrainedTokenizerBase,
         try:
             req = _parse(loads(line.text), lineno, tokenizer, defaults)
             if req.id in seen:
-                raise ValueError(f"duplicate id {req.id!r}")
+                raise ValueError(f"duplicate id {shown(req.id)}")
             seen.add(req.id)
             requests.append(req)
         except json.JSONDecodeError as exc:

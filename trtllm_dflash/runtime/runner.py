@@ -16,11 +16,11 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
+from trtllm_dflash.checkpoint.tokenizer import check_prompt_chars, load_tokenizer
 from trtllm_dflash.config import Backend
 from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine
-from trtllm_dflash.errors import UserError
-from trtllm_dflash.inputs import decode_lines, loads, require_file
+from trtllm_dflash.errors import Interrupted, UserError
+from trtllm_dflash.inputs import decode_lines, loads, require_file, shown
 from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
 from trtllm_dflash.parallel.world import World
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
@@ -184,13 +184,13 @@ def resumable(output_path: Path, requests: list[Request], mode: str) -> Resumed:
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{where}: not a result line of `run`; cannot --resume from this file.") from None
         if rid not in expected:
-            raise UserError(f"{where}: id {rid!r} is not a request of this input; cannot --resume from this file.")
+            raise UserError(f"{where}: id {shown(rid)} is not a request of this input; cannot --resume from this file.")
         if rid in done:
-            raise UserError(f"{where}: id {rid!r} appears twice; cannot --resume from this file.")
+            raise UserError(f"{where}: id {shown(rid)} appears twice; cannot --resume from this file.")
         changed = [k for k in RESUME_KEYS if settings[k] != expected[rid][k]]
         if changed:
-            raise UserError(f"{where}: written with another {changed[0]} ({settings[changed[0]]!r}, this run: "
-                            f"{expected[rid][changed[0]]!r}); resume with the same options, or use another --output.")
+            raise UserError(f"{where}: written with another {changed[0]} ({shown(settings[changed[0]])}, this run: "
+                            f"{shown(expected[rid][changed[0]])}); resume with the same options, or use another --output.")
         done.add(rid)
     return Resumed(frozenset(done), len(complete))
 
@@ -204,8 +204,11 @@ def open_results(output_path: Path, resumed: Resumed | None) -> Iterator[TextIO]
     atomically when the run ends, so a failed run never destroys the previous results."""
     path = Path(output_path)
     if resumed is None and path.exists():
-        with atomic_file(path) as out:
-            yield out
+        try:
+            with atomic_file(path) as out:
+                yield out
+        except KeyboardInterrupt:
+            raise Interrupted(f"{path} is left as it was (results are replaced only when a run completes)") from None
         return
     try:
         if resumed is not None and path.exists():
@@ -222,6 +225,8 @@ def open_results(output_path: Path, resumed: Resumed | None) -> Iterator[TextIO]
             raise
         raise UserError(f"{path}: {reason(exc)} while writing results; the lines written so far are kept (fix it, "
                         "then run again with --resume).") from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"the results finished so far are in {path} (run again with --resume to finish)") from None
 
 
 def run_jsonl(engine_dir: Path, input_path: Path, output_path: Path, summary_path: Path | None,
@@ -329,6 +334,10 @@ def stream(engine_dir: Path, prompt: str, opts: RunOptions, world: World | None 
     prompts = stdin_prompts() if prompt == "-" else iter([prompt])
     try:
         for n, text in enumerate(p for p in prompts if p.strip()):
+            try:
+                check_prompt_chars(tok, len(text), engine.config.max_seq_len, "the prompt")
+            except ValueError as exc:
+                raise UserError(f"--stream: {exc}.") from None
             ids = tok(text)["input_ids"]
             request = Request(n, ids, opts.max_new_tokens, opts.temperature, request_seed(opts.seed, str(n)))
             try:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import shown
 
 PYTRITON = "nvidia-pytriton==0.7.0"
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:<yy.mm>-py3"
@@ -83,7 +84,7 @@ def check_endpoints(ep: Endpoints) -> None:
         socket.getaddrinfo(ep.host, None)
     except (socket.gaierror, UnicodeError) as exc:
         reason = getattr(exc, "strerror", None) or exc
-        raise UserError(f"--host {ep.host!r}: not a known address or host name ({reason}).") from None
+        raise UserError(f"--host {shown(ep.host)}: not a known address or host name ({reason}).") from None
     for flag, port in ports.items():
         try:
             with socket.create_server((ep.host, port)):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from trtllm_dflash.config import Backend, describe_validation_error
 from trtllm_dflash.engine_dir import EngineConfig
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.inputs import read_text
+from trtllm_dflash.inputs import read_text, shown
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
 
 SERVE_CONFIG = "serve.json"
@@ -70,8 +70,8 @@ class ServeConfig(BaseModel):
     block_size: int | Literal["auto"] | None = None  # tokens per block, <= the engine's, or "auto" (None: the engine's)
     max_batch_size: int | None = Field(None, ge=1)  # requests decoded together, <= the engine's (None: the engine's)
     max_new_tokens: int = Field(256, ge=1)  # when a request has no sampling_param_max_tokens
-    seed: int = Field(0, ge=0)  # when a request has no sampling_param_seed
-    threads: int | None = Field(None, ge=1)  # torch CPU threads (None: torch's default)
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # when a request has no sampling_param_seed (`serve --seed`'s range)
+    threads: int | None = Field(None, ge=1, le=4096)  # torch CPU threads (None: torch's default)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
 
 
@@ -121,7 +121,7 @@ def write_model_repository(repo: Path, name: str, cfg: ServeConfig, engine: Engi
     untouched or complete. `force` replaces a MODEL_REPO that trtllm-dflash wrote (all of it), nothing else.
     """
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
-        raise UserError(f"--model-name {name!r}: use letters, digits, '_', '-' and '.' only.")
+        raise UserError(f"--model-name {shown(name)}: use letters, digits, '_', '-' and '.' only.")
     repo = check_output_dir(repo, "model repository", "--model-repo", inputs=(Path(cfg.engine_dir),), force=force)
     check_serve_config(cfg, engine)
     with atomic_directory(repo, "model repository", force) as tmp:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from trtllm_dflash.checkpoint.tokenizer import check_prompt_chars
 from trtllm_dflash.engine_dir import read_engine_config
 from trtllm_dflash.runtime.decoding import Request, check_stop, check_top_k, check_top_p
 from trtllm_dflash.runtime.runner import Engine
@@ -92,6 +93,7 @@ def parse_request(request, tokenizer, limits: Limits, request_id: int) -> tuple[
     seed = _scalar(request, "sampling_param_seed")
     seed = limits.default_seed if seed is None else int(seed)
     streaming = _scalar(request, "streaming")
+    check_prompt_chars(tokenizer, len(prompt), limits.max_seq_len, "input 'text_input'")
     ids = tokenizer(prompt)["input_ids"]
     if not ids:
         raise ValueError("input 'text_input' has no tokens")
