@@ -13,6 +13,11 @@ its published source (and ModelOpt's, installed here):
   `DFlashDraftModel` is not registered: tensorrt_llm/_torch/models/modeling_dflash.py at commit
   009d8fa431bd3de92245aab80f8b57dc70da1ac4; drafts at block positions 1..max_draft_len:
   tensorrt_llm/_torch/speculative/dflash.py (NVIDIA/TensorRT-LLM, commit 2fc4bbbc414379ffe56f44bce35ff22c02ff91c8).
+- `draft_len_schedule` and how `speculative_model` is found: tensorrt_llm/llmapi/llm_args.py at commit
+  0004396720054fd8e205cbf616f21f0b57c6b412 (`DecodingBaseConfig.validate_draft_len_schedule_and_sort`: keys >= 1,
+  values >= 0 and <= max_draft_len, the smallest key maps to max_draft_len, an older copy also requires key 1;
+  `TorchLlmArgs.validate_speculative_config`: `os.path.join(speculative_model, "config.json")` opened as given,
+  i.e. relative to the working directory, and a schedule forces `cuda_graph_config.enable_padding`).
 - `kv_cache_config.free_gpu_memory_fraction`, `cuda_graph_config.{batch_sizes, enable_padding}`: the API reference
   DecodeCudaGraphConfig.html (1.3.0rc27) and examples/llm_runtime.py (KvCacheConfig, CudaGraphConfig).
 - Commands: tensorrt_llm/commands/serve.py at commit 00209af149e7774406881a37283dce303571eb11 (`trtllm-serve
@@ -25,6 +30,7 @@ its published source (and ModelOpt's, installed here):
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +48,9 @@ from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.engine_dir import write_manifest
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.export.draft_len import TOKEN_BUDGET, default_schedule, measured_schedule
 from trtllm_dflash.export.trtllm import merge_shards
+from trtllm_dflash.runtime.costs import PROFILE_VERSION, PassCosts, ProfileKey, engine_sha256, write_profile
 from trtllm_dflash.models.quantized import dequantize_state_dict
 from trtllm_dflash.models.shard import Split, shard_tensor, split_for
 from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
@@ -52,6 +60,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = {".trtllm-dflash", "README.md", "extra_llm_api_options.yaml", "drafter/config.json",
          "drafter/model.safetensors", "target/config.json", "target/model.safetensors",
          "target/generation_config.json"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def empty_cost_cache(tmp_path_factory):
+    """No cost profile of the user's own runs may change the exported schedule: an empty cache for this module."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("cost_cache")))
+        yield
 
 
 def build(pair: Path, out: Path, tp: int = 1, **kw) -> Path:
@@ -173,19 +189,113 @@ def test_yaml_has_exactly_the_documented_fields(demo):
         "kv_cache_config": {"free_gpu_memory_fraction": 0.8},
         "cuda_graph_config": {"batch_sizes": [1, 2, 4, 8], "enable_padding": True},
         "speculative_config": {"decoding_type": "DFlash", "max_draft_len": cfg["dflash"]["block_size"] - 1,
-                               "speculative_model": "drafter",
+                               # no cost profile, 8 slots x 16 tokens within the default budget: one key
+                               "draft_len_schedule": {1: cfg["dflash"]["block_size"] - 1},
+                               "speculative_model": str((out / "drafter").resolve()),
                                "mask_token_id": cfg["dflash"]["mask_token_id"],
                                "target_layer_ids": cfg["dflash"]["target_layer_ids"]},
     }
     types = {k: type(v) for k, v in options["speculative_config"].items()}
-    assert types == {"decoding_type": str, "max_draft_len": int, "speculative_model": str, "mask_token_id": int,
-                     "target_layer_ids": list}
-    assert (out / options["speculative_config"]["speculative_model"] / "config.json").is_file()
+    assert types == {"decoding_type": str, "max_draft_len": int, "draft_len_schedule": dict, "speculative_model": str,
+                     "mask_token_id": int, "target_layer_ids": list}
+    root = out.resolve()
     readme = (out / "README.md").read_text()
-    assert ("trtllm-serve target --backend pytorch --tp_size 1 --extra_llm_api_options extra_llm_api_options.yaml"
-            in readme)
-    assert ("trtllm-bench --model target --model_path target throughput --backend pytorch --tp 1 --dataset "
-            "DATASET.jsonl --extra_llm_api_options extra_llm_api_options.yaml") in readme
+    assert (f"trtllm-serve {root}/target --backend pytorch --tp_size 1 --extra_llm_api_options "
+            f"{root}/extra_llm_api_options.yaml") in readme
+    assert (f"trtllm-bench --model {root}/target --model_path {root}/target throughput --backend pytorch --tp 1 "
+            f"--dataset DATASET.jsonl --extra_llm_api_options {root}/extra_llm_api_options.yaml") in readme
+
+
+def trtllm_finds_the_drafter(options_yaml: Path) -> dict:
+    """What TensorRT-LLM does with the YAML in the working directory it runs in (TorchLlmArgs.validate_speculative_config
+    at the commit in the module docstring): `os.path.join(speculative_model, "config.json")`, read if it exists, for
+    dflash_config.target_layer_ids / mask_token_id; a path that does not exist is later taken for a hub model id."""
+    spec = yaml.safe_load(options_yaml.read_text())["speculative_config"]
+    path = os.path.join(spec["speculative_model"], "config.json")
+    assert os.path.exists(path), f"TensorRT-LLM would look for a hub model named {spec['speculative_model']!r}"
+    with open(path) as f:
+        return json.load(f)["dflash_config"]
+
+
+def test_yaml_and_commands_work_from_another_working_directory(demo, tmp_path, monkeypatch):
+    engine, out = demo
+    cfg = json.loads((engine / "config.json").read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # neither the export nor its parent
+    dflash = trtllm_finds_the_drafter(out.resolve() / "extra_llm_api_options.yaml")
+    assert dflash["target_layer_ids"] == cfg["dflash"]["target_layer_ids"]
+    assert dflash["mask_token_id"] == cfg["dflash"]["mask_token_id"]
+    # Every path in the README's commands exists from here too (DATASET.jsonl is the user's).
+    for command in [line for line in (out / "README.md").read_text().splitlines() if line.startswith("trtllm-")]:
+        paths = [w for w in command.split() if "/" in w]
+        assert paths and all(os.path.isabs(w) and os.path.exists(w) for w in paths), command
+
+
+def trtllm_schedule_errors(schedule: dict, max_draft_len: int) -> list[str]:
+    """TensorRT-LLM's DecodingBaseConfig.validate_draft_len_schedule_and_sort (both stored copies: the smallest key
+    maps to max_draft_len; the older one requires key 1), restated here independently of export/draft_len.py."""
+    errors = [f"key {b}" for b in schedule if not (isinstance(b, int) and b >= 1)]
+    errors += [f"value {d}" for d in schedule.values() if not (isinstance(d, int) and 0 <= d <= max_draft_len)]
+    if 1 not in schedule:
+        errors.append("no key 1")
+    if schedule and schedule[min(schedule)] != max_draft_len:
+        errors.append("smallest key does not map to max_draft_len")
+    return errors
+
+
+def test_default_schedule_keeps_the_verified_tokens_within_the_budget():
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    schedule = default_schedule(16, sizes)
+    assert schedule == {1: 15, 32: 7, 64: 3, 128: 1, 256: 0}
+    assert trtllm_schedule_errors(schedule, 15) == []
+    for b in sizes:  # TensorRT-LLM's lookup: the value of the largest key <= batch
+        draft_len = schedule[max(k for k in schedule if k <= b)]
+        assert b * (draft_len + 1) <= max(TOKEN_BUDGET, b) and (draft_len == 15 or b * (draft_len + 2) > TOKEN_BUDGET)
+    assert default_schedule(8, [1, 2, 4]) == {1: 7}
+
+
+def costs_where_verify_grows_with_batch_tokens(block: int, batches=(1, 2, 4, 8, 16, 32)) -> PassCosts:
+    """A hand-made profile: a target pass costs 1 ms up to 32 tokens over the batch, then 1 ms per 32 more; the
+    drafter pass 0.3 ms per request; acceptance and context hand-over nearly free."""
+    tokens = tuple(t for t in (1, 2, 4, 8, 16) if t <= block) + ((block,) if block > 16 else ())
+    target = tuple(tuple(max(1.0, b * t / 32) * 1e-3 for t in tokens) for b in batches)
+    draft = tuple(tuple(0.3e-3 * b for _ in tokens) for b in batches)
+    small = tuple(tuple(1e-6 for _ in tokens) for _ in batches)
+    return PassCosts(tuple(batches), tokens, (64, 512), (target, target), (draft, draft), small, small)
+
+
+def test_measured_schedule_shortens_the_blocks_where_verifying_costs():
+    costs = costs_where_verify_grows_with_batch_tokens(16)
+    at_least = [0.8 ** j for j in range(1, 16)]
+    schedule = measured_schedule(costs, at_least, 16, [1, 2, 4, 8, 16, 32], 512)
+    assert trtllm_schedule_errors(schedule, schedule[1]) == []
+    lengths = [schedule[max(k for k in schedule if k <= b)] for b in (1, 2, 4, 8, 16, 32)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1], schedule
+    # Cheap verification everywhere: the longest block at every batch size, one key.
+    one_ms = tuple(tuple(1e-3 for _ in costs.tokens) for _ in costs.batches)
+    flat = PassCosts(costs.batches, costs.tokens, costs.contexts, (one_ms, one_ms), (one_ms, one_ms), costs.context_s,
+                     costs.accept_s)
+    assert measured_schedule(flat, at_least, 16, [1, 2, 4, 8, 16, 32], 512) == {1: 15}
+
+
+def test_export_uses_the_engines_cached_cost_profile(pair, tmp_path, monkeypatch):
+    engine = build(pair, tmp_path / "engine")
+    cfg = json.loads((engine / "config.json").read_text())
+    block = cfg["dflash"]["block_size"]
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    without = yaml.safe_load((export(engine, tmp_path / "a") / "extra_llm_api_options.yaml").read_text())
+    costs = costs_where_verify_grows_with_batch_tokens(block, batches=(1, 2, 4, 6))
+    key = ProfileKey(PROFILE_VERSION, engine_sha256(engine), "torch", "test CPU", 1, block, 6)
+    sha = engine_sha256(engine)
+    write_profile(tmp_path / "cache" / "cost_profiles" / f"{sha[:16]}-torch.json", key, costs)
+    out = export(engine, tmp_path / "b")
+    spec = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["speculative_config"]
+    at_least = [0.6 ** j for j in range(1, block)]  # no acceptance record: the chooser's prior
+    want = measured_schedule(costs, at_least, block, [1, 2, 4, 6], 512)
+    assert spec["draft_len_schedule"] == want != without["speculative_config"]["draft_len_schedule"]
+    assert spec["max_draft_len"] == want[1] and trtllm_schedule_errors(want, spec["max_draft_len"]) == []
+    assert "cost profile (torch backend on test CPU, 1 thread, context 512" in (out / "extra_llm_api_options.yaml").read_text()
 
 
 def test_target_loads_in_transformers_with_our_logits(demo):
@@ -237,7 +347,10 @@ def test_tp2_exports_the_tp1_target_and_re_export_is_byte_identical(pair, tmp_pa
     resharded_equal_rank_files(b, two)
     first = files(b)
     assert export(two, b, "--force") == b and files(b) == first  # --force replaces an export, same bytes
-    assert files(export(two, tmp_path / "c")) == first
+    # Elsewhere, only the absolute paths in the YAML and the README differ.
+    elsewhere = {k: v.replace(str((tmp_path / "c").resolve()).encode(), str(b.resolve()).encode())
+                 for k, v in files(export(two, tmp_path / "c")).items()}
+    assert elsewhere == first
 
 
 # ---------------------------------------------------------------------------------------------------------

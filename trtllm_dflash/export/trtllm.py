@@ -7,15 +7,22 @@
                                   writes them
       drafter/                    z-lab DFlash drafter: config.json (DFlashDraftModel, block_size, dflash_config),
                                   model.safetensors, unquantized (a quantized drafter is dequantized)
-      extra_llm_api_options.yaml  LLM-API options: speculative_config (decoding_type DFlash), parallelism, KV cache,
+      extra_llm_api_options.yaml  LLM-API options: speculative_config (decoding_type DFlash, the drafter by its
+                                  absolute path, a draft_len_schedule: export/draft_len.py), parallelism, KV cache,
                                   CUDA graphs
-      README.md                   the trtllm-serve and trtllm-bench commands, run from DIR
+      README.md                   the trtllm-serve and trtllm-bench commands (absolute paths: run them from anywhere)
       .trtllm-dflash              the marker of a directory trtllm-dflash wrote (outputs.py)
 
 Rank files are merged back into full tensors by `merge_shards`, the exact inverse of models/shard.py's split (a
 gpt-oss target's experts by the split the engine was built with, `moe_parallel` tp or ep).
-Upstream names and the sources they were checked against: docs/export-trtllm.md. Export reads only the engine
-directory, and writes the same bytes every time for the same engine.
+Upstream names and the sources they were checked against: docs/export-trtllm.md. Export reads the engine directory
+(and its cached `--block-size auto` cost profile, if any), and writes the same bytes every time for the same engine,
+output path and profile.
+
+TensorRT-LLM resolves `speculative_model` against the working directory of the process that reads the YAML (and
+takes a path that does not exist there for a hub model id), so the YAML and the README name the exported drafter and
+target by their absolute paths: the commands work from any directory. Moved or copied elsewhere, the directory must be
+exported again there (or `speculative_model` edited).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from trtllm_dflash.checkpoint.formats import save_drafter
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, TOKENIZER, EngineConfig, open_engine, rank_file
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.export.draft_len import (DraftLenSchedule, check_schedule, schedule_comment, schedule_for,
+                                           schedule_text)
 from trtllm_dflash.models.quantized import dequantize_state_dict
 from trtllm_dflash.models.shard import Split, split_for
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
@@ -192,8 +201,10 @@ def moe_parallel(cfg: EngineConfig) -> str | None:
     return cfg.build.get("moe_parallel", "tp")
 
 
-def llm_api_options(cfg: EngineConfig) -> dict:
-    """extra_llm_api_options.yaml: TorchLlmArgs fields (key order is the file's)."""
+def llm_api_options(cfg: EngineConfig, drafter_dir: Path, schedule: DraftLenSchedule) -> dict:
+    """extra_llm_api_options.yaml: TorchLlmArgs fields (key order is the file's); `drafter_dir`: the exported drafter's
+    absolute path, as TensorRT-LLM will find it."""
+    check_schedule(schedule.schedule, schedule.max_draft_len, cfg.dflash.block_size)
     tp = cfg.mapping.tp_size
     # A mixture-of-experts target: the experts split as the engine split them (BaseLlmArgs fields).
     moe = {"tp": {"moe_tensor_parallel_size": tp, "moe_expert_parallel_size": 1},
@@ -204,12 +215,15 @@ def llm_api_options(cfg: EngineConfig) -> dict:
         "max_batch_size": cfg.max_batch_size,
         "max_seq_len": cfg.max_seq_len,
         "kv_cache_config": {"free_gpu_memory_fraction": FREE_GPU_MEMORY_FRACTION},
+        # enable_padding: TensorRT-LLM turns it on anyway with a draft_len_schedule.
         "cuda_graph_config": {"batch_sizes": cuda_graph_batch_sizes(cfg.max_batch_size), "enable_padding": True},
         "speculative_config": {
             "decoding_type": "DFlash",
-            # TensorRT-LLM drafts at positions 1..max_draft_len of a block of the drafter's block_size.
-            "max_draft_len": cfg.dflash.block_size - 1,
-            "speculative_model": DRAFTER,  # relative to the directory the commands run in: DIR
+            # TensorRT-LLM drafts at positions 1..max_draft_len of a block of the drafter's block_size; the schedule's
+            # smallest key (1) must map to max_draft_len.
+            "max_draft_len": schedule.max_draft_len,
+            "draft_len_schedule": dict(schedule.schedule),
+            "speculative_model": str(drafter_dir),  # absolute: TensorRT-LLM resolves it against its working directory
             "mask_token_id": cfg.dflash.mask_token_id,
             "target_layer_ids": list(cfg.dflash.target_layer_ids),
         },
@@ -223,24 +237,24 @@ class _Dumper(yaml.SafeDumper):
 _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
 
 
-def options_yaml(cfg: EngineConfig, engine_name: str) -> str:
+def options_yaml(cfg: EngineConfig, engine_name: str, root: Path, schedule: DraftLenSchedule) -> str:
     header = (f"# TensorRT-LLM LLM-API options for the DFlash engine {engine_name}, written by trtllm-dflash "
-              f"{__version__} export trtllm.\n# Paths are relative to this directory: run trtllm-serve / "
-              "trtllm-bench from here (README.md).\n")
-    return header + yaml.dump(llm_api_options(cfg), Dumper=_Dumper, sort_keys=False)
+              f"{__version__} export trtllm.\n# Paths are absolute ({root}): run trtllm-serve / trtllm-bench from any "
+              "directory (README.md); export again if this directory moves.\n" + schedule_comment(schedule))
+    return header + yaml.dump(llm_api_options(cfg, root / DRAFTER, schedule), Dumper=_Dumper, sort_keys=False)
 
 
-def serve_command(cfg: EngineConfig) -> str:
-    return (f"trtllm-serve {TARGET} --backend pytorch --tp_size {cfg.mapping.tp_size} "
-            f"--extra_llm_api_options {OPTIONS}")
+def serve_command(cfg: EngineConfig, root: Path) -> str:
+    return (f"trtllm-serve {root / TARGET} --backend pytorch --tp_size {cfg.mapping.tp_size} "
+            f"--extra_llm_api_options {root / OPTIONS}")
 
 
-def bench_command(cfg: EngineConfig) -> str:
-    return (f"trtllm-bench --model {TARGET} --model_path {TARGET} throughput --backend pytorch "
-            f"--tp {cfg.mapping.tp_size} --dataset DATASET.jsonl --extra_llm_api_options {OPTIONS}")
+def bench_command(cfg: EngineConfig, root: Path) -> str:
+    return (f"trtllm-bench --model {root / TARGET} --model_path {root / TARGET} throughput --backend pytorch "
+            f"--tp {cfg.mapping.tp_size} --dataset DATASET.jsonl --extra_llm_api_options {root / OPTIONS}")
 
 
-def readme_text(cfg: EngineConfig, engine_name: str) -> str:
+def readme_text(cfg: EngineConfig, engine_name: str, root: Path, schedule: DraftLenSchedule) -> str:
     algo = cfg.quantization.get("quant_algo")
     arch = ARCHITECTURES[cfg.target["model_type"]]
     moe = moe_parallel(cfg)
@@ -266,14 +280,17 @@ def readme_text(cfg: EngineConfig, engine_name: str) -> str:
             "backend runs DFlash natively (`DFlashDecodingConfig`, `decoding_type: DFlash`).\n\n"
             f"- `{TARGET}/`: the target, an HF checkpoint ({target}), merged from {tp} rank file(s)\n"
             f"- `{DRAFTER}/`: the {drafter}\n"
-            f"- `{OPTIONS}`: speculative_config (max_draft_len {cfg.dflash.block_size - 1}), "
+            f"- `{OPTIONS}`: speculative_config (max_draft_len {schedule.max_draft_len}, draft_len_schedule "
+            f"{schedule_text(schedule.schedule)}: batch size -> drafts verified, from {schedule.source}), "
             f"tensor_parallel_size {tp}, max_batch_size {cfg.max_batch_size}, max_seq_len {cfg.max_seq_len}, "
             "KV cache and CUDA graph settings\n\n"
-            "Run from this directory (the YAML names the drafter by a relative path):\n\n"
+            f"The YAML names the drafter by its absolute path ({root / DRAFTER}) and the commands below name every "
+            "file by its absolute path, so they run from any directory. If this directory is moved or copied to "
+            "another machine, run `trtllm-dflash export trtllm` again there (or edit `speculative_model`).\n\n"
             f"```bash\n# OpenAI-compatible server on localhost:8000 (newer releases also accept --config)\n"
-            f"{serve_command(cfg)}\n\n"
+            f"{serve_command(cfg, root)}\n\n"
             "# throughput benchmark; DATASET.jsonl: a dataset in trtllm-bench's format\n"
-            f"{bench_command(cfg)}\n```\n\n{launch}"
+            f"{bench_command(cfg, root)}\n```\n\n{launch}"
             "Written without TensorRT-LLM: trtllm-dflash's tests check that exported targets load in transformers "
             "with the engine's logits and that these YAML fields are TensorRT-LLM's (docs/export-trtllm.md), but "
             "TensorRT-LLM itself has not loaded this directory.\n")
@@ -344,7 +361,9 @@ def export_trtllm(engine_dir: Path, output: Path, force: bool = False,
             drafter, _ = dequantize_state_dict(drafter, dtype)
         params = DFlashParams(cfg.dflash.block_size, cfg.dflash.mask_token_id, tuple(cfg.dflash.target_layer_ids))
         save_drafter(drafter_dir, drafter_spec, params, target_spec.num_layers, drafter, cfg.dtype)
-        (tmp / OPTIONS).write_text(options_yaml(cfg, name))
-        (tmp / README).write_text(readme_text(cfg, name))
+        root = output.resolve()  # where the directory will be once written (atomic_directory renames tmp to it)
+        schedule = schedule_for(engine_dir, cfg.dflash.block_size, cuda_graph_batch_sizes(cfg.max_batch_size))
+        (tmp / OPTIONS).write_text(options_yaml(cfg, name, root, schedule))
+        (tmp / README).write_text(readme_text(cfg, name, root, schedule))
         say("wrote the drafter, extra_llm_api_options.yaml and README.md")
     return output
