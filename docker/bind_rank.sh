@@ -34,11 +34,15 @@ done
 
 local_rank="${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-${PMI_LOCAL_RANK:-${SLURM_LOCALID:-}}}}"
 [[ -n "${local_rank}" ]] || die "no local rank in the environment: start this under mpirun, mpiexec or srun."
+# Checked as decimal strings before any arithmetic: bash evaluates a variable's text as an expression and wraps at 2^64.
+[[ "${local_rank}" =~ ^(0|[1-9][0-9]{0,5})$ ]] || die "the local rank '${local_rank:0:40}' from the launcher is not a number."
 
 if [[ "${cpu}" == 1 ]]; then
     exec "$@"
 fi
-[[ "${gpus}" =~ ^[1-9][0-9]*$ ]] || die "--gpus must be a positive number, not '${gpus}'."
+if ! [[ "${gpus}" =~ ^[1-9][0-9]{0,5}$ ]] || (( gpus > 64 )); then
+    die "--gpus must be an integer from 1 to 64, not '${gpus:0:40}'."
+fi
 (( local_rank < gpus )) || die "local rank ${local_rank} has no GPU: this node has ${gpus} (--gpus-per-node)."
 
 # --- the GPU ------------------------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ else
     if [[ -z "${numa}" || "${numa}" == "-1" ]]; then  # -1: the kernel does not know; spread evenly instead
         nodes="$(numactl --hardware 2> /dev/null | sed -n -E 's/^available: ([0-9]+) nodes.*/\1/p')"
         nodes="${nodes:-1}"
-        [[ "${gpu}" =~ ^[0-9]+$ ]] || gpu_index="${local_rank}"
+        [[ "${gpu}" =~ ^[0-9]{1,6}$ ]] || gpu_index="${local_rank}"  # a UUID, or digits too many to count with
         numa=$(( ${gpu_index:-${gpu}} * nodes / gpus ))
     fi
 fi

@@ -8,14 +8,20 @@ die() { echo "error: $*" >&2; exit 2; }
 LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 
 # tp_size of an engine: config.json's mapping.tp_size (trtllm_dflash/engine_dir.py, EngineConfig.mapping).
+# Any problem with the file (not JSON, not UTF-8, not an object, no integer tp_size in 1..4096) is one sentence.
 engine_tp_size() {
     local engine="$1" config="$1/config.json"
-    [[ -d "${engine}" ]] || die "${engine}: engine directory does not exist."
+    [[ -e "${engine}" ]] || die "${engine}: engine directory does not exist."
+    [[ -d "${engine}" ]] || die "${engine}: engine directory is a file, not a directory."
     [[ -f "${config}" ]] || die "${config} not found: ${engine} is not an engine directory."
     "${PYTHON:-python3}" - "${config}" <<'EOF' || die "${config}: no readable mapping.tp_size (is it an engine's config.json?)."
 import json, sys
-tp = json.load(open(sys.argv[1], encoding="utf-8")).get("mapping", {}).get("tp_size", 1)
-if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+try:
+    with open(sys.argv[1], encoding="utf-8") as f:
+        tp = json.load(f)["mapping"]["tp_size"]
+except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    sys.exit(1)
+if type(tp) is not int or not 1 <= tp <= 4096:
     sys.exit(1)
 print(tp)
 EOF
@@ -80,6 +86,11 @@ print_cmd() {
     echo "${out[*]}"
 }
 
+# positive_int NAME VALUE MAX: VALUE is a decimal integer from 1 to MAX, checked as a string first: bash arithmetic
+# wraps at 2^64 (18446744073709551618 would count as 2) and reads 010 as octal.
 positive_int() {
-    [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive number, not '$2'."
+    local name="$1" value="$2" max="$3"
+    if ! [[ "${value}" =~ ^[1-9][0-9]{0,5}$ ]] || (( value > max )); then
+        die "${name} must be an integer from 1 to ${max}, not '${value:0:40}'."
+    fi
 }

@@ -54,7 +54,7 @@ if [[ -z "${gpus}" ]]; then
         die "cannot count this node's GPUs (no nvidia-smi, or --cpu): pass --gpus-per-node N."
     fi
 fi
-positive_int --gpus-per-node "${gpus}"
+positive_int --gpus-per-node "${gpus}" 64
 
 unit="GPUs"
 [[ "${cpu}" == 1 ]] && unit="CPU ranks"

@@ -45,8 +45,8 @@ command="$1" engine="$2"
 shift 2
 [[ -n "${nodes}" ]] || die "no node count: run inside a Slurm allocation or pass --nodes N."
 [[ -n "${gpus}" ]] || die "no GPU count per node: run inside an allocation with GPUs or pass --gpus-per-node G."
-positive_int --nodes "${nodes}"
-positive_int --gpus-per-node "${gpus}"
+positive_int --nodes "${nodes}" 4096
+positive_int --gpus-per-node "${gpus}" 64
 
 tp="$(engine_tp_size "${engine}")" || exit 2
 unit="GPUs"

@@ -192,6 +192,54 @@ def test_not_an_engine_is_refused(tmp_path, script):
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path}/config.json not found: {tmp_path} is not an engine directory.\n"
 
 
+@pytest.mark.parametrize("script, args, words", [
+    # bash arithmetic wraps at 2^64: 18446744073709551618 would count as 2, this engine's tp_size
+    ("launch_node.sh", ["--cpu", "--gpus-per-node", "18446744073709551618"],
+     "--gpus-per-node must be an integer from 1 to 64, not '18446744073709551618'."),
+    ("launch_slurm.sh", ["--nodes", "2", "--gpus-per-node", "9223372036854775809"],
+     "--gpus-per-node must be an integer from 1 to 64, not '9223372036854775809'."),
+    ("launch_slurm.sh", ["--nodes", "010", "--gpus-per-node", "1"], "--nodes must be an integer from 1 to 4096"),
+    ("launch_node.sh", ["--gpus-per-node", "1+1"], "--gpus-per-node must be an integer from 1 to 64, not '1+1'."),
+], ids=["node-wraps", "slurm-wraps", "octal", "expression"])
+def test_integers_are_checked_as_decimal_strings(engines, script, args, words):
+    proc = sh(DOCKER / script, "--dry-run", *args, "run", engines["tp8"])
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr == f"error: {words}\n" or (proc.stderr.startswith(f"error: {words}")
+                                                  and proc.stderr.count("\n") == 1), proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["not-json", "not-utf8", "no-mapping", "tp-string", "deep"])
+def test_a_broken_engine_config_is_one_sentence(tmp_path, damage):
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    content = {"not-json": b'{"mapping": ', "not-utf8": b'{"mapping": {"tp_size": 1}, "x": "\xff"}',
+               "no-mapping": b"[1, 2]", "tp-string": b'{"mapping": {"tp_size": "2"}}',
+               "deep": b"[" * 100_000 + b"]" * 100_000}[damage]
+    (engine / "config.json").write_bytes(content)
+    proc = sh(DOCKER / "launch_node.sh", "--dry-run", "--cpu", "--gpus-per-node", "1", "run", engine)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr == f"error: {engine}/config.json: no readable mapping.tp_size (is it an engine's config.json?).\n"
+
+
+def test_a_file_given_as_the_engine_is_named_as_a_file(tmp_path):
+    a_file = tmp_path / "engine.yaml"
+    a_file.write_text("x")
+    for script, layout in (("launch_node.sh", ["--gpus-per-node", "1"]),
+                           ("launch_slurm.sh", ["--nodes", "1", "--gpus-per-node", "1"])):
+        proc = sh(DOCKER / script, "--dry-run", *layout, "run", a_file)
+        assert proc.returncode == 2 and proc.stderr == f"error: {a_file}: engine directory is a file, not a directory.\n"
+
+
+def test_bind_rank_checks_the_local_rank_before_arithmetic(tmp_path):
+    for rank in ("a[$(touch pwned)]", "18446744073709551616", "-1"):
+        proc = sh(DOCKER / "bind_rank.sh", "--gpus", "2", "--", "true", env={"OMPI_COMM_WORLD_LOCAL_RANK": rank})
+        assert proc.returncode == 2 and "is not a number" in proc.stderr, proc.stderr
+    assert not (ROOT / "pwned").exists()
+    proc = sh(DOCKER / "bind_rank.sh", "--gpus", "18446744073709551618", "--", "true",
+              env={"OMPI_COMM_WORLD_LOCAL_RANK": "0"})
+    assert proc.returncode == 2 and "--gpus must be an integer from 1 to 64" in proc.stderr
+
+
 # --- bind_rank.sh with stand-in nvidia-smi and numactl -------------------------------------------------------------
 
 @pytest.fixture

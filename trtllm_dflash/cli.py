@@ -15,7 +15,7 @@ from pathlib import Path
 from trtllm_dflash import __version__
 from trtllm_dflash.errors import Interrupted, UserError
 from trtllm_dflash.inputs import argv_text, shown
-from trtllm_dflash.outputs import user_os_error
+from trtllm_dflash.outputs import is_user_os_error, reason, release_outputs, user_os_error
 from trtllm_dflash.runtime.options import MAX_TEMPERATURE, RunOptions
 
 EXIT_USER_ERROR = 2  # bad config / checkpoint / engine / path: nothing was produced
@@ -115,7 +115,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from trtllm_dflash.compile.tensorrt_build import compile_engine
+    from trtllm_dflash.outputs import check_output_dir
 
+    # compile rewrites ENGINE_DIR (a new directory renamed over it): the output-path rule, ENGINE_DIR as the output
+    check_output_dir(args.engine_dir, "engine", "ENGINE_DIR", inputs=(args.plugin_library,), force=True)
     plans = compile_engine(args.engine_dir, args.plugin_library,
                            report=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"{len(plans)} TensorRT plans added to {args.engine_dir}", file=sys.stderr)
@@ -170,6 +173,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         raise Interrupted(f"what {args.output} holds so far (the target's responses once generated, the last "
                           "checkpoint) is kept, and the same command resumes from it") from None
+    except OSError as exc:
+        if not is_user_os_error(exc):
+            raise
+        raise UserError(f"--output {args.output}: {reason(exc)} while writing {exc.filename or 'it'}; what it holds "
+                        "so far is kept, and the same command resumes from it once that is fixed.") from None
     last = state.evals[-1]["acceptance_length"] if state.evals else None
     print(f"drafter written to {args.output} after {state.step} steps; final loss {state.losses[-1]:.4f}, "
           f"held-out acceptance length {last}", file=sys.stderr)
@@ -488,7 +496,8 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-random-pair", formatter_class=_HelpFormatter,
                        help="write a tiny random target (HF) + drafter (z-lab) pair, for pipeline smoke tests")
     m.add_argument("output", type=Path)
-    m.add_argument("--family", choices=("qwen3", "llama"), default="qwen3", help="target architecture")
+    m.add_argument("--family", choices=("qwen3", "llama", "gpt_oss", "gemma4"), default="qwen3",
+                   help="target architecture")
     m.add_argument("--block-size", type=_int_in(2, 64), default=8, help="the drafter's block size")
     m.add_argument("--seed", type=_seed, default=0, help="weight seed")
     m.add_argument("--force", action="store_true", help="replace an OUTPUT that make-random-pair wrote")
@@ -514,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    finally:
+        release_outputs()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ summary, report, plot)
   * as a directory, is absent, empty, or one this tool wrote, recognised by the MARKER file inside
     it: `--force` replaces only such a directory of the same kind and refuses anything else;
   * as a file, is absent or a regular file, and is replaced only atomically (written to a temporary
-    sibling, then renamed over it), so a crash leaves either the old file or the new one.
+    sibling, then renamed over it), so a crash leaves either the old file or the new one;
+  * is written by one process at a time: the check takes an exclusive lock on the output (`claim`), held
+    until the command ends, so a second command writing the same output refuses at once, before its
+    work (with --force, where a command has it, it waits and then replaces the first one's output).
 
 Operating-system errors that are the user's environment (permission denied, read-only file system,
 no space left, a file where a directory is expected, a name too long, ...) become one-sentence
@@ -19,9 +22,12 @@ UserErrors through `user_os_error`.
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -132,12 +138,80 @@ def write_marker(directory: Path, kind: Kind) -> None:
     (Path(directory) / MARKER).write_text(json.dumps({"kind": kind, "written_by": "trtllm-dflash"}) + "\n")
 
 
+# ------------------------------------------------------------------------------------------------
+# One writer per output
+# ------------------------------------------------------------------------------------------------
+
+_held: dict[Path, tuple[int, Path]] = {}  # output (absolute) -> (fd, lock file) of the locks this process holds
+
+
+def lock_file(final: Path) -> Path:
+    """The lock of output `final`: in the temporary directory, not beside the output, so that it can be taken
+    before the output's parent exists and leaves nothing in the user's directories. One machine's processes
+    see each other's locks; processes on other machines writing to a shared file system do not."""
+    digest = hashlib.sha256(os.fsencode(final)).hexdigest()[:32]
+    return Path(tempfile.gettempdir()) / f"trtllm-dflash-locks-{os.getuid()}" / f"{digest}.lock"
+
+
+def _holder(lock: Path) -> str:
+    try:
+        return lock.read_text(encoding="utf-8").split()[0]
+    except (OSError, ValueError, IndexError):
+        return "unknown"
+
+
+def claim(final: Path, what: str, given: Path, wait: bool = False) -> None:
+    """Lock output `final` (absolute) for this process until `release_outputs()` or its exit.
+
+    Another process holding it: a UserError, or with `wait` (a command's --force) a wait until it is done.
+    A process may claim the same output again (a command checks its output early and again when it writes)."""
+    if final in _held:
+        return
+    lock = lock_file(final)
+    try:
+        lock.parent.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{what} {given}: cannot lock it in {lock.parent} ({reason(exc)}).") from None
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(lock)
+            if not wait:
+                os.close(fd)
+                raise UserError(f"{what} {given} is being written by another trtllm-dflash process (pid {holder}); "
+                                "wait for it to finish, or choose another path.") from None
+            print(f"{what} {given} is being written by pid {holder}; waiting for it to finish ...", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # the holder we waited for removes its lock file when done: ours must still be the one at that path
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {final}\n".encode("utf-8", "surrogateescape"))
+    _held[final] = (fd, lock)
+
+
+def release_outputs() -> None:
+    """Release every output lock of this process (the CLI does, when a command ends)."""
+    for fd, lock in _held.values():
+        lock.unlink(missing_ok=True)  # before the unlock, so that a waiting process sees it gone and locks anew
+        os.close(fd)
+    _held.clear()
+
+
 def check_output_dir(path: Path, kind: Kind, what: str, inputs: Iterable[Path | None] = (), force: bool = False,
                      reuse: bool = False) -> Path:
     """Fail now, before any work, if `path` cannot become (or, with `reuse`, be continued as) a `kind`
     directory. `what` names the output in messages ("output directory", "--model-repo"). Returns the
-    absolute path."""
+    absolute path, claimed for this process (`claim`)."""
     final = _check_overlap(path, what, inputs)
+    claim(final, what, path, wait=force)
     if final.exists() and not final.is_dir():
         raise UserError(f"{what} {path} is a file, not a directory.")
     if final.exists() and any(final.iterdir()):
@@ -159,8 +233,9 @@ def _a(kind: str) -> str:
 
 def check_output_file(path: Path, what: str, inputs: Iterable[Path | None] = ()) -> Path:
     """Fail now if `path` cannot be written as a regular file. `what` names it in messages ("--summary").
-    Returns the absolute path."""
+    Returns the absolute path, claimed for this process (`claim`)."""
     final = _check_overlap(path, what, inputs)
+    claim(final, what, path)
     if final.is_dir():
         raise UserError(f"{what} {path} is a directory, not a file.")
     if final.exists() and not final.is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -132,8 +133,10 @@ def export_graphs(root: Path, cfg: EngineConfig, workers: int | None = None) -> 
 
     with ThreadPoolExecutor(workers) as pool:
         for rank, done in zip(ranks, pool.map(export, ranks)):
+            lines = done.stderr.strip().splitlines()
+            if done.returncode == -signal.SIGINT or lines[-1:] == ["KeyboardInterrupt"]:
+                raise KeyboardInterrupt  # Ctrl-C reached the whole process group: report it as ours, not a failure
             if done.returncode != 0:
-                lines = done.stderr.strip().splitlines()
                 raise RuntimeError(f"exporting rank {rank}'s graphs failed (exit {done.returncode}): "
                                    f"{lines[-1] if lines else 'no message'}")
 

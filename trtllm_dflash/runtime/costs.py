@@ -30,6 +30,7 @@ import bisect
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -39,7 +40,7 @@ import torch
 
 from trtllm_dflash.engine_dir import MANIFEST
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.outputs import write_text_atomic
+from trtllm_dflash.outputs import reason, write_text_atomic
 from trtllm_dflash.runtime.executor import DraftContext, Executor
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.stats import cpu_name
@@ -282,23 +283,46 @@ def write_profile(path: Path, key: ProfileKey, costs: PassCosts) -> None:
     write_text_atomic(path, json.dumps({"key": asdict(key), "costs": asdict(costs)}) + "\n")
 
 
+def cache_problem(directory: Path) -> str | None:
+    """Why `directory` cannot hold cache files ("... is a file, not a directory"), or None when it can: checked
+    before minutes of measuring, whose results a run needs whether or not they can be kept."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+            pass
+    except FileExistsError:
+        return f"{directory} is a file, not a directory"
+    except OSError as exc:
+        return f"cannot write in {directory} ({reason(exc)})"
+    return None
+
+
 def load_or_measure(engine_dir: Path, executor: Executor, backend: str, remeasure: bool = False,
                     report: Callable[[str], None] = lambda line: None) -> tuple[PassCosts, Path]:
-    """The engine's cost profile for this machine and backend: cached, or measured now (and cached)."""
+    """The engine's cost profile for this machine and backend: cached, or measured now (and cached when the cache
+    can be written; a cache that cannot be costs the next run a measurement, never this run its results)."""
     key = profile_key(engine_dir, executor, backend)
     path = profile_path(key)
-    if path.exists() and not remeasure:
+    if path.is_file() and not remeasure:
         cached_key, costs = read_profile(path)
         if cached_key == key:
             return costs, path
         changed = next(f for f in ProfileKey.__dataclass_fields__ if getattr(cached_key, f) != getattr(key, f))
         report(f"{path}: measured with another {changed} ({getattr(cached_key, changed)!r}, now "
                f"{getattr(key, changed)!r}); measuring the pass costs again.")
+    problem = cache_problem(path.parent)
+    if problem:
+        report(f"warning: the pass-cost cache {problem}: measuring the pass costs of {engine_dir} for this run only "
+               "(set TRTLLM_DFLASH_CACHE_DIR to a writable directory to keep them) ...")
     else:
         report(f"measuring the pass costs of {engine_dir} for --block-size auto (cached in {path}) ...")
     start = time.perf_counter()
     costs = measure(executor)
-    write_profile(path, key, costs)
+    if not problem:
+        try:
+            write_profile(path, key, costs)
+        except (OSError, UserError) as exc:  # the cache changed while we measured (a full disk, say)
+            report(f"warning: the pass costs were not cached ({exc}); the next run measures them again.")
     report(f"pass costs measured in {time.perf_counter() - start:.1f} s.")
     return costs, path
 
@@ -334,7 +358,7 @@ def read_acceptance(engine_dir: Path, positions: int) -> list[float] | None:
     """The rates the last run of this engine recorded (P(d_j accepted | d_1..d_{j-1} accepted), j = 1..positions),
     or None when there is none for this engine and block size; a file that is not a record: one sentence."""
     path = acceptance_path(engine_dir)
-    if not path.exists():
+    if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
@@ -355,5 +379,5 @@ def write_acceptance(engine_dir: Path, rates: list[float]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps({"manifest_sha256": engine_sha256(engine_dir), "rates": rates}) + "\n")
-    except OSError:
+    except (OSError, UserError):  # write_text_atomic says a file system's refusal as a UserError
         pass
