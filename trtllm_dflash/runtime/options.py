@@ -31,17 +31,3 @@ class RunOptions:
     progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
     backend: Backend | None = None  # "torch" or "onnxruntime" (None: what the engine was compiled for)
 
-
-def busy_cpu_note(threads: int) -> str | None:
-    """A hint when the CPUs are already busy with other work and torch would run `threads` > 1 threads per pass:
-    its threads meet at a barrier after every operation, and each waits for the slowest, which other work keeps
-    off its core. On a 2-core machine with a load of 3.4-4.7, `--threads 1` was 5-9x faster (README)."""
-    import os
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    load = os.getloadavg()[0]
-    if threads <= 1 or load < cpus:
-        return None
-    return (f"note: this machine is busy (load average {load:.1f} on {cpus} CPUs) and torch runs {threads} threads "
-            "per pass, which wait on each other behind the other work; --threads 1 is often several times faster "
-            "here (README, 'On a busy machine').")

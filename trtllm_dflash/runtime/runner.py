@@ -28,7 +28,7 @@ from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
 from trtllm_dflash.runtime.costs import load_or_measure, read_acceptance, write_acceptance
-from trtllm_dflash.runtime.options import BlockSize, RunOptions, busy_cpu_note
+from trtllm_dflash.runtime.options import BlockSize, RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
 from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
@@ -86,9 +86,6 @@ class Engine:
             executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library)
         else:
             executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
-        note = busy_cpu_note(torch.get_num_threads()) if backend == "torch" and executor.device.type == "cpu" else None
-        if note:
-            report(note)
         auto_block = None
         if auto:
             costs, _ = load_or_measure(root, executor, backend, report=report)
