@@ -99,3 +99,85 @@ def test_plain_graph_builds_with_tensorrt_rtx(plain_graph):
     assert build_plan(trt, plain_graph, dtype_note="float32", shapes=shapes, targets=["SM89", "SM120"])
     layers = layer_types(parse_graph(trt, plain_graph).network)
     assert layers["TOPK"] == 1 and layers["CUMULATIVE"] == 1, layers
+
+
+# --- what a compiler may do to the plan's arithmetic (issue 27) -------------------------------------------------
+
+def divide_then_add(logits, temperature, noise):
+    """The graph's where(T > 0, logits / T + noise, logits) as torch (and onnxruntime on the CPU) evaluate it."""
+    sampled = (temperature > 0)[:, None, None]
+    return torch.where(sampled, logits / temperature[:, None, None] + noise, logits)
+
+
+def reciprocal_fma(logits, temperature, noise):
+    """The same as TensorRT may fuse it: a multiply by float32(1 / T), then one rounding of product + noise (FMA)."""
+    sampled = (temperature > 0)[:, None, None]
+    inverse = (1.0 / temperature).float().double()[:, None, None]
+    return torch.where(sampled, (logits.double() * inverse + noise.double()).float(), logits)
+
+
+def near_tie(seed: int, temperature: float, vocab: int = 64):
+    """A sampled row (request seed `seed`, one position) whose two best tokens are so close that the two forms above
+    order them differently: logits chosen around the Gumbel noise of that very seed and position."""
+    from trtllm_dflash.speculative.core import gumbel_rows
+
+    noise = gumbel_rows(seed, torch.tensor([1]), vocab)[0]
+    T = torch.tensor([temperature])
+    g = torch.Generator().manual_seed(seed)
+    up, down = torch.tensor(1e9), torch.tensor(-1e9)
+    for _ in range(100):
+        base = float(torch.randn(1, generator=g)) * 3
+        logits = torch.full((1, 1, vocab), -1e4)
+        logits[0, 0, 0] = (base - noise[0]) * temperature
+        tie = torch.tensor((base - float(noise[1])) * temperature)
+        for steps in range(-10, 11):  # token 1 a few float32 steps either side of the tie
+            logits[0, 0, 1] = tie
+            for _ in range(abs(steps)):
+                logits[0, 0, 1] = torch.nextafter(logits[0, 0, 1], up if steps > 0 else down)
+            n = noise[None, None]
+            if not torch.equal(divide_then_add(logits, T, n).argmax(-1), reciprocal_fma(logits, T, n).argmax(-1)):
+                return logits, T
+    raise AssertionError("no near-tie found")
+
+
+def test_the_plan_inputs_choose_the_same_token_whatever_the_compiler_fuses():
+    from trtllm_dflash.speculative.core import AcceptPlanInputs, Sampling, gumbel_rows, sample_tokens
+
+    found = 0
+    for seed in range(6):
+        logits, T = near_tie(seed, temperature=0.7 + 0.13 * seed)  # 1 / T inexact: T != 1
+        sampling, positions = Sampling.plain(T, [seed]), torch.tensor([[1]])
+        want = sample_tokens(logits, sampling, positions)
+        # the raw inputs (logits, T, noise): the two forms disagree, so a fused plan could pick another token
+        raw = (logits, T, gumbel_rows(seed, positions[0], logits.shape[-1])[None])
+        assert not torch.equal(divide_then_add(*raw).argmax(-1), reciprocal_fma(*raw).argmax(-1))
+        # the plan's inputs: scores with T = 1 and noise 0, for which both forms are exact
+        plan = AcceptPlanInputs.make(logits, sampling, positions)
+        inputs = (plan.scores, plan.temperature, plan.noise)
+        assert torch.equal(divide_then_add(*inputs).argmax(-1), want)
+        assert torch.equal(reciprocal_fma(*inputs).argmax(-1), want)
+        found += 1
+    assert found == 6
+    # greedy rows keep their logits and temperature 0
+    logits = torch.randn(2, 3, 10)
+    plan = AcceptPlanInputs.make(logits, Sampling.greedy(2), torch.zeros(2, 3, dtype=torch.long))
+    assert torch.equal(plan.scores, logits) and plan.temperature.tolist() == [0.0, 0.0] and not plan.noise.any()
+
+
+def test_plain_graph_with_the_plan_inputs_equals_core(plain_graph):
+    """accept.onnx given AcceptPlanInputs (what both executors now give it) accepts and picks the bonus token as core."""
+    from trtllm_dflash.speculative.core import AcceptPlanInputs
+
+    session = ort.InferenceSession(str(plain_graph), providers=["CPUExecutionProvider"])
+    for seed in range(5):
+        (draft, logits, temperature, _, starts), _ = cases(200 + seed, batch=16, vocab=80)
+        seeds = torch.randint(0, 2**62, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
+        sampling = Sampling.plain(temperature, seeds)
+        positions = starts[:, None] + 1 + torch.arange(logits.shape[1])
+        target = sample_tokens(logits, sampling, positions)
+        accepted = accepted_lengths(draft, target)
+        plan = AcceptPlanInputs.make(logits, sampling, positions)
+        feed = dict(zip(INPUTS, (draft, plan.scores, plan.temperature, plan.noise, starts)))
+        got = dict(zip(OUTPUTS, session.run(list(OUTPUTS), {k: v.numpy() for k, v in feed.items()})))
+        assert torch.equal(torch.from_numpy(got["accepted"]), accepted)
+        assert torch.equal(torch.from_numpy(got["next_block"][:, 0]), bonus_tokens(target, accepted))

@@ -153,20 +153,23 @@ def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, ca
 
 def test_cache_rows_stay_contiguous():
     """Slots come in any order; rows stay 0 .. n-1, and a freed row is refilled by the last one (caches moved)."""
-    from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
+    from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, batch_order, row_runs
 
     caches = LayerCaches.zeros(layers=1, num_slots=4, kv_heads=1, length=2, head_dim=1, dtype=torch.float32)
     rows = CacheRows([caches])
-    run = rows.run_of(torch.tensor([7, 2, 5]))  # three new requests: rows 0, 1, 2
-    assert (run.first, run.rows, run.batch_rows.tolist()) == (0, 3, [0, 1, 2])
+    (run,) = rows.runs_of(torch.tensor([7, 2, 5]))  # three new requests: rows 0, 1, 2
+    assert (run.first, run.rows, run.batch_index.tolist()) == (0, 3, [0, 1, 2])
     caches.keys[0][2] = 5.0  # slot 5's cache
     rows.release(7)  # row 0 freed: slot 5 (last row) moves in
     assert rows.in_use == 2 and caches.keys[0][0].eq(5.0).all()
-    run = rows.run_of(torch.tensor([5, 2]))
-    assert (run.first, run.rows, run.batch_rows.tolist()) == (0, 2, [0, 1])
-    run = RowRun([3, 1])  # the docstring's example: row 2 is padding
-    assert (run.first, run.rows, run.batch_rows.tolist()) == (1, 3, [2, 0])
-    assert run.spread(torch.tensor([[30], [10]]), -1).tolist() == [[10], [-1], [30]]
+    (run,) = rows.runs_of(torch.tensor([2, 5]))
+    assert (run.first, run.rows, run.batch_index.tolist()) == (0, 2, [1, 0])
+    assert run.take(torch.tensor([[20], [50]])).tolist() == [[50], [20]]
+    # the docstring's example: rows [2, 0, 4, 3] are two runs, and their outputs come back in batch order
+    runs = row_runs([2, 0, 4, 3])
+    assert [(r.first, r.rows, r.batch_index.tolist()) for r in runs] == [(0, 1, [1]), (2, 3, [0, 3, 2])]
+    batch = torch.tensor([20, 0, 40, 30])
+    assert batch_order(runs, [r.take(batch) for r in runs]).tolist() == batch.tolist()
 
 
 @pytest.mark.slow
@@ -277,5 +280,10 @@ def test_cuda_needs_the_cuda_execution_provider():
                                         r"onnxruntime has CPUExecutionProvider: pip install onnxruntime-gpu"):
         providers(cpu_only, torch.device("cuda", 1))
     gpu = types.SimpleNamespace(get_available_providers=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert providers(gpu, torch.device("cuda", 1)) == [("CUDAExecutionProvider", {"device_id": 1}),
+    assert providers(gpu, torch.device("cuda", 1)) == [("CUDAExecutionProvider", {"device_id": "1"}),
                                                        "CPUExecutionProvider"]
+    # the executor's own stream: onnxruntime's kernels run on it, after the torch ops that wrote their inputs
+    stream = 0x7F00_1234_5600
+    assert providers(gpu, torch.device("cuda", 1), stream) == [
+        ("CUDAExecutionProvider", {"device_id": "1", "user_compute_stream": str(stream),
+                                   "has_user_compute_stream": "1"}), "CPUExecutionProvider"]

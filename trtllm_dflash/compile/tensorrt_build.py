@@ -61,6 +61,9 @@ COLLECTIVE_OP = "DistCollective"  # compile/onnx_ops.py's tensor-parallel collec
 PLANS_DIR, PLANS_INFO = "tensorrt", "plans.json"
 MIN_TENSORRT = (10, 15)  # RotaryEmbedding and TensorScatter in the ONNX parser
 _ALIGN = 256  # TensorRT's alignment for tensor addresses: each cache row must start on it
+# Positions per row of one prefill pass (pass_tokens): Qwen3-8B's fp32 logits of a pass at batch 8 are then 1.2 GB,
+# where a 4k-token prompt in one pass needed 20 GB of logits and the plans' scratch for max_seq_len as many again.
+PASS_TOKENS = 256
 
 _log = logging.getLogger(__name__)
 
@@ -109,13 +112,22 @@ def cache_length(cfg: EngineConfig) -> int:
     return -(-(cfg.max_seq_len + params.block_size) // step) * step
 
 
+def pass_tokens(cfg: EngineConfig) -> int:
+    """The most positions per row one target_step or drafter_context call takes: PASS_TOKENS (a verify block or the
+    whole sequence if either is longer or shorter). The TensorRT executor cuts a longer prefill into passes of this
+    many; each plan's scratch memory, and a pass's fp32 logits [B, T, V], are sized for it, not for max_seq_len."""
+    block = cfg.dflash.block_size
+    return max(block, min(cfg.max_seq_len, PASS_TOKENS))
+
+
 def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
     """The profile of the graphs' named dimensions for this engine (one dict for all three graphs).
 
-    seq (target_step) and ctx (drafter_context) reach max_seq_len: a prefill is the whole prompt; their
-    optimum is a verify block. block (drafter_draft) is 2 .. block_size; max_len is the fixed cache length."""
+    seq (target_step) and ctx (drafter_context) reach pass_tokens: a prefill runs in passes of at most that many
+    positions; their optimum is a verify block. block (drafter_draft) is 2 .. block_size; max_len is the fixed
+    cache length."""
     block = cfg.dflash.block_size
-    longest = max(cfg.max_seq_len, block)
+    longest = pass_tokens(cfg)
     return {
         "batch": DimRange(1, cfg.max_batch_size, cfg.max_batch_size),
         "seq": DimRange(1, block, longest),
@@ -134,14 +146,27 @@ def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _logger(trt: ModuleType):
-    """A TensorRT logger that keeps the errors (for PlanBuildError) and passes warnings to logging at INFO:
-    the parser warns about every int64 input."""
+_LOGGERS: dict[str, Any] = {}  # TensorRT module name -> the one logger of this process
+_PLUGIN_LIBRARIES: dict[tuple[str, Path], Any] = {}  # (module name, library) -> the handle TensorRT returned
+
+
+def process_logger(trt: ModuleType):
+    """This process's one TensorRT logger (per TensorRT module): every builder and runtime gets it. TensorRT has long
+    documented its logger as a singleton (a builder or runtime made with another one may still log to the first),
+    so a logger per build could miss the errors of every build but the first. It keeps the errors logged since
+    `start()` (for PlanBuildError) and passes warnings to logging at INFO: the parser warns about every int64 input."""
+    logger = _LOGGERS.get(trt.__name__)
+    if logger is not None:
+        return logger
 
     class Logger(trt.ILogger):
         def __init__(self):
             trt.ILogger.__init__(self)
             self.errors: list[str] = []
+
+        def start(self) -> None:
+            """Forget the errors of earlier builds."""
+            self.errors = []
 
         def log(self, severity, msg):
             if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
@@ -149,7 +174,22 @@ def _logger(trt: ModuleType):
             elif severity == trt.ILogger.Severity.WARNING:
                 _log.info("TensorRT: %s", msg)
 
-    return Logger()
+    logger = _LOGGERS[trt.__name__] = Logger()
+    return logger
+
+
+def load_plugin_library(trt: ModuleType, library: Path) -> None:
+    """Register a plugin library's creators in TensorRT's plugin registry, once per process: the registry is one per
+    process, and TensorRT's loadLibrary fails (returns nullptr) when any of the library's plugins is registered
+    already, so a second call for the same library (the next plan of `compile`, or an executor after it) would fail."""
+    key = (trt.__name__, Path(library).resolve())
+    if key in _PLUGIN_LIBRARIES:
+        return
+    handle = trt.get_plugin_registry().load_library(str(key[1]))
+    if handle is None:
+        raise UserError(f"{library}: TensorRT could not load this plugin library (another library that registers "
+                        "the same plugins may be loaded in this process).")
+    _PLUGIN_LIBRARIES[key] = handle
 
 
 @dataclass
@@ -218,13 +258,14 @@ def parse_graph(trt: ModuleType, onnx_path: Path, *, static_dims: Mapping[str, i
     The parser reads the graph from bytes but is given its path, so external data (weights.onnx.data) is
     found next to it, as parse_from_file would."""
     onnx_path = Path(onnx_path)
-    logger = _logger(trt)
+    logger = process_logger(trt)
+    logger.start()
     builder = trt.Builder(logger)
     if plugin_library is not None:
         # TensorRT-RTX's parser aborts the process once a plugin creator is registered (docs/backends.md §Facts found)
         if _is_rtx(trt):
             raise ValueError("TensorRT-RTX takes no plugin libraries")
-        builder.get_plugin_registry().load_library(str(plugin_library))
+        load_plugin_library(trt, plugin_library)
     # Deprecated in TensorRT 11, where every network is strongly typed; required for that in 10.x.
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)

@@ -3,7 +3,13 @@
 A process started without an MPI launcher is a world of one and never imports mpi4py. Under
 `mpirun` / `mpiexec` (MPICH's hydra or Open MPI), mpi4py gives the rank and size; rank 0 opens a
 torch.distributed TCPStore on a free port and sends its address to the others over MPI, and every
-rank joins the process group (gloo on CPU, nccl on CUDA) used by the sharded model's collectives.
+rank joins the process group used by the sharded model's collectives: gloo on the CPU; on CUDA one group
+with two backends, `cpu:gloo,cuda:nccl` (group_backend), because the lockstep headers, the new requests and
+`agree`'s errors are CPU tensors and objects, which an NCCL-only group cannot carry ("No backend type
+associated with device type cpu"). Before an NCCL group starts, each rank makes the GPU of its local rank
+(its place among the ranks on its node, from the launcher: local_rank) torch's current device: NCCL's
+communicator, ProcessGroupNCCL._comm_ptr and every `cuda` tensor without an index follow the current device,
+which is GPU 0 in every rank otherwise.
 
 Failure policy: errors while loading (bad engine file, wrong number of ranks, ...) are exchanged
 with `agree`, so every rank exits with the same error printed once by rank 0. An error after that
@@ -16,11 +22,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from trtllm_dflash.errors import UserError
@@ -30,6 +37,9 @@ T = TypeVar("T")
 
 # Set by MPICH/hydra (PMI_*), Open MPI (OMPI_*) and PMIx launchers (srun --mpi=pmix).
 _LAUNCHER_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+# A rank's place among the ranks of its node, as launchers say it (docker/bind_rank.sh reads the same, in this
+# order): Open MPI, MPICH's hydra (and Intel MPI), PMI-2 launchers, Slurm's srun.
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
@@ -44,6 +54,7 @@ class World:
     rank: int = 0
     size: int = 1
     comm: Any = None  # mpi4py communicator (None in a world of one, or in a rank that is no MPI process)
+    local_rank: int = 0  # this rank's place among the ranks on its node: which of the node's GPUs it drives
 
     @property
     def tp(self) -> TPGroup:
@@ -89,14 +100,49 @@ class AgreedError(UserError):
         self.quiet = quiet
 
 
+def group_backend(backend: str) -> str:
+    """torch.distributed's backend for `init_world(backend)`: "gloo" as is; "nccl" -> "cpu:gloo,cuda:nccl" (the
+    CPU traffic of lockstep decoding and `agree` goes through gloo, the model's CUDA collectives through NCCL);
+    a spec of device:backend pairs ("cpu:gloo,cuda:nccl") as given."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank among the ranks on its node, from the first of LOCAL_RANK_ENV the launcher set (None if
+    it set none). Example: Open MPI's OMPI_COMM_WORLD_LOCAL_RANK=3 -> 3."""
+    env = os.environ if env is None else env
+    for key in LOCAL_RANK_ENV:
+        value = env.get(key, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def cuda_device_index(local: int, device_count: int) -> int:
+    """The GPU a rank drives: its local rank among the node's visible GPUs (with CUDA_VISIBLE_DEVICES narrowed to one
+    GPU per rank, as docker/bind_rank.sh does, always 0). Example: local rank 5 of 8 GPUs -> 5; of 1 -> 0."""
+    if device_count < 1:
+        raise ValueError("no CUDA device is visible")
+    return local % device_count
+
+
 def init_world(backend: str = "gloo") -> World:
-    """The MPI world this process belongs to, with torch.distributed initialised when it has > 1 rank."""
+    """The MPI world this process belongs to, with torch.distributed initialised when it has > 1 rank (`backend`:
+    see group_backend). A backend with a CUDA part makes the GPU of this rank's local rank the current device first."""
     comm = mpi_comm()
     if comm is None or comm.Get_size() == 1:
         return World(comm=comm)
-    world = World(comm.Get_rank(), comm.Get_size(), comm)
+    local = local_rank()
+    if local is None:  # a launcher that sets none of LOCAL_RANK_ENV: MPI knows which ranks share this node
+        from mpi4py import MPI
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()).Get_rank()
+    world = World(comm.Get_rank(), comm.Get_size(), comm, local)
+    spec = group_backend(backend)
+    if "cuda" in spec and torch.cuda.is_available():  # never on our CPU machines: written, not run
+        torch.cuda.set_device(cuda_device_index(local, torch.cuda.device_count()))
     store = rendezvous(comm)
-    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(spec, store=store, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
     return world
 
 

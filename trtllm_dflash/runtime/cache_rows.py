@@ -4,10 +4,14 @@ The graphs write their caches with TensorScatter, whose batch axis is the cache'
 contiguous run of cache rows, bound in place (the cache input and output at the same address). The
 Decoder hands out slots in any order, so `CacheRows` keeps the requests an executor holds in rows
 0 .. n-1 (slot -> row) and, when a request ends, moves the request of the last row into the freed row
-(one copy of one request's caches per finished request, not per step). A call's batch is widened to the
-run of rows it covers; a row of that run outside the batch belongs to a request that has already
-finished (its slot is released at the end of the Decoder's step), so it is fed padding at position 0
-and its output is dropped.
+(one copy of one request's caches per finished request, not per step).
+
+A call writes every row it binds, so a call never binds a row outside its batch: the batch's rows are cut into
+runs of consecutive rows (`runs_of`), one graph call each. Almost every batch is one run (every running request);
+one with a gap is, for instance, the drafter's context flushed for some requests only (`--block-size auto`): rows
+0 and 2 of three running requests are two runs, and row 1's caches are left as they were. (Feeding row 1
+padding, as an earlier version did, wrote padding K/V at positions 0.. of a running request's drafter cache:
+the tokens stayed right and its acceptance dropped.)
 """
 
 from __future__ import annotations
@@ -44,22 +48,41 @@ class LayerCaches:
 
 
 class RowRun:
-    """The contiguous run of cache rows a batch covers, and where each batch row sits in it.
+    """Consecutive cache rows first .. first + rows - 1, and the batch rows that fill them, in row order.
 
-    Example: rows [3, 1] -> first 1, rows 3 (1, 2, 3); batch row 0 is run row 2, batch row 1 is run row 0;
-    run row 1 is padding."""
+    Example: a batch whose requests sit in rows [3, 1, 2] is one run: first 1, rows 3, batch_index [1, 2, 0]
+    (run row 0 is batch row 1, ...)."""
 
-    def __init__(self, rows: list[int]):
-        self.first = min(rows)
-        self.rows = max(rows) - self.first + 1
-        self.batch_rows = torch.tensor([r - self.first for r in rows])  # run row of each batch row
+    def __init__(self, first: int, batch_index: list[int]):
+        self.first, self.rows = first, len(batch_index)
+        self.batch_index = torch.tensor(batch_index)  # batch row of each run row
 
-    def spread(self, batch: torch.Tensor, pad) -> torch.Tensor:
-        """[B, ...] -> [rows, ...] on batch's device: padding rows hold `pad` (a number, or a row to broadcast)."""
-        out = batch.new_empty((self.rows, *batch.shape[1:]))
-        out[:] = pad
-        out[self.batch_rows.to(batch.device)] = batch
-        return out.contiguous()
+    def take(self, batch: torch.Tensor) -> torch.Tensor:
+        """[B, ...] -> this run's rows [rows, ...], in row order, contiguous, on batch's device."""
+        return batch.index_select(0, self.batch_index.to(batch.device)).contiguous()
+
+
+def row_runs(rows: Sequence[int]) -> list[RowRun]:
+    """The runs of consecutive rows that cache rows `rows` (one per batch row, all distinct) make, by first row.
+    Example: [2, 0, 4, 3] -> run of rows 0 (batch row 1), and run of rows 2, 3, 4 (batch rows 0, 3, 2)."""
+    assert len(set(rows)) == len(rows), rows
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    runs: list[tuple[int, list[int]]] = []
+    for i in order:
+        if runs and rows[i] == runs[-1][0] + len(runs[-1][1]):
+            runs[-1][1].append(i)
+        else:
+            runs.append((rows[i], [i]))
+    return [RowRun(first, index) for first, index in runs]
+
+
+def batch_order(runs: Sequence[RowRun], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The runs' outputs ([run.rows, ...] each, in the order of `runs`) as one tensor in batch order [B, ...]."""
+    out = outputs[0] if len(outputs) == 1 else torch.cat(list(outputs))
+    order = torch.cat([r.batch_index for r in runs])  # the batch row of each row of `out`
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order))  # the row of `out` that holds each batch row
+    return out.index_select(0, position.to(out.device))
 
 
 class CacheRows:
@@ -73,14 +96,18 @@ class CacheRows:
     def in_use(self) -> int:
         return len(self._row)
 
-    def run_of(self, slots: torch.Tensor) -> RowRun:
-        """The batch's run of rows; a slot seen for the first time (a new request) takes the next free row."""
+    def rows_of(self, slots: torch.Tensor) -> list[int]:
+        """The cache row of each slot; a slot seen for the first time (a new request) takes the next free row."""
         rows = []
         for slot in slots.tolist():
             if slot not in self._row:
                 self._row[slot] = len(self._row)
             rows.append(self._row[slot])
-        return RowRun(rows)
+        return rows
+
+    def runs_of(self, slots: torch.Tensor) -> list[RowRun]:
+        """The batch's runs of consecutive rows (row_runs): one graph call each, none binding a row of another request."""
+        return row_runs(self.rows_of(slots))
 
     def release(self, slot: int) -> None:
         """Keep the rows in use contiguous: the last row's request moves into the freed row."""

@@ -4,10 +4,18 @@ Same contract as the torch executor (runtime/executor.py), same tokens. The KV c
 [num_slots, kv_heads, max_len, head_dim] per layer that this executor owns; every graph call binds a
 cache's input and output to the same memory (IOBinding), so onnxruntime's TensorScatter writes the new
 positions in place and no cache is ever copied by a step. Which rows a call binds: runtime/cache_rows.py.
+
+On a `cuda` device (onnxruntime-gpu; written, never run: no GPU here) the sessions run on this executor's own CUDA
+stream (the CUDA execution provider's `user_compute_stream`), and so do the torch ops that make their inputs and
+read their outputs; the stream first waits for the caller's pending work, and the caller's stream waits for it
+before it reads an output. Without that, onnxruntime's kernels ran on a stream of its own, which could read an
+input that torch was still writing on the caller's stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +23,9 @@ import torch
 
 from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
 from trtllm_dflash.runtime.executor import DraftContext, StepOutput, engine_specs
-from trtllm_dflash.speculative.core import acceptance_inputs, block_input, block_positions
+from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
 
@@ -57,15 +65,25 @@ def _bind_caches(binding, caches: LayerCaches, run: RowRun, write: bool) -> None
             binding.bind_output(f"present_{name}", *_where(buf), element, shape, ptr)
 
 
-def providers(ort, device: torch.device) -> list:
-    """The execution providers for `device`: the CPU's, or CUDA's (onnxruntime-gpu) on `cuda:i`."""
+def cuda_provider(device: torch.device, stream: int) -> tuple[str, dict[str, str]]:
+    """The CUDA execution provider on `device`, running on the CUDA stream whose handle is `stream` (torch's
+    `Stream.cuda_stream`; 0: a stream of onnxruntime's own), so that its kernels are ordered with the torch ops on
+    that stream. (onnxruntime makes every option value a string.)"""
+    options = {"device_id": str(device.index or 0)}
+    if stream:
+        options.update(user_compute_stream=str(stream), has_user_compute_stream="1")
+    return ("CUDAExecutionProvider", options)
+
+
+def providers(ort, device: torch.device, stream: int = 0) -> list:
+    """The execution providers for `device`: the CPU's, or CUDA's (onnxruntime-gpu) on `cuda:i` and `stream`."""
     if device.type == "cpu":
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise UserError(f"--backend onnxruntime --device {device} needs onnxruntime's CUDA execution provider, and "
                         f"this onnxruntime has {', '.join(ort.get_available_providers())}: pip install onnxruntime-gpu "
                         "(instead of onnxruntime).")
-    return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+    return [cuda_provider(device, stream), "CPUExecutionProvider"]
 
 
 class OnnxRuntimeExecutor:
@@ -96,8 +114,10 @@ class OnnxRuntimeExecutor:
         # outputs right after) then fight them for the cores: 2-3 ms lost per step on a 2-core machine.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # Every input, output and cache is a torch tensor on self.device, bound where it lies (IOBinding).
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        stream = self._stream.cuda_stream if self._stream is not None else 0
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
-                                                     providers=providers(ort, self.device))
+                                                     providers=providers(ort, self.device, stream))
                           for name in GRAPHS}
         check_draft_graph_inputs([i.name for i in self._sessions["drafter_draft.onnx"].get_inputs()],
                                  graphs / "drafter_draft.onnx")
@@ -123,14 +143,22 @@ class OnnxRuntimeExecutor:
 
     def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
-        run = self._rows.run_of(slots)
+        runs = self._rows.runs_of(slots)
         T = token_ids.shape[1]
-        steps = torch.arange(T, device=self.device)
+        with self._on_own_stream():
+            positions = starts[:, None] + torch.arange(T, device=self.device)
+            outs = [self._target_run(run, run.take(token_ids), run.take(positions)) for run in runs]
+            logits = batch_order(runs, [o[0] for o in outs])
+            hidden = batch_order(runs, [o[1] for o in outs]) if capture else None
+            if last_index is not None:
+                logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
+        return StepOutput(logits, hidden)
+
+    def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor):
+        T = token_ids.shape[1]
         binding = self._sessions["target_step.onnx"].io_binding()
-        inputs = {"token_ids": run.spread(token_ids, 0).contiguous(),
-                  "positions": run.spread(starts[:, None] + steps, steps).contiguous()}
-        for name, tensor in inputs.items():
-            _bind_input(binding, name, tensor)
+        _bind_input(binding, "token_ids", token_ids)
+        _bind_input(binding, "positions", positions)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
         logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
         hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
@@ -138,67 +166,80 @@ class OnnxRuntimeExecutor:
         _bind_output(binding, "hidden", hidden)
         _bind_caches(binding, self._target, run, write=True)
         self._sessions["target_step.onnx"].run_with_iobinding(binding)
-        rows = run.batch_rows.to(self.device)
-        logits, hidden = logits[rows], hidden[rows]
-        if last_index is not None:
-            logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
-        return StepOutput(logits, hidden if capture else None)
+        return logits, hidden
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
         whole block: the graph has one block length), after writing `context` into the drafter's caches."""
-        run = self._rows.run_of(slots)
-        block = block_input(anchors, self.mask_token_id, self.block_size)
-        steps = torch.arange(self.block_size, device=self.device)
-        if context is None:
-            context = DraftContext.padding(starts, self._hidden_features, self._dtype)
-        context_steps = torch.arange(context.hidden.shape[1], device=self.device)
-        binding = self._sessions["drafter_draft.onnx"].io_binding()
-        inputs = {"block_ids": run.spread(block, self.mask_token_id).contiguous(),
-                  "positions": run.spread(starts[:, None] + steps, steps).contiguous(),
-                  "context_hidden": run.spread(context.hidden, 0).contiguous(),
-                  "context_positions": run.spread(context.positions(), context_steps).contiguous()}
-        for name, tensor in inputs.items():
-            _bind_input(binding, name, tensor)
-        _bind_caches(binding, self._drafter, run, write=True)
-        drafts = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64, device=self.device)
-        _bind_output(binding, "draft_tokens", drafts)
-        self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
-        return drafts[run.batch_rows.to(self.device), :num_drafts]
+        runs = self._rows.runs_of(slots)
+        with self._on_own_stream():
+            block = block_input(anchors, self.mask_token_id, self.block_size)
+            positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
+            if context is None:
+                context = DraftContext.padding(starts, self._hidden_features, self._dtype)
+            context_positions = context.positions()
+            drafts = []
+            for run in runs:
+                binding = self._sessions["drafter_draft.onnx"].io_binding()
+                inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
+                          "context_positions": context_positions}
+                inputs = {name: run.take(tensor.to(self.device)) for name, tensor in inputs.items()}  # alive until run
+                for name, tensor in inputs.items():
+                    _bind_input(binding, name, tensor)
+                _bind_caches(binding, self._drafter, run, write=True)
+                out = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64, device=self.device)
+                _bind_output(binding, "draft_tokens", out)
+                self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
+                drafts.append(out)
+            drafts = batch_order(runs, drafts)[:, :num_drafts]
+        return drafts
 
     def append_context(self, hidden, starts, slots) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
-        run = self._rows.run_of(slots)
-        C = hidden.shape[1]
-        steps = torch.arange(C, device=self.device)
-        binding = self._sessions["drafter_context.onnx"].io_binding()
-        inputs = {"target_hidden": run.spread(hidden, 0).contiguous(),
-                  "positions": run.spread(starts[:, None] + steps, steps).contiguous()}
-        for name, tensor in inputs.items():
-            _bind_input(binding, name, tensor)
-        _bind_caches(binding, self._drafter, run, write=True)
-        self._sessions["drafter_context.onnx"].run_with_iobinding(binding)
+        with self._on_own_stream():
+            positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
+            for run in self._rows.runs_of(slots):
+                binding = self._sessions["drafter_context.onnx"].io_binding()
+                inputs = {"target_hidden": run.take(hidden), "positions": run.take(positions)}  # alive until the run
+                for name, tensor in inputs.items():
+                    _bind_input(binding, name, tensor)
+                _bind_caches(binding, self._drafter, run, write=True)
+                self._sessions["drafter_context.onnx"].run_with_iobinding(binding)
 
     def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
         """accept.onnx (compile/accept_graph.py): the target's tokens, the accepted drafts and the bonus token.
 
-        The top-k / top-p truncation and the Gumbel noise of sampled rows are made here, as
-        speculative.core.sample_tokens makes them (greedy rows get zeros, which the graph ignores)."""
-        logits, noise = acceptance_inputs(logits, sampling, block_positions(starts, logits.shape[1]))
-        binding = self._sessions["accept.onnx"].io_binding()
-        inputs = {"draft_tokens": draft, "target_logits": logits, "temperature": sampling.temperature,
-                  "gumbel_noise": noise, "context_lengths": starts}
-        inputs = {name: value.to(self.device).contiguous() for name, value in inputs.items()}
-        for name, tensor in inputs.items():
-            _bind_input(binding, name, tensor)
-        accepted = torch.empty(draft.shape[0], dtype=torch.int64, device=self.device)
-        next_block = torch.empty(draft.shape[0], draft.shape[1] + 1, dtype=torch.int64, device=self.device)
-        _bind_output(binding, "accepted", accepted)
-        _bind_output(binding, "next_block", next_block)
-        for name in ("committed_tokens", "next_positions", "new_context_lengths"):
-            binding.bind_output(name, _where(accepted)[0], _where(accepted)[1])
-        self._sessions["accept.onnx"].run_with_iobinding(binding)
+        The top-k / top-p truncation, the Gumbel noise and the sampled rows' scores are made here
+        (speculative.core.AcceptPlanInputs), as speculative.core.sample_tokens makes them."""
+        with self._on_own_stream():
+            plan = AcceptPlanInputs.make(logits, sampling, block_positions(starts, logits.shape[1]))
+            binding = self._sessions["accept.onnx"].io_binding()
+            inputs = {"draft_tokens": draft, "target_logits": plan.scores, "temperature": plan.temperature,
+                      "gumbel_noise": plan.noise, "context_lengths": starts}
+            inputs = {name: value.to(self.device).contiguous() for name, value in inputs.items()}
+            for name, tensor in inputs.items():
+                _bind_input(binding, name, tensor)
+            accepted = torch.empty(draft.shape[0], dtype=torch.int64, device=self.device)
+            next_block = torch.empty(draft.shape[0], draft.shape[1] + 1, dtype=torch.int64, device=self.device)
+            _bind_output(binding, "accepted", accepted)
+            _bind_output(binding, "next_block", next_block)
+            for name in ("committed_tokens", "next_positions", "new_context_lengths"):
+                binding.bind_output(name, _where(accepted)[0], _where(accepted)[1])
+            self._sessions["accept.onnx"].run_with_iobinding(binding)
         return accepted, next_block[:, 0]  # next_block = [bonus, MASK, ...]
+
+    @contextmanager
+    def _on_own_stream(self) -> Iterator[None]:
+        """On CUDA: run the sessions and the torch ops around them on this executor's stream (the sessions' compute
+        stream), after the caller's pending work; the caller's stream then waits for them."""
+        if self._stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            yield
+        caller.wait_stream(self._stream)
 
     def release(self, slot: int) -> None:
         self._rows.release(slot)

@@ -11,6 +11,10 @@ them). Inputs and outputs are torch tensors too; outputs are allocated per call 
 Streams: the plans run on this executor's own CUDA stream (TensorRT advises against the default stream), after
 the caller's pending work, and the caller's stream waits for them before it reads an output.
 
+Memory: a prefill runs in passes of at most `pass_tokens` positions per row (compile/tensorrt_build.py's profile
+maximum), so a pass's fp32 logits and each plan's scratch are sized for that, not for max_seq_len; the four plans
+run one after another on one stream and share one scratch buffer (USER_MANAGED contexts).
+
 Not done: CUDA graphs. The graphs read only positions < max(positions) + 1 of a cache (a size that depends on
 the data), and every call binds the cache at the address of its run's first row, so one captured graph would
 serve only one (batch, length, first row) and only if TensorRT can capture that data-dependent shape at all.
@@ -19,7 +23,10 @@ possible; that is a change of the exported graphs.
 
 Tensor parallelism: rank r runs onnx/rank{r}'s plans, whose DistCollective layers (all-reduce of the row-parallel
 outputs, all-gather of the vocabulary shards) run over the NCCL communicator of the torch.distributed process
-group that runtime/world.py starts under MPI (nccl on CUDA): `set_communicator` on every execution context.
+group that parallel/world.py starts under MPI (`cpu:gloo,cuda:nccl`; under a gloo-only group, an NCCL group of the
+same ranks made here), on the GPU of the rank's local rank: `set_communicator` on every execution context, given
+the ncclComm_t in a PyCapsule (TensorRT's binding takes a `void*`, which pybind11 accepts only as a capsule), after
+one all-reduce has made NCCL start the communicator (torch starts it lazily; until then its address is 0).
 Unverified: no machine of ours has run it (no TensorRT, no second GPU).
 
 Only `from_engine` touches TensorRT and CUDA; the class itself takes execution contexts, so its bindings are
@@ -28,6 +35,7 @@ tested on the CPU with contexts that run the same graphs in onnxruntime (tests/t
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,15 +50,18 @@ from trtllm_dflash.compile.tensorrt_build import (
     PLANS_INFO,
     file_sha256,
     import_tensorrt,
+    load_plugin_library,
     plan_file,
+    process_logger,
     require_gpu,
 )
 from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun
+from trtllm_dflash.parallel.world import cuda_device_index, local_rank
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
 from trtllm_dflash.runtime.executor import DraftContext, StepOutput, engine_specs
-from trtllm_dflash.speculative.core import acceptance_inputs, block_input, block_positions
+from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 COMMAND = "--backend tensorrt"
 
@@ -84,10 +95,13 @@ class TensorRTExecutor:
     """Target + drafter plans: three execution contexts over caches this executor owns."""
 
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
-                 device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False):
+                 device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False,
+                 pass_tokens: int | None = None):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
-        row; `owners`: the TensorRT objects the contexts depend on (runtime, engines), kept alive here;
-        `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than plain ops'."""
+        row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
+        kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
+        plain ops'; `pass_tokens`: the most positions per row a target_step or drafter_context call may take (the
+        plans' profile; None: no limit)."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -108,6 +122,7 @@ class TensorRTExecutor:
             raise UserError(f"--block-size {self.block_size}: the plans' DFlashAccept plugin was built for the "
                             f"drafter's block of {params.block_size} tokens; run without --block-size, or compile "
                             "without --plugin-library.")
+        self._pass_tokens = pass_tokens or cfg.max_seq_len + params.block_size
         self._owners = owners  # released after the contexts (attribute order); a tuple frees its last item first
         # cpu: only for contexts that are not TensorRT's (the tests' onnxruntime stand-ins); they get stream 0.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -143,95 +158,142 @@ class TensorRTExecutor:
         require_gpu(COMMAND)
 
         # ---- CUDA from here on ----
+        if cfg.mapping.tp_size > 1:  # the GPU of this rank's local rank (parallel/world.py does the same for nccl)
+            local = local_rank()
+            torch.cuda.set_device(cuda_device_index(rank if local is None else local, torch.cuda.device_count()))
         device = torch.device("cuda", torch.cuda.current_device())
         capability = "{}.{}".format(*torch.cuda.get_device_capability(device))
         if capability != info.get("compute_capability"):
             raise UserError(f"{root}: the plans were built for compute capability {info.get('compute_capability')} "
                             f"({info.get('device')}) and this GPU is {capability}; run `trtllm-dflash compile {root}` "
                             "on this machine.")
-        logger = trt.Logger(trt.Logger.WARNING)
+        logger = process_logger(trt)
         runtime = trt.Runtime(logger)
         if plugin_library is not None:
-            runtime.get_plugin_registry().load_library(str(plugin_library))
-        engines, contexts = {}, {}
+            load_plugin_library(trt, plugin_library)
+        plugin = bool(info.get("plugin_library"))
+        engines = {}
         for graph in PLANS:
             path = plan_file(root, rank, graph)
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
                 raise UserError(f"{path}: TensorRT could not load this plan; run `trtllm-dflash compile {root}` again.")
-            _check_plan(trt, engine, path, int(info["cache_length"]))
             if graph == "drafter_draft":
                 check_draft_graph_inputs([engine.get_tensor_name(i) for i in range(engine.num_io_tensors)], path)
-            engines[graph], contexts[graph] = engine, engine.create_execution_context()
-            if cfg.mapping.tp_size > 1:
-                _ok(contexts[graph].set_communicator(nccl_communicator(device)), f"the NCCL communicator of {graph}")
-        return cls(contexts, cfg, block_size, device, int(info["cache_length"]), owners=(logger, runtime, engines),
-                   accept_plugin=bool(info.get("plugin_library")))
+            _check_plan(trt, engine, path, int(info["cache_length"]), bound_dtypes(cfg, graph, plugin), root)
+            engines[graph] = engine
+        # The plans run one at a time on one stream: one scratch buffer, as large as the largest plan's, serves all.
+        scratch_bytes = max(int(e.device_memory_size_v2) for e in engines.values())
+        scratch = torch.empty(max(scratch_bytes, 1), dtype=torch.uint8, device=device)
+        contexts = {}
+        for graph, engine in engines.items():
+            contexts[graph] = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            contexts[graph].set_device_memory(scratch.data_ptr(), scratch_bytes)
+        communicator = None
+        if cfg.mapping.tp_size > 1:  # last: a collective, which every rank reaches only if its plans loaded
+            communicator = nccl_communicator(device)
+            for graph, context in contexts.items():
+                _ok(context.set_communicator(communicator.capsule), f"the NCCL communicator of {graph}")
+        shapes = info.get("shapes", {})
+        return cls(contexts, cfg, block_size, device, int(info["cache_length"]),
+                   owners=(logger, runtime, engines, scratch, communicator), accept_plugin=plugin,
+                   pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
     # ------------------------------------------------------------------------------------------------
 
     def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
-        """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
-        run = self._rows.run_of(slots)
-        T = token_ids.shape[1]
+        """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`).
+
+        T > pass_tokens (a prefill) runs in passes of pass_tokens positions; with `last_index`, only the logits at
+        last_index are kept from each pass (a pass's logits [B, pass, V] are the most ever held)."""
+        runs = self._rows.runs_of(slots)
         with self._on_own_stream():
-            steps = torch.arange(T, device=self.device)
-            logits = torch.empty((run.rows, T, self.vocab_size), dtype=torch.float32, device=self.device)
-            hidden = torch.empty((run.rows, T, self._features), dtype=self._dtype, device=self.device)
-            self._execute("target_step", {"token_ids": run.spread(token_ids, 0),
-                                          "positions": run.spread(starts[:, None] + steps, steps)},
-                          {"logits": logits, "hidden": hidden}, self._target, run, write=True)
-            rows = run.batch_rows.to(self.device)
-            logits, hidden = logits[rows], hidden[rows]
-            if last_index is not None:
-                logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
-        return StepOutput(logits, hidden if capture else None)
+            positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
+            last = last_index.to(self.device) if last_index is not None else None
+            outs = [self._target_run(run, run.take(token_ids), run.take(positions),
+                                     run.take(last) if last is not None else None, capture) for run in runs]
+            logits = batch_order(runs, [o[0] for o in outs])
+            hidden = batch_order(runs, [o[1] for o in outs]) if capture else None
+        return StepOutput(logits, hidden)
+
+    def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None,
+                    capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One run of rows, in passes of at most pass_tokens columns: (logits [rows, T or 1, V], hidden or None)."""
+        rows, T = token_ids.shape
+        if last is None and T > self._pass_tokens:
+            raise ValueError(f"{T} positions without last_index: a pass takes at most {self._pass_tokens}")
+        picked = hidden = None
+        if capture:
+            hidden = torch.empty((rows, T, self._features), dtype=self._dtype, device=self.device)
+        for c0 in range(0, T, self._pass_tokens):
+            c1 = min(T, c0 + self._pass_tokens)
+            logits = torch.empty((rows, c1 - c0, self.vocab_size), dtype=torch.float32, device=self.device)
+            part = torch.empty((rows, c1 - c0, self._features), dtype=self._dtype, device=self.device)
+            self._execute("target_step", {"token_ids": token_ids[:, c0:c1].contiguous(),
+                                          "positions": positions[:, c0:c1].contiguous()},
+                          {"logits": logits, "hidden": part}, self._target, run, write=True)
+            if hidden is not None:
+                hidden[:, c0:c1] = part
+            if last is None:
+                picked = logits  # one pass: T <= pass_tokens
+                continue
+            # The logits at each row's last_index, from the pass that holds it (no host sync: a where, not an index).
+            here = (last >= c0) & (last < c1)
+            column = (last - c0).clamp(0, c1 - c0 - 1)
+            found = logits.gather(1, column[:, None, None].expand(-1, 1, self.vocab_size))
+            picked = found if picked is None else torch.where(here[:, None, None], found, picked)
+        return picked, hidden
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
         writing `context` into the drafter's caches."""
-        run = self._rows.run_of(slots)
+        runs = self._rows.runs_of(slots)
         with self._on_own_stream():
-            steps = torch.arange(self.block_size, device=self.device)
             block = block_input(anchors, self.mask_token_id, self.block_size)
+            positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
             if context is None:
                 context = DraftContext.padding(starts, self._features, self._dtype)
-            context_steps = torch.arange(context.hidden.shape[1], device=self.device)
-            drafts = torch.empty((run.rows, self.block_size - 1), dtype=torch.int64, device=self.device)
-            self._execute("drafter_draft", {"block_ids": run.spread(block, self.mask_token_id),
-                                            "positions": run.spread(starts[:, None] + steps, steps),
-                                            "context_hidden": run.spread(context.hidden, 0),
-                                            "context_positions": run.spread(context.positions(), context_steps)},
-                          {"draft_tokens": drafts}, self._drafter, run, write=True)
-            drafts = drafts[run.batch_rows.to(self.device), :num_drafts]
+            inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
+                      "context_positions": context.positions()}
+            drafts = []
+            for run in runs:
+                out = torch.empty((run.rows, self.block_size - 1), dtype=torch.int64, device=self.device)
+                self._execute("drafter_draft", {name: run.take(t.to(self.device)) for name, t in inputs.items()},
+                              {"draft_tokens": out}, self._drafter, run, write=True)
+                drafts.append(out)
+            drafts = batch_order(runs, drafts)[:, :num_drafts]
         return drafts
 
     def append_context(self, hidden, starts, slots) -> None:
-        """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
-        run = self._rows.run_of(slots)
+        """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place, in passes
+        of at most pass_tokens positions."""
         with self._on_own_stream():
-            steps = torch.arange(hidden.shape[1], device=self.device)
-            self._execute("drafter_context", {"target_hidden": run.spread(hidden, 0),
-                                              "positions": run.spread(starts[:, None] + steps, steps)},
-                          {}, self._drafter, run, write=True)
+            positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
+            for run in self._rows.runs_of(slots):
+                run_hidden, run_positions = run.take(hidden), run.take(positions)
+                for c0 in range(0, hidden.shape[1], self._pass_tokens):
+                    c1 = min(hidden.shape[1], c0 + self._pass_tokens)
+                    self._execute("drafter_context", {"target_hidden": run_hidden[:, c0:c1].contiguous(),
+                                                      "positions": run_positions[:, c0:c1].contiguous()},
+                                  {}, self._drafter, run, write=True)
 
     def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
         """The accept plan (the DFlashAccept plugin, or the same step in plain ops) on the device; the top-k /
-        top-p truncation and the Gumbel noise of sampled rows are made as speculative.core.sample_tokens makes
-        them (greedy rows: zeros)."""
+        top-p truncation, the Gumbel noise and the sampled rows' scores are made here, as
+        speculative.core.sample_tokens makes them (AcceptPlanInputs: what TensorRT may fuse is then exact)."""
         ints = self._accept_ints
         B, K = draft.shape
         with self._on_own_stream():
-            logits, noise = acceptance_inputs(logits, sampling, block_positions(starts, K + 1))
+            plan = AcceptPlanInputs.make(logits, sampling, block_positions(starts, K + 1))
             outputs = {"accepted": torch.empty(B, dtype=ints, device=self.device),
                        "committed_tokens": torch.empty(B, K + 1, dtype=ints, device=self.device),
                        "next_block": torch.empty(B, K + 1, dtype=ints, device=self.device),
                        "next_positions": torch.empty(B, K + 1, dtype=ints, device=self.device),
                        "new_context_lengths": torch.empty(B, dtype=ints, device=self.device)}
-            self._execute(ACCEPT, {"draft_tokens": draft.to(ints).contiguous(), "target_logits": logits.contiguous(),
-                                   "temperature": sampling.temperature.contiguous(), "gumbel_noise": noise,
+            self._execute(ACCEPT, {"draft_tokens": draft.to(ints).contiguous(), "target_logits": plan.scores,
+                                   "temperature": plan.temperature, "gumbel_noise": plan.noise,
                                    "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
 
@@ -267,26 +329,104 @@ class TensorRTExecutor:
         caller.wait_stream(self._stream)
 
 
-def nccl_communicator(device: torch.device) -> int:
-    """The ncclComm_t (as an integer) of the default torch.distributed group on `device` (runtime/world.py
-    starts it with the nccl backend on CUDA): what TensorRT's DistCollective layers communicate over."""
+def pointer_capsule(address: int) -> object:
+    """A PyCapsule holding `address` as a `void*`: what a pybind11 binding of a `void*` parameter accepts (it refuses
+    an int with TypeError), such as TensorRT's IExecutionContext.set_communicator (python/src/infer/pyCore.cpp binds
+    setCommunicator(void*) directly). Unnamed: pybind11 reads any capsule's pointer under the capsule's own name."""
+    if not address:
+        raise ValueError("a null pointer")
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return new(address, None, None)
+
+
+class NcclCommunicator:
+    """The ncclComm_t of a torch.distributed NCCL group on one GPU, as TensorRT's set_communicator takes it. Holds the
+    group: the communicator must outlive the execution contexts (NvInferRuntime.h)."""
+
+    def __init__(self, group: Any, address: int):
+        self.group, self.address = group, address
+        self.capsule = pointer_capsule(address)
+
+
+def communicator_address(read: Any, start: Any) -> int:
+    """The communicator's address from `read()` (ProcessGroupNCCL._comm_ptr: 0 until NCCL has started the
+    communicator of the current device, which torch does at the group's first collective), after `start()` (one
+    collective) if it was 0; a UserError if it is still 0."""
+    address = int(read())
+    if address == 0:
+        start()
+        address = int(read())
+    if address == 0:
+        raise UserError(f"{COMMAND} with tp_size > 1: torch's NCCL process group has no communicator on this GPU even "
+                        "after an all-reduce (ProcessGroupNCCL._comm_ptr is 0).")
+    return address
+
+
+def nccl_communicator(device: torch.device) -> NcclCommunicator:
+    """The NCCL communicator of the torch.distributed group on `device` (the current CUDA device): the default
+    group's CUDA backend when it is NCCL (parallel/world.py's `cpu:gloo,cuda:nccl`), else an NCCL group of all
+    ranks made here (a run with --device cpu has a gloo-only group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise UserError(f"{COMMAND} with tp_size > 1 runs under MPI: start it as `mpirun -n TP trtllm-dflash run ...`.")
-    backend = dist.group.WORLD._get_backend(device)
+    group = dist.group.WORLD
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # "No backend type associated with device type cuda"
+        backend = None
+    if type(backend).__name__ != "ProcessGroupNCCL":
+        group = dist.new_group(backend="nccl")
+        backend = group._get_backend(device)
     comm_ptr = getattr(backend, "_comm_ptr", None)
     if comm_ptr is None:
         raise UserError(f"{COMMAND} with tp_size > 1 needs torch's NCCL process group to expose its communicator "
                         f"(ProcessGroupNCCL._comm_ptr); this torch {torch.__version__} does not.")
-    return int(comm_ptr())
+
+    def start() -> None:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        torch.cuda.synchronize(device)
+
+    return NcclCommunicator(group, communicator_address(comm_ptr, start))
 
 
-def _check_plan(trt: Any, engine, path: Path, cache_length: int) -> None:
-    """The plan's caches have `cache_length` positions, and each present_* output is TensorRT's in-place update
-    of its past_* input (the executor binds both to one buffer)."""
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
+# TensorRT DataType names -> the torch dtype a buffer of that type is bound as.
+_TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
+                 "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8, "BOOL": torch.bool,
+                 "FP8": torch.float8_e4m3fn}
+
+
+def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str, torch.dtype]:
+    """Tensor name -> the dtype this executor binds for it, for every input and output of plan `graph`."""
+    target, drafter, _ = engine_specs(cfg)
+    dtype, ids = getattr(torch, cfg.dtype), torch.int64
+
+    def caches(layers: int) -> dict[str, torch.dtype]:
+        return {f"{io}_{kind}_{i}": dtype for i in range(layers) for kind in ("key", "value") for io in ("past", "present")}
+
+    if graph == "target_step":
+        return {"token_ids": ids, "positions": ids, "logits": torch.float32, "hidden": dtype,
+                **caches(target.num_layers)}
+    if graph == "drafter_context":
+        return {"target_hidden": dtype, "positions": ids, **caches(drafter.num_layers)}
+    if graph == "drafter_draft":
+        return {"block_ids": ids, "positions": ids, "context_hidden": dtype, "context_positions": ids,
+                "draft_tokens": ids, **caches(drafter.num_layers)}
+    ints = torch.int32 if accept_plugin else torch.int64
+    return {"draft_tokens": ints, "target_logits": torch.float32, "temperature": torch.float32,
+            "gumbel_noise": torch.float32, "context_lengths": ints, "accepted": ints, "committed_tokens": ints,
+            "next_block": ints, "next_positions": ints, "new_context_lengths": ints}
+
+
+def _check_plan(trt: Any, engine, path: Path, cache_length: int, dtypes: Mapping[str, torch.dtype] | None = None,
+                root: Path | None = None) -> None:
+    """The plan's caches have `cache_length` positions, each present_* output is TensorRT's in-place update of its
+    past_* input (the executor binds both to one buffer), and its tensors are those the executor binds, of the dtypes
+    it binds them as (`dtypes`: bound_dtypes): a buffer of another dtype would be read as garbage, silently."""
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    for name in names:
         if name.startswith("past_") and engine.get_tensor_shape(name)[2] != cache_length:
             raise RuntimeError(f"{path}: {name} has {engine.get_tensor_shape(name)[2]} positions, not the "
                                f"{cache_length} of {PLANS_INFO}")
@@ -295,3 +435,16 @@ def _check_plan(trt: Any, engine, path: Path, cache_length: int) -> None:
             if engine.get_aliased_input_tensor(name) != past:
                 raise RuntimeError(f"{path}: output {name} is not aliased to input {past} in this plan; binding both "
                                    "to one cache buffer would be wrong")
+    if dtypes is None:
+        return
+    again = f"run `trtllm-dflash compile {root}` again" if root is not None else "compile the engine again"
+    unknown = [n for n in names if n not in dtypes]
+    missing = [n for n in dtypes if n not in names]
+    if unknown or missing:
+        what = f"has a tensor {unknown[0]}" if unknown else f"has no tensor {missing[0]}"
+        raise UserError(f"{path}: this plan {what}, which {COMMAND} does not bind that way; {again}.")
+    for name in names:
+        kind = engine.get_tensor_dtype(name).name
+        if _TORCH_DTYPES.get(kind) != dtypes[name]:
+            bound = str(dtypes[name]).removeprefix("torch.")
+            raise UserError(f"{path}: {name} is {kind} in this plan and {COMMAND} binds it as {bound}; {again}.")

@@ -93,11 +93,32 @@ def truncate_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     kth = scores.gather(-1, (top_k - 1)[:, None, None].expand(-1, scores.shape[1], 1))  # [R, T, 1]
     keep = scores >= kth  # the top k, and the tokens tied with the k-th
     probs = scores.masked_fill(~keep, -torch.inf).softmax(dim=-1)
-    keep &= ((probs.cumsum(dim=-1) - probs) < top_p) | (top_p >= 1)  # top_p 1: no rounding may drop the tail
+    keep &= (mass_before(probs) < top_p_units(top_p)) | (top_p >= 1)  # top_p 1: no rounding may drop the tail
     drop = torch.zeros_like(keep).scatter(-1, order, ~keep)  # back to vocabulary order
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(drop, -torch.inf)
     return out
+
+
+# Top-p adds probabilities as integers in units of 2**-MASS_BITS: integer sums are exact, so the mass before a token,
+# and the kept set, are the same whichever order a device adds them in. A float cumsum is not: CUDA scans one row
+# with another algorithm than several, so a request verified alone and in a batch, or by an AR step of one token and
+# a verify pass of several, could keep different sets at the top-p boundary, and dflash would no longer equal ar.
+# 2**40 units: a vocabulary of 2**23 tokens sums below 2**63; probabilities under 2**-41 count as 0.
+MASS_BITS = 40
+
+
+def mass_before(probs: torch.Tensor) -> torch.Tensor:
+    """[..., V] probabilities in decreasing order -> [..., V] int64: the mass of the tokens before each one, in units
+    of 2**-MASS_BITS (every probability rounded to that unit first; exact and order-free from there).
+    Example: [0.5, 0.25, 0.25] -> [0, 2**39, 2**39 + 2**38]."""
+    units = torch.round(probs.double() * 2.0**MASS_BITS).long()  # exact: a float32 times a power of two
+    return units.cumsum(dim=-1) - units
+
+
+def top_p_units(top_p: torch.Tensor) -> torch.Tensor:
+    """top_p in units of 2**-MASS_BITS (int64), for comparison with mass_before."""
+    return torch.round(top_p.double() * 2.0**MASS_BITS).long()
 
 
 def sample_tokens(
@@ -125,6 +146,35 @@ def acceptance_inputs(logits: torch.Tensor, sampling: Sampling, positions: torch
     for b in torch.nonzero(sampling.temperature > 0).flatten().tolist():
         noise[b] = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1]).to(logits.device)
     return truncate_logits(logits, sampling), noise
+
+
+@dataclass(frozen=True)
+class AcceptPlanInputs:
+    """What an acceptance plan or graph that scores argmax(where(T > 0, logits / T + noise, logits)) is given
+    (compile/accept_graph.py's plain ops, the DFlashAccept plugin), so that it chooses sample_tokens' tokens exactly.
+
+    A compiler may evaluate logits / T + noise in another form than torch does (TensorRT: a multiply by 1 / T, a
+    fused multiply-add), which rounds differently and can turn a near-tie of a sampled row the other way. So the
+    sampled rows' scores are computed here, by sample_tokens' own expression, and the plan gets them with T = 1 and
+    noise 0, for which every such form is exact (x / 1 + 0 = x * (1 / 1) + 0 = fma(x, 1, 0) = x). Greedy rows: the
+    logits, T = 0 (argmax, no arithmetic)."""
+
+    scores: torch.Tensor  # [B, T, V] float32
+    temperature: torch.Tensor  # [B] float32: 1 where sampled, 0 where greedy
+    noise: torch.Tensor  # [B, T, V] float32 zeros
+
+    @classmethod
+    def make(cls, logits: torch.Tensor, sampling: Sampling, positions: torch.Tensor) -> "AcceptPlanInputs":
+        """From the verify pass's logits [B, T, V] and positions [B, T] (block_positions), on the logits' device."""
+        assert logits.ndim == 3 and positions.shape == logits.shape[:2]
+        truncated = truncate_logits(logits, sampling)
+        scores = logits.float().clone()
+        sampled = torch.nonzero(sampling.temperature > 0).flatten().tolist()
+        for b in sampled:
+            noise = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1])
+            scores[b] = truncated[b] / sampling.temperature[b] + noise.to(logits.device)  # as sample_tokens
+        temperature = (sampling.temperature > 0).to(device=logits.device, dtype=torch.float32)
+        return cls(scores.contiguous(), temperature, torch.zeros_like(scores))
 
 
 def gumbel_rows(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

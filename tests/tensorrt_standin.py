@@ -1,0 +1,89 @@
+"""The TensorRT executor on the CPU: onnxruntime sessions of an engine's ONNX graphs stand in for TensorRT's execution
+contexts (the plans are built from these very graphs), over exactly the memory the executor binds.
+
+Like a TensorRT context, a stand-in refuses an input shape outside the optimization profile that `compile` gives the
+plans (compile/tensorrt_build.engine_shapes), so a call the real plans could not take fails here too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trtllm_dflash.compile.tensorrt_build import PLANS, cache_length, engine_shapes
+from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+from trtllm_dflash.runtime.executor import engine_specs
+from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
+
+
+class OnnxRuntimeContext:
+    """Stands in for a TensorRT execution context: keeps the shapes and addresses the executor sets and, on
+    execute, runs the same ONNX graph in onnxruntime over exactly that memory (cpu tensors)."""
+
+    NUMPY = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(int32)": "int32"}
+
+    def __init__(self, session, output_shape, profile: dict | None = None):
+        """`output_shape(name, input shapes) -> shape`; `profile`: dimension name -> DimRange (None: any shape)."""
+        self.session, self.output_shape, self.profile = session, output_shape, profile
+        self.dims = {i.name: i.shape for i in session.get_inputs()}  # ["batch", "seq"], [.., 64]
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+        self.calls = 0
+
+    def set_input_shape(self, name, shape):
+        if self.profile is not None:
+            for dim, size in zip(self.dims[name], shape):
+                r = self.profile.get(dim) if isinstance(dim, str) else None
+                if r is not None and not r.min <= size <= r.max:
+                    return False  # TensorRT: "... is out of the profile's range"
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name, memory):
+        self.addresses[name] = memory
+        return True
+
+    def execute_async_v3(self, stream_handle):
+        assert stream_handle == 0
+        binding = self.session.io_binding()
+        for i in self.session.get_inputs():
+            binding.bind_input(i.name, "cpu", 0, np.dtype(self.NUMPY[i.type]), self.shapes[i.name],
+                               self.addresses[i.name])
+        for o in self.session.get_outputs():
+            if o.name.startswith("present_"):
+                past = o.name.replace("present_", "past_", 1)
+                assert self.addresses[o.name] == self.addresses[past], "a cache must be updated in place"
+                shape = self.shapes[past]
+            else:
+                shape = self.output_shape(o.name, self.shapes)
+            binding.bind_output(o.name, "cpu", 0, np.dtype(self.NUMPY[o.type]), shape, self.addresses[o.name])
+        self.session.run_with_iobinding(binding)
+        self.calls += 1
+        return True
+
+
+def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None) -> TensorRTExecutor:
+    """A TensorRTExecutor of `engine` (rank 0, built with backend onnxruntime) whose contexts are OnnxRuntimeContexts,
+    holding the profile `compile` would give its plans (and taking passes of its length), unless `profile` is False."""
+    import onnxruntime as ort
+
+    cfg = read_engine_config(engine)
+    target, _, params = engine_specs(cfg)
+    features = len(params.target_layer_ids) * target.hidden_size
+
+    def output_shape(name, shapes):
+        if "draft_tokens" in shapes:  # the acceptance step
+            b, k = shapes["draft_tokens"]
+            return {"accepted": (b,), "new_context_lengths": (b,)}.get(name, (b, k + 1))
+        b, t = shapes.get("token_ids", shapes.get("block_ids"))
+        return {"logits": (b, t, target.vocab_size), "hidden": (b, t, features), "draft_tokens": (b, t - 1)}[name]
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    shapes = engine_shapes(cfg) if profile else None
+    contexts = {g: OnnxRuntimeContext(ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
+                                                           providers=["CPUExecutionProvider"]), output_shape, shapes)
+                for g in PLANS}
+    return TensorRTExecutor(contexts, cfg, block_size, "cpu", cache_length(cfg),
+                            pass_tokens=shapes["seq"].max if shapes is not None else None)
