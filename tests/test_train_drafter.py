@@ -16,9 +16,11 @@ from tests.conftest import build
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
+from trtllm_dflash.errors import UserError
 from trtllm_dflash.train.drafter import (
     batch_features,
     block_loss,
+    default_target_layer_ids,
     load_frozen_target,
     sample_blocks,
     target_features,
@@ -39,6 +41,29 @@ def data(tmp_path_factory):
 def train(target, data, out, steps, *extra):
     return main(["train-drafter", "--target", str(target), "--data", str(data), "--output", str(out),
                  "--steps", str(steps), "--eval-every", str(steps), "--save-every", "5", *ARGS, *extra])
+
+
+def zlab_build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab/dflash dflash/model.py build_target_layer_ids, restated."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 3 - 1
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def test_default_layer_ids_are_the_references_and_never_the_last_layer():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B's published drafter
+    assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)  # Llama-3.1-8B's
+    assert default_target_layer_ids(16, 4) == (1, 5, 9, 13)  # the demo drafter's (retrained, issue 26)
+    for layers in range(4, 81):
+        for n in range(1, 9):
+            ids = zlab_build_target_layer_ids(layers, n)
+            if all(0 <= i < layers - 1 for i in ids):
+                assert default_target_layer_ids(layers, n) == tuple(ids)
+                assert layers - 1 not in ids
+    # Too shallow for the spacing: the reference's ids would include the last layer (2 layers, 1 feature: [1]).
+    with pytest.raises(UserError, match="the last layer is not portable"):
+        default_target_layer_ids(2, 1)
 
 
 def test_sample_blocks_mask_and_labels():

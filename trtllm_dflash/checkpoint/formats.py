@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -330,12 +331,40 @@ def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
                         "sliding-window DFlash drafters are not supported yet, only full-attention ones.")
 
 
-def load_pair(target_dir: Path, drafter_dir: Path) -> tuple[TargetCheckpoint, DrafterCheckpoint]:
-    """Load both checkpoints, validate the pair from their configs, then check every tensor's shape."""
+# Who reads a target_layer_id equal to the target's last layer differently from the z-lab reference and us
+# (transformers' output_hidden_states[L]: the last layer's output after the final norm). docs/interop.md.
+LAST_LAYER_READERS = (
+    "vLLM and TensorRT-LLM capture it before the final norm (not the feature the drafter was trained on, so they "
+    "accept fewer of its drafts), stock llama.cpp's graph does not expose it, SGLang reports failing to capture "
+    "it (sgl-project/sglang#32204), and speculators' converter drops it")
+
+
+def last_layer_warning(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> str | None:
+    """One sentence when the drafter reads the target's last decoder layer, else None.
+
+    Warned, not refused: the pair is valid and runs exactly as the reference in this engine, and decoding stays
+    lossless in every engine; what breaks is acceptance elsewhere. Drafters made by `train-drafter`'s defaults
+    (and published ones) read layers 1 .. L-3 only."""
+    last = target.spec.num_layers - 1
+    if last not in drafter.params.target_layer_ids:
+        return None
+    _, ids_field, offset = _DFLASH_FIELDS[drafter.format]
+    return (f"{drafter.directory / 'config.json'}: {ids_field} {[i + offset for i in drafter.params.target_layer_ids]} "
+            f"reads the target's last layer ({last + offset}, of num_hidden_layers {target.spec.num_layers}), which "
+            f"this engine and the z-lab reference take after the final norm; {LAST_LAYER_READERS}. Retrain with "
+            "train-drafter's default layer ids (1 .. L-3) to move the drafter between engines.")
+
+
+def load_pair(target_dir: Path, drafter_dir: Path,
+              warn: Callable[[str], None] | None = None) -> tuple[TargetCheckpoint, DrafterCheckpoint]:
+    """Load both checkpoints, validate the pair from their configs, then check every tensor's shape.
+    `warn` receives the pair's portability warnings (last_layer_warning)."""
     from trtllm_dflash.checkpoint.speculators import share_target_vocab
 
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
     validate_pair(target, drafter)
+    if warn is not None and (message := last_layer_warning(target, drafter)) is not None:
+        warn(message)
     check_tensors(target.tensors, target_tensor_shapes(target.spec), "target")
     if drafter.format == "speculators":
         drafter = share_target_vocab(target, drafter)

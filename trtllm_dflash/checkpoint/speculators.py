@@ -65,8 +65,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -319,19 +320,26 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _warn_on_stderr(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
 def convert_to_speculators(drafter_dir: Path, target_dir: Path, output: Path, prune_vocab: int | None = None,
-                           vocab_texts: Sequence[Path] = (), force: bool = False) -> int:
+                           vocab_texts: Sequence[Path] = (), force: bool = False,
+                           warn: Callable[[str], None] = _warn_on_stderr) -> int:
     """`trtllm-dflash convert-drafter --to speculators`: write OUTPUT atomically; returns its draft_vocab_size.
 
     With `prune_vocab` N, the draft vocabulary is the N tokens most frequent in `vocab_texts` (tokenized with
-    the target's tokenizer; ties, and the rest when the texts have fewer distinct tokens, by lowest id)."""
+    the target's tokenizer; ties, and the rest when the texts have fewer distinct tokens, by lowest id). A drafter
+    that reads the target's last layer is converted (our reader and the z-lab reference read it as trained), with
+    a warning: the format's consumers read that layer differently (formats.last_layer_warning)."""
     from trtllm_dflash.checkpoint.formats import load_pair
     from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
     from trtllm_dflash.inputs import read_text
     from trtllm_dflash.outputs import atomic_directory, check_output_dir
 
     check_output_dir(output, "drafter", "OUTPUT", inputs=(drafter_dir, target_dir, *vocab_texts), force=force)
-    target, drafter = load_pair(target_dir, drafter_dir)
+    target, drafter = load_pair(target_dir, drafter_dir, warn=warn)
     vocab = target.spec.vocab_size
     keep = None
     if prune_vocab is not None:

@@ -182,7 +182,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
     check_output_dir(cfg.output, "engine", "output directory", force=force,
                      inputs=(cfg.target, cfg.drafter, cfg.calibration, config_file))
     with _stage(report, "checked the target + drafter pair and the build options"):
-        target, drafter = load_pair(cfg.target, cfg.drafter)
+        target, drafter = load_pair(cfg.target, cfg.drafter, warn=report and (lambda w: report(f"warning: {w}")))
         if cfg.max_seq_len > target.spec.max_position_embeddings:
             raise UserError(
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "

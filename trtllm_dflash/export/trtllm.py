@@ -254,6 +254,19 @@ def bench_command(cfg: EngineConfig, root: Path) -> str:
             f"--tp {cfg.mapping.tp_size} --dataset DATASET.jsonl --extra_llm_api_options {root / OPTIONS}")
 
 
+def last_layer_note(cfg: EngineConfig) -> str | None:
+    """A sentence when the drafter reads the target's last layer, which TensorRT-LLM captures before the final norm
+    (DFlashSpecMetadata.maybe_capture_hidden_states folds hidden + residual at each decoder layer's output), where
+    the engine (and the z-lab reference) read it after: TensorRT-LLM then accepts fewer drafts than the engine."""
+    last = cfg.target["num_hidden_layers"] - 1
+    if last not in cfg.dflash.target_layer_ids:
+        return None
+    return (f"the drafter's target_layer_ids {list(cfg.dflash.target_layer_ids)} include the target's last layer "
+            f"({last}), which TensorRT-LLM captures before the final norm while this engine and the z-lab reference "
+            "read it after; TensorRT-LLM will accept fewer of its drafts (docs/interop.md). A drafter trained on "
+            "layers 1 .. L-3 (train-drafter's default) drafts alike in both.")
+
+
 def readme_text(cfg: EngineConfig, engine_name: str, root: Path, schedule: DraftLenSchedule) -> str:
     algo = cfg.quantization.get("quant_algo")
     arch = ARCHITECTURES[cfg.target["model_type"]]
@@ -272,6 +285,8 @@ def readme_text(cfg: EngineConfig, engine_name: str, root: Path, schedule: Draft
         drafter += (f". The engine's drafter was quantized to {algo}: it is written dequantized (its weights are the "
                     "engine's quantized values), because the z-lab format is unquantized; TensorRT-LLM runs its "
                     "activations unquantized, so drafts may differ slightly from the engine's")
+    if (note := last_layer_note(cfg)) is not None:
+        drafter += f". Note: {note}"
     tp = cfg.mapping.tp_size
     launch = (f"With tensor_parallel_size {tp}, trtllm-serve starts its {tp} workers itself (MPI); on a cluster use "
               f"`mpirun -n {tp} trtllm-llmapi-launch trtllm-serve ...`.\n\n" if tp > 1 else "")
@@ -363,6 +378,8 @@ def export_trtllm(engine_dir: Path, output: Path, force: bool = False,
         save_drafter(drafter_dir, drafter_spec, params, target_spec.num_layers, drafter, cfg.dtype)
         root = output.resolve()  # where the directory will be once written (atomic_directory renames tmp to it)
         schedule = schedule_for(engine_dir, cfg.dflash.block_size, cuda_graph_batch_sizes(cfg.max_batch_size))
+        if (warning := last_layer_note(cfg)) is not None:
+            say(f"warning: {warning}")
         (tmp / OPTIONS).write_text(options_yaml(cfg, name, root, schedule))
         (tmp / README).write_text(readme_text(cfg, name, root, schedule))
         say("wrote the drafter, extra_llm_api_options.yaml and README.md")

@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file
 
-from trtllm_dflash.checkpoint.formats import load_target, save_drafter, target_tensor_shapes
+from trtllm_dflash.checkpoint.formats import LAST_LAYER_READERS, load_target, save_drafter, target_tensor_shapes
 from trtllm_dflash.checkpoint.tensors import check_tensors, save_safetensors
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.errors import UserError
@@ -65,6 +65,19 @@ def load_frozen_target(target_dir: Path, device: str = "cpu") -> tuple[TargetMod
     check_tensors(ckpt.tensors, target_tensor_shapes(ckpt.spec), "target")
     state = {name: ckpt.tensors.get(name).float() for name in target_tensor_shapes(ckpt.spec)}
     return TargetModel.from_state_dict(ckpt.spec, state), load_tokenizer(target_dir), ckpt.eos_token_ids
+
+
+def default_target_layer_ids(num_target_layers: int, num_layers: int) -> tuple[int, ...]:
+    """The reference's spacing (z-lab build_target_layer_ids: one feature per draft layer, evenly from layer 1 to
+    L-3; a single one at L // 2), which never reads the target's last layer: engines read that one differently
+    (checkpoint/formats.py LAST_LAYER_READERS). Example: 36 layers, 5 -> (1, 9, 17, 25, 33); 16 layers, 4 ->
+    (1, 5, 9, 13). A target too shallow for that spacing is refused with a sentence asking for explicit ids."""
+    ids = tuple(build_target_layer_ids(num_target_layers, num_layers))
+    if not all(0 <= i < num_target_layers - 1 for i in ids):
+        raise UserError(f"the default target layer ids for a {num_target_layers}-layer target and {num_layers} draft "
+                        f"layers would be {list(ids)}, outside layers 0 .. {num_target_layers - 2} (the last layer "
+                        "is not portable between engines); pass --target-layer-ids.")
+    return ids
 
 
 def drafter_spec(target: DecoderSpec, num_layers: int) -> DecoderSpec:
@@ -243,7 +256,7 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     if cfg.num_layers > tspec.num_layers:
         raise UserError(f"--num-layers {cfg.num_layers}: a drafter deeper than its {tspec.num_layers}-layer target "
                         "would cost more per draft than the target's own step.")
-    layer_ids = cfg.target_layer_ids or tuple(build_target_layer_ids(tspec.num_layers, cfg.num_layers))
+    layer_ids = cfg.target_layer_ids or default_target_layer_ids(tspec.num_layers, cfg.num_layers)
     if len(set(layer_ids)) != len(layer_ids):
         raise UserError(f"target_layer_ids {list(layer_ids)} repeat a layer (the default spacing for a "
                         f"{tspec.num_layers}-layer target and {cfg.num_layers} draft layers); pass --target-layer-ids.")
@@ -251,6 +264,11 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     if bad:
         raise UserError(f"--target-layer-ids {list(layer_ids)}: {bad} outside the target's layers 0..{tspec.num_layers - 1}.")
     params = DFlashParams(cfg.block_size, mask_id, tuple(layer_ids))
+    if tspec.num_layers - 1 in layer_ids:
+        Console(stderr=True).print(
+            f"warning: --target-layer-ids {list(layer_ids)} include the target's last layer ({tspec.num_layers - 1}), "
+            f"read here after the final norm; {LAST_LAYER_READERS}. The default spacing avoids it.",
+            markup=False, highlight=False, soft_wrap=True)
     prompts = None if (output / DATA_FILE).exists() else _training_prompts(target, tokenizer, Path(data), cfg)
     output.mkdir(parents=True, exist_ok=True)
     if marker_kind(output) is None:
