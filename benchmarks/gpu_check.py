@@ -1,17 +1,30 @@
 #!/usr/bin/env python3
-"""One prepared check of trtllm-dflash on a machine with an NVIDIA GPU, in at most 8 minutes (what it covers:
-docs/backends.md §What a CPU machine cannot show).
+"""One prepared check of trtllm-dflash on a machine with an NVIDIA GPU, in at most 8 minutes, in one command (what it
+covers: docs/backends.md §What a CPU machine cannot show). On the GPU machine, from the repository root:
 
-    python3 -m pip install -q --no-deps --no-build-isolation -e .
-    python3 benchmarks/gpu_check.py --out gpu_check.json [--stages executor,kernel,timings,tensorrt] [--budget-s 480]
+    python3 benchmarks/gpu_check.py --out gpu_check.json [--stages executor,decoder,kernel,timings,tensorrt]
 
-Stages (each in a child process of its own, stopped when it overruns its share of --budget-s):
-  executor  the demo engine (built from build_configs/demo.yaml into a temporary directory, fp32) decodes
-            held-out prompts as one batch on `cuda` and on the CPU, greedy, in `ar` and `dflash` mode: the
-            tokens must be identical, and dflash must equal ar (greedy, and sampled on the GPU)
-  kernel    the DFlashAccept CUDA kernel (plugins/dflash/) built with nvcc for this GPU: kernel_check.cu run
-            as is, and the kernel as a shared library driven from torch CUDA tensors against
-            trtllm_dflash.speculative.core on random greedy / sampled / tied / non-finite cases, fp32/fp16/bf16
+No install step: the stages import this checkout's package. What that machine's Python lacks (pydantic and its
+dependencies, a transformers within this project's pin, ...) comes as wheels that `benchmarks/gpu_wheels.sh` downloads
+into gpu_wheels/ on a machine with a network; gpu_check installs them (pip --no-index --target) into its own
+temporary directory, ahead of the machine's site-packages, and changes nothing else there (--wheels DIR).
+
+First a preflight (in the report's `preflight` section): the wheels installed, every module each stage imports
+tried, transformers' version checked against this project's pin. A stage whose imports fail is skipped with the
+reason. Stages (each in a child process of its own, stopped when it overruns its share of --budget-s):
+  executor  the demo engine (built from build_configs/demo.yaml into a temporary directory, fp32) decodes held-out
+            prompts as one batch on `cuda` and on the CPU, greedy, in `ar` and `dflash` mode: the tokens must be
+            identical or differ only at near-ties (at the first differing position the two tokens' logits are
+            within NEAR_TIE on both devices: another kernel's rounding, not a bug), and dflash must equal ar (greedy,
+            sampled, and sampled with top-p on the GPU); each prompt decoded alone must equal it in the batch
+  decoder   a random bf16 pair of Qwen3-8B layer shapes in the real Decoder loop: host syncs and host time per
+            step, end-to-end tokens/s (AR, DFlash, DFlash with every draft forced correct), which SDPA kernels a
+            verify pass launches, KVCache.read against context (1k / 8k / 32k), peak memory over a 4k-token prefill,
+            and the TF32 settings
+  kernel    the DFlashAccept CUDA kernel (plugins/dflash/) built with nvcc for this GPU: kernel_check.cu run as is
+            and under compute-sanitizer (memcheck) where it is installed, and the kernel as a shared library driven
+            from torch CUDA tensors against trtllm_dflash.speculative.core on random greedy / sampled / tied /
+            non-finite cases, fp32/fp16/bf16; its time at batch 1, 8 and 32 against the same step in torch ops
   timings   AR step (1 token), verify pass (block) and draft pass at batch 1, 8, 32 and a ~1024-token context
             for a random bf16 pair of Qwen3-8B layer shapes (4 target layers, 1 draft layer), eager and
             replayed as CUDA graphs, and the speedup bound AL x t_ar / (t_verify + t_draft)
@@ -20,11 +33,14 @@ Stages (each in a child process of its own, stopped when it overruns its share o
             trtllm_dflash.compile.tensorrt_build (where this checkout has it)
 
 ONE JSON (--out) gets every stage's status (passed / failed with the error / skipped with the reason), the
-machine, the package versions and the numbers; it is rewritten after every stage.
+machine, the preflight, the package versions and the numbers. It is written before each stage (that stage
+`running`, the next ones `pending`) and after it, and on SIGTERM (the running stage stopped, failed with that
+reason; the rest skipped): whatever ends the run, the report says how far it got.
 
 Exit codes: 0 every stage that ran passed (the others skipped, each with its reason); 1 a stage failed or
 overran its budget; 2 bad command line, or --out cannot be written; 3 no CUDA device is visible to torch:
-nothing was checked, every stage is skipped with that reason in the JSON, and one line says so on stderr.
+nothing was checked, every stage is skipped with that reason in the JSON, and one line says so on stderr;
+143 stopped by SIGTERM (the report says where).
 """
 
 from __future__ import annotations
@@ -51,13 +67,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = ROOT / "plugins" / "dflash"
 PROMPTS = ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl"
-SCHEMA = "trtllm_dflash.gpu_check/1"
-STAGES = ("executor", "kernel", "timings", "tensorrt")
+SCHEMA = "trtllm_dflash.gpu_check/2"
+STAGES = ("executor", "decoder", "kernel", "timings", "tensorrt")
 STATUSES = ("passed", "failed", "skipped")
-STAGE_BUDGET_S = {"executor": 120, "kernel": 120, "timings": 150, "tensorrt": 120}  # caps; --budget-s rules
+IN_PROGRESS = ("running", "pending")  # only in a report written while gpu_check runs
+STAGE_BUDGET_S = {"executor": 100, "decoder": 110, "kernel": 90, "timings": 110, "tensorrt": 60}  # caps; --budget-s rules
 PROBE_BUDGET_S = 60  # the machine probe (torch import, device properties, nvidia-smi, nvcc --version)
+PREFLIGHT_BUDGET_S = 120  # installing the wheels (pip, offline) and importing what every stage imports
 MIN_STAGE_S = 20  # a stage is not started with less than this left of --budget-s
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_CUDA = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_CUDA, EXIT_TERMINATED = 0, 1, 2, 3, 128 + signal.SIGTERM
+WHEELS = ROOT / "gpu_wheels"  # benchmarks/gpu_wheels.sh's default folder (.gitignore'd), used when it exists
+# What each stage imports: a stage whose imports fail in the preflight is skipped with the reason.
+STAGE_IMPORTS = {
+    "executor": ("trtllm_dflash.config", "trtllm_dflash.engine.builder", "trtllm_dflash.runtime.runner"),
+    "decoder": ("trtllm_dflash.runtime.decoding", "trtllm_dflash.runtime.executor", "trtllm_dflash.stats"),
+    "kernel": ("trtllm_dflash.speculative.core",),
+    "timings": ("trtllm_dflash.runtime.executor",),
+    "tensorrt": ("trtllm_dflash.compile.tensorrt_build",),
+}
+# Stages that use transformers (tokenizers, the Decoder's stop strings): run only with a transformers inside the pin.
+NEEDS_PINNED_TRANSFORMERS = ("executor", "decoder")
+# At the first position where a GPU run and a CPU run chose different greedy tokens, a difference whose two tokens'
+# logits are within this of each other on both devices is a near-tie (the fp32 demo's logits are of order 10: a
+# relative 1e-4, far above fp32 rounding of the same sum, far below a wrong result).
+NEAR_TIE = 1e-3
 ACCEPTANCE_LENGTHS = (2, 3, 4, 5, 6, 8)  # ALs the speedup bound is tabulated for
 QWEN3_8B_LAYERS = 36
 MASK = 31_999  # mask_token_id of the kernel cases; any int32 works
@@ -83,12 +116,16 @@ class Options:
     repeats: int = 20  # timings: timed runs per number (median), after 3 warm-up runs
     target_layers: int = 4  # timings: decoder layers of the random target
     draft_layers: int = 1  # timings: layers of the random drafter
-    block_size: int = 16  # timings: tokens per verify / draft pass
-    shape: str = "qwen3-8b"  # timings: layer dimensions of the random pair (PAIR_SHAPES)
+    block_size: int = 16  # timings, decoder: tokens per verify / draft pass
+    shape: str = "qwen3-8b"  # timings, decoder: layer dimensions of the random pair (PAIR_SHAPES)
+    decoder_requests: int = 8  # decoder: requests decoded as one batch
+    decoder_new_tokens: int = 64  # decoder: output tokens per request
+    prefill_tokens: int = 4096  # decoder: the prompt of the peak-memory prefill
+    kv_contexts: tuple[int, ...] = (1024, 8192, 32768)  # decoder: KVCache.read's context lengths
 
     @classmethod
     def from_json(cls, raw: dict) -> "Options":
-        return cls(**{**raw, "batch_sizes": tuple(raw["batch_sizes"])})
+        return cls(**{**raw, "batch_sizes": tuple(raw["batch_sizes"]), "kv_contexts": tuple(raw["kv_contexts"])})
 
 
 class Skip(Exception):
@@ -133,14 +170,21 @@ def one_line(exc: BaseException, limit: int = 600) -> str:
     return f"{type(exc).__name__}: {text}"[:limit]
 
 
+def in_progress(status: str, **fields) -> dict:
+    """A stage's record while gpu_check runs: `running` (with budget_s, pid, started_at_s) or `pending`."""
+    return {"status": status, "error": None, "reason": None, "seconds": 0.0, "budget_s": None, "results": {}, **fields}
+
+
 def skipped(reason: str) -> dict:
     return {"status": "skipped", "error": None, "reason": reason, "seconds": 0.0, "budget_s": None, "results": {}}
 
 
-def validate_report(report: dict) -> list[str]:
-    """Problems with a report's structure (empty when it is well formed)."""
+def validate_report(report: dict, final: bool = True) -> list[str]:
+    """Problems with a report's structure (empty when it is well formed); `final`: written at the end (no stage still
+    running or pending)."""
     problems = [f"missing key {k!r}" for k in ("schema", "command", "started_at", "finished_at", "exit_code",
-                                                "budget_s", "options", "environment", "machine", "stages")
+                                                "budget_s", "options", "environment", "machine", "preflight",
+                                                "stages")
                 if k not in report]
     if report.get("schema") != SCHEMA:
         problems.append(f"schema is {report.get('schema')!r}, not {SCHEMA!r}")
@@ -149,7 +193,7 @@ def validate_report(report: dict) -> list[str]:
         problems.append(f"stages are {list(stages)}, not {list(STAGES)}")
     for name, rec in stages.items():
         status = rec.get("status")
-        if status not in STATUSES:
+        if status not in STATUSES + (() if final else IN_PROGRESS):
             problems.append(f"{name}: status {status!r}")
         if status == "failed" and not rec.get("error"):
             problems.append(f"{name}: failed without an error")
@@ -181,6 +225,13 @@ def read_json(path: Path) -> dict:
 def find_nvcc() -> Path | None:
     for candidate in (shutil.which("nvcc"), os.environ.get("CUDA_HOME") and Path(os.environ["CUDA_HOME"]) / "bin/nvcc",
                       "/usr/local/cuda/bin/nvcc"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def find_sanitizer(nvcc: Path | None) -> Path | None:
+    for candidate in ((nvcc.parent / "compute-sanitizer") if nvcc else None, shutil.which("compute-sanitizer")):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None
@@ -229,11 +280,15 @@ def worker_main(name: str, work: Path, budget_s: float) -> int:
     cfg = read_json(work / "options.json")
     tmp = work / f"{name}.tmp"
     tmp.mkdir(exist_ok=True)
-    ctx = StageContext(name, Options.from_json(cfg["options"]), cfg.get("machine", {}), "cuda:0", tmp, budget_s,
-                       work / f"{name}.json")
+    ctx = StageContext(name, Options.from_json(cfg["options"]), cfg.get("machine", {}), cfg.get("device", "cuda:0"),
+                       tmp, budget_s, work / f"{name}.json")
+    if ctx.device == "cpu" and name not in ("machine", "preflight"):
+        import torch
+
+        torch.set_num_threads(1)  # a CPU dry run: small passes, and threads fighting over busy cores run 10x slower
     ctx.save()
     try:
-        (probe_machine if name == "machine" else STAGE_FUNCTIONS[name])(ctx)
+        {"machine": probe_machine, "preflight": preflight_imports, **STAGE_FUNCTIONS}[name](ctx)
         ctx.state.update(status="passed", error=None)
     except Skip as exc:
         ctx.state.update(status="skipped", error=None, reason=str(exc))
@@ -242,7 +297,7 @@ def worker_main(name: str, work: Path, budget_s: float) -> int:
     except Exception as exc:  # recorded in the report, with the traceback
         ctx.state.update(status="failed", error=one_line(exc), traceback=traceback.format_exc()[-6000:])
     ctx.save()
-    if name != "machine" and ctx.state["status"] != "passed":
+    if name not in ("machine", "preflight") and ctx.state["status"] != "passed":
         ctx.log(f"{ctx.state['status']}: {ctx.state['error'] or ctx.state['reason']}")
     return 0
 
@@ -261,14 +316,17 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_worker(name: str, work: Path, budget_s: float, quiet: bool = False) -> dict:
-    """Run stage `name` in a child process for at most `budget_s`; its record, whatever happened to it."""
+def run_worker(name: str, work: Path, budget_s: float, quiet: bool = False, on_start=None) -> dict:
+    """Run stage `name` in a child process for at most `budget_s`; its record, whatever happened to it.
+    `on_start(pid)` is called once the child runs."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--worker-dir", str(work),
            "--worker-budget-s", str(budget_s)]
     pipe = subprocess.PIPE if quiet else None
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if on_start is not None:
+        on_start(proc.pid)
     timed_out = False
     try:
         _, err = proc.communicate(timeout=budget_s)
@@ -327,9 +385,102 @@ def no_cuda_reason(probe: dict) -> str | None:
     return f"no CUDA device is visible to torch (torch {m.get('torch')} is {build})"
 
 
+# ---------------------------------------------------------------- preflight
+
+class Terminated(Exception):
+    """SIGTERM arrived: unwinds to check(), which records where the run stopped."""
+
+
+def transformers_pin(pyproject: Path = ROOT / "pyproject.toml") -> str | None:
+    """This project's transformers requirement (">=5.5,<5.15") from pyproject.toml, or None if it has none."""
+    found = re.search(r'"transformers\s*([<>=!~][^"]*)"', pyproject.read_text(encoding="utf-8"))
+    return found.group(1).replace(" ", "") if found else None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version: "5.17.0.dev0" -> (5, 17, 0)."""
+    parts = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def within(version: str, requirement: str) -> bool:
+    """Whether `version` meets a comma-separated requirement of >=, >, <=, <, ==, != clauses (what our pins use).
+    Example: within("5.17.0", ">=5.5,<5.15") -> False."""
+    ops = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b,
+           "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
+    have = version_tuple(version)
+    for clause in filter(None, requirement.split(",")):
+        op = next(o for o in (">=", "<=", "==", "!=", ">", "<") if clause.startswith(o))
+        want = version_tuple(clause[len(op):])
+        width = max(len(have), len(want))
+        if not ops[op](have + (0,) * (width - len(have)), want + (0,) * (width - len(want))):
+            return False
+    return True
+
+
+def preflight_imports(ctx: StageContext) -> None:
+    """Worker: import every module a stage imports (in this process, with the wheels' directory on the path as the
+    stages will have it); record each one's error, the versions, and transformers against the pin."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT))
+    r = ctx.results
+    r["imports"] = {}
+    for module in sorted({m for mods in STAGE_IMPORTS.values() for m in mods}):
+        try:
+            importlib.import_module(module)
+            r["imports"][module] = "ok"
+        except Exception as exc:  # ImportError, or a broken dependency: the reason a stage is skipped
+            r["imports"][module] = one_line(exc, 300)
+    r["versions"] = versions()
+    pin, have = transformers_pin(), r["versions"].get("transformers")
+    r["transformers"] = {"version": have, "pin": pin, "within_pin": bool(have and pin and within(have, pin))}
+
+
+def preflight_skips(results: dict) -> dict[str, str]:
+    """Stage -> why it cannot run, from the preflight's results (stages that can run are not listed)."""
+    skips = {}
+    for stage, modules in STAGE_IMPORTS.items():
+        failed = [f"{m}: {results.get('imports', {}).get(m, 'not tried')}" for m in modules
+                  if results.get("imports", {}).get(m) != "ok"]
+        t = results.get("transformers", {})
+        if stage in NEEDS_PINNED_TRANSFORMERS and not t.get("within_pin"):
+            failed.append(f"transformers {t.get('version')} is outside this project's pin {t.get('pin')}")
+        if failed:
+            skips[stage] = ("preflight: " + "; ".join(failed) + " (carry the wheels of benchmarks/gpu_wheels.sh: "
+                            "gpu_wheels/ or --wheels DIR)")[:1000]
+    return skips
+
+
+def install_wheels(wheels: Path, site: Path, timeout: float) -> dict:
+    """pip install --no-index the requirements of `wheels`/requirements.txt from `wheels` into `site` (a --target
+    directory: nothing of the machine's Python changes). The caller puts `site` first on PYTHONPATH."""
+    requirements = wheels / "requirements.txt"
+    if not requirements.is_file():
+        return {"dir": str(wheels), "installed": False, "reason": f"{requirements} is missing (benchmarks/gpu_wheels.sh "
+                                                                  "writes it)"}
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--target", site,
+           "--disable-pip-version-check", "--no-warn-script-location", "--quiet", "-r", requirements]
+    done = run_command(cmd, timeout)
+    return {"dir": str(wheels), "requirements": requirements.read_text(encoding="utf-8").split(),
+            "installed": done["rc"] == 0, "seconds": done["seconds"], "rc": done["rc"],
+            "output": done["output"][-2000:], "site": str(site)}
+
+
+# ---------------------------------------------------------------- the run
+
 def check(args: argparse.Namespace) -> int:
     start = time.monotonic()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds through run_worker's stop
+
+    def terminated(*_):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
     out: Path = args.out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -342,7 +493,8 @@ def check(args: argparse.Namespace) -> int:
               "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "finished_at": None, "wall_s": None, "exit_code": None, "budget_s": args.budget_s,
               "git_commit": git_commit(), "options": dataclasses.asdict(options), "environment": versions(),
-              "machine": {}, "stages": {}}
+              "machine": {}, "preflight": {}, "stages": {name: in_progress("pending") for name in STAGES}}
+    device = "cpu" if args.device == "cpu" else "cuda:0"
 
     def finish(code: int) -> int:
         report.update(finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -350,35 +502,60 @@ def check(args: argparse.Namespace) -> int:
         write_json(out, report)
         return code
 
+    running: dict = {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
-        write_json(work / "options.json", {"options": dataclasses.asdict(options)})
-        probe = run_worker("machine", work, min(PROBE_BUDGET_S, args.budget_s), quiet=True)
-        report["machine"] = probe["results"]
-        reason = no_cuda_reason(probe)
-        if reason is not None:
-            report["stages"] = {name: skipped(reason) for name in STAGES}
-            code = finish(EXIT_NO_CUDA)
-            print(f"gpu_check: {reason}; every stage skipped; report written to {out}", file=sys.stderr)
-            return code
-        m = report["machine"]
-        print(f"gpu_check: {m['gpu']} (compute capability {m['compute_capability']}, {m['nvcc_arch']}), driver "
-              f"{m.get('driver')}, torch {m['torch']} + CUDA {m['torch_cuda']}, Python {m['python']}", flush=True)
-        write_json(work / "options.json", {"options": dataclasses.asdict(options), "machine": m})
-        for name in STAGES:
-            left = args.budget_s - (time.monotonic() - start) - 5
-            if name not in args.stages:
-                report["stages"][name] = skipped("not selected with --stages")
-            elif left < MIN_STAGE_S:
-                report["stages"][name] = skipped(f"--budget-s {args.budget_s:g} was spent before this stage")
+        try:
+            write_json(work / "options.json", {"options": dataclasses.asdict(options), "device": device})
+            probe = run_worker("machine", work, min(PROBE_BUDGET_S, args.budget_s), quiet=True)
+            report["machine"] = probe["results"]
+            reason = None if args.device == "cpu" else no_cuda_reason(probe)
+            if reason is not None:
+                report["stages"] = {name: skipped(reason) for name in STAGES}
+                report["preflight"] = {"skipped": reason}
+                code = finish(EXIT_NO_CUDA)
+                print(f"gpu_check: {reason}; every stage skipped; report written to {out}", file=sys.stderr)
+                return code
+            m = report["machine"]
+            if args.device == "cpu":
+                print(f"gpu_check: --device cpu: the stages' torch code on the CPU (torch {m.get('torch')}, Python "
+                      f"{m.get('python')})", flush=True)
             else:
-                budget = min(STAGE_BUDGET_S[name], left)
-                print(f"gpu_check: stage {name} (budget {budget:.0f} s)", flush=True)
-                rec = report["stages"][name] = run_worker(name, work, budget)
-                detail = rec["error"] or rec["reason"]
-                print(f"gpu_check: stage {name}: {rec['status']} in {rec['seconds']:.1f} s"
-                      + (f": {detail}" if detail else ""), flush=True)
+                print(f"gpu_check: {m['gpu']} (compute capability {m['compute_capability']}, {m['nvcc_arch']}), driver "
+                      f"{m.get('driver')}, torch {m['torch']} + CUDA {m['torch_cuda']}, Python {m['python']}",
+                      flush=True)
+            report["preflight"] = preflight(args, work, start)
+            skips = report["preflight"].get("skipped_stages", {})
+            write_json(work / "options.json", {"options": dataclasses.asdict(options), "machine": m, "device": device})
             write_json(out, report)
+            for name in STAGES:
+                left = args.budget_s - (time.monotonic() - start) - 5
+                if name not in args.stages:
+                    report["stages"][name] = skipped("not selected with --stages")
+                elif name in skips:
+                    report["stages"][name] = skipped(skips[name])
+                elif left < MIN_STAGE_S:
+                    report["stages"][name] = skipped(f"--budget-s {args.budget_s:g} was spent before this stage")
+                else:
+                    budget = min(STAGE_BUDGET_S[name], left)
+                    print(f"gpu_check: stage {name} (budget {budget:.0f} s)", flush=True)
+                    running.update(name=name, work=work, began=time.monotonic(), budget=budget)
+                    report["stages"][name] = in_progress("running", budget_s=round(budget, 1), pid=None,
+                                                         started_at_s=round(time.monotonic() - start, 1))
+                    write_json(out, report)  # before the stage: a run that dies in it still says where it was
+
+                    def started(pid: int, name: str = name) -> None:
+                        report["stages"][name]["pid"] = pid
+                        write_json(out, report)
+
+                    rec = report["stages"][name] = run_worker(name, work, budget, on_start=started)
+                    running.clear()
+                    detail = rec["error"] or rec["reason"]
+                    print(f"gpu_check: stage {name}: {rec['status']} in {rec['seconds']:.1f} s"
+                          + (f": {detail}" if detail else ""), flush=True)
+                write_json(out, report)
+        except Terminated:  # inside the temporary directory: the running stage's results are still there
+            return stopped(report, running, finish, out)
     failed = [n for n, rec in report["stages"].items() if rec["status"] == "failed"]
     code = finish(EXIT_FAILED if failed else EXIT_OK)
     for line in summary(report):
@@ -388,6 +565,55 @@ def check(args: argparse.Namespace) -> int:
     return code
 
 
+def stopped(report: dict, running: dict, finish, out: Path) -> int:
+    """SIGTERM: the running stage (its child already stopped by run_worker) failed with what it had measured, the
+    stages after it skipped, the report finished."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
+    name = running.get("name")
+    if name:
+        state = read_json(running["work"] / f"{name}.json")  # gone if the temporary directory was removed first
+        report["stages"][name] = {"status": "failed", "reason": None,
+                                  "error": "stopped by SIGTERM while running; results holds what it had measured",
+                                  "seconds": round(time.monotonic() - running["began"], 1),
+                                  "budget_s": round(running["budget"], 1), "results": state.get("results", {})}
+    for stage, rec in report["stages"].items():
+        if rec.get("status") in IN_PROGRESS:
+            report["stages"][stage] = skipped("gpu_check was stopped by SIGTERM before this stage")
+    code = finish(EXIT_TERMINATED)
+    print(f"gpu_check: stopped by SIGTERM{f' in stage {name}' if name else ''}; report written to {out}",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def preflight(args: argparse.Namespace, work: Path, start: float) -> dict:
+    """Install the wheels (if any), then import what every stage imports in a child process with them: the report's
+    `preflight` section, with `skipped_stages` (stage -> reason)."""
+    record: dict = {}
+    wheels = args.wheels if args.wheels is not None else (WHEELS if WHEELS.is_dir() else None)
+    if wheels is None:
+        record["wheels"] = {"installed": False, "reason": f"no --wheels and no {WHEELS.relative_to(ROOT)}/ (run "
+                                                          "benchmarks/gpu_wheels.sh where there is a network)"}
+    else:
+        budget = max(10.0, min(PREFLIGHT_BUDGET_S, args.budget_s - (time.monotonic() - start)) - 30)
+        record["wheels"] = install_wheels(Path(wheels), work / "site", budget)
+        if record["wheels"]["installed"]:  # ahead of the machine's own site-packages, for every child from here on
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "site"),
+                                                                     os.environ.get("PYTHONPATH")]))
+    print(f"gpu_check: preflight: wheels {'installed' if record['wheels'].get('installed') else 'not installed'}"
+          + (f" ({record['wheels'].get('reason') or record['wheels'].get('output', '')[-200:]})"
+             if not record["wheels"].get("installed") else ""), flush=True)
+    rec = run_worker("preflight", work, max(20.0, min(60.0, args.budget_s - (time.monotonic() - start) - 30)),
+                     quiet=True)
+    record.update(status=rec["status"], error=rec["error"], seconds=rec["seconds"], **rec["results"])
+    if rec["status"] != "passed":
+        record["skipped_stages"] = {name: f"preflight failed: {rec['error']}" for name in STAGES}
+    else:
+        record["skipped_stages"] = preflight_skips(rec["results"])
+    for stage, reason in record["skipped_stages"].items():
+        print(f"gpu_check: preflight: {stage} will be skipped: {reason[:300]}", flush=True)
+    return record
+
+
 def summary(report: dict) -> list[str]:
     """A few lines of the numbers that matter, for the console."""
     lines, stages = [], report["stages"]
@@ -395,10 +621,26 @@ def summary(report: dict) -> list[str]:
     def row(ms: dict) -> str:
         return " ".join(f"{k} {ms[k]:.2f}" for k in ("ar", "verify", "draft") if k in ms)
 
+    pre = report.get("preflight", {})
+    if pre.get("skipped_stages"):
+        lines.append("preflight: skipped " + "; ".join(f"{k} ({v[:120]})" for k, v in pre["skipped_stages"].items()))
     ex = stages["executor"]["results"].get("checks")
     if ex:
         lines.append("executor: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in ex.items())
                      + f"; AL {stages['executor']['results'].get('mean_acceptance_length')}")
+    d = stages["decoder"]["results"]
+    for mode, rec in d.get("host_and_syncs", {}).items():
+        syncs = rec.get("syncs_per_step")
+        prof = rec.get("profiled", {})
+        lines.append(f"decoder {mode}: {syncs.get('median') if isinstance(syncs, dict) else 'n/a'} host syncs per "
+                     f"step, host {prof.get('host_ms_per_step')} ms, GPU kernels {prof.get('gpu_kernel_ms_per_step')} "
+                     f"ms, wall {rec.get('wall_ms_per_step')} ms per step")
+    tp = d.get("throughput")
+    if tp:
+        lines.append(f"decoder tokens/s: ar {tp['ar']['tokens_per_s']}, dflash {tp['dflash']['tokens_per_s']} "
+                     f"(AL {tp['dflash']['mean_acceptance_length']}), drafts forced correct "
+                     f"{tp['dflash_drafts_forced_correct']['tokens_per_s']} "
+                     f"(AL {tp['dflash_drafts_forced_correct']['mean_acceptance_length']})")
     k = stages["kernel"]["results"]
     if k:
         lines.append(f"kernel: kernel_check rc {k.get('kernel_check', {}).get('rc')}; torch-driven cases "
@@ -488,17 +730,36 @@ def stage_executor(ctx: StageContext) -> None:
     sampled = requests(0.8)
     for mode in ("ar", "dflash"):
         runs["gpu_sampled", mode] = decode(gpu, mode, sampled, ctx.device)
+    top_p = [dataclasses.replace(req, top_p=0.9) for req in sampled]  # the kept set's boundary in every step
+    for mode in ("ar", "dflash"):
+        runs["gpu_top_p", mode] = decode(gpu, mode, top_p, ctx.device)
+    alone: dict[str, list[int]] = {}  # each prompt decoded as a batch of one: batch invariance
+    for req in greedy:
+        alone.update(decode(gpu, "ar", [req], ctx.device)["tokens"])
+    runs["gpu_alone", "ar"] = {"tokens": alone}
     r["runs"] = {f"{where} {mode}": {k: v for k, v in run.items() if k != "tokens"}
-                 for (where, mode), run in runs.items()}
+                 for (where, mode), run in runs.items() if where != "gpu_alone"}
     r["mean_acceptance_length"] = runs["gpu", "dflash"]["mean_acceptance_length"]
-    pairs = {"greedy ar: gpu == cpu": (("gpu", "ar"), ("cpu", "ar")),
-             "greedy dflash: gpu == cpu": (("gpu", "dflash"), ("cpu", "dflash")),
-             "greedy on gpu: dflash == ar": (("gpu", "dflash"), ("gpu", "ar")),
-             "sampled (T=0.8) on gpu: dflash == ar": (("gpu_sampled", "dflash"), ("gpu_sampled", "ar"))}
+    # Across devices (and batch sizes), another kernel may round a near-tie the other way: classified by the logits
+    # at the first differing position. Within one device and batch, dflash must equal ar exactly.
+    pairs = {"greedy ar: gpu == cpu": (("gpu", "ar"), ("cpu", "ar"), True),
+             "greedy dflash: gpu == cpu": (("gpu", "dflash"), ("cpu", "dflash"), True),
+             "greedy ar on gpu: alone == in a batch": (("gpu_alone", "ar"), ("gpu", "ar"), True),
+             "greedy on gpu: dflash == ar": (("gpu", "dflash"), ("gpu", "ar"), False),
+             "sampled (T=0.8) on gpu: dflash == ar": (("gpu_sampled", "dflash"), ("gpu_sampled", "ar"), False),
+             "sampled (T=0.8, top-p 0.9) on gpu: dflash == ar": (("gpu_top_p", "dflash"), ("gpu_top_p", "ar"), False)}
+    engines = {"gpu": gpu, "gpu_alone": gpu, "cpu": cpu}
+    prompts = {str(req.id): req.prompt_token_ids for req in greedy}
     r["checks"], r["differences"] = {}, {}
-    for label, (a, b) in pairs.items():
+    for label, (a, b, near_ties_allowed) in pairs.items():
         diffs = differences(runs[a]["tokens"], runs[b]["tokens"])
-        r["checks"][label] = not diffs
+        if diffs and near_ties_allowed:
+            for d in (d for d in diffs if d["a"] and d["b"]):  # both chose a token there (neither had stopped)
+                common = runs[a]["tokens"][d["id"]][: d["first_difference_at"]]
+                prefix = [*prompts[d["id"]], *common]
+                d.update(classify_difference(next_token_logits(engines[a[0]], prefix),
+                                             next_token_logits(engines[b[0]], prefix), d["a"][0], d["b"][0]))
+        r["checks"][label] = all(near_ties_allowed and d.get("class") == "near-tie" for d in diffs)
         if diffs:
             r["differences"][label] = diffs[:5]
     ctx.save()
@@ -539,6 +800,36 @@ def differences(a: dict[str, list[int]], b: dict[str, list[int]]) -> list[dict]:
     return out
 
 
+def next_token_logits(engine, token_ids: list[int]):
+    """The engine's fp32 logits [V] (on the CPU) for the token after `token_ids`, from one prefill in slot 0 (run
+    between decodes: no request holds a slot)."""
+    import torch
+
+    ex = engine.executor
+    ids = torch.tensor([token_ids], device=ex.device)
+    zero = torch.zeros(1, dtype=torch.long, device=ex.device)
+    out = ex.target_forward(ids, zero, zero, capture=False, last_index=torch.tensor([len(token_ids) - 1],
+                                                                                      device=ex.device))
+    return out.logits[0, -1].float().cpu()
+
+
+def classify_difference(logits_a, logits_b, token_a: int, token_b: int, tolerance: float = NEAR_TIE) -> dict:
+    """Two greedy runs chose token_a and token_b at the same position after the same prefix (logits_a / logits_b:
+    each run's logits there). A near-tie when, on both sides, the two tokens' logits are within `tolerance` of each
+    other (another kernel's rounding can swap them); else a mismatch (a real difference). The top-2 margins go along.
+    Example: a [5.0, 4.9996, 1.0] chose 0, b [4.9997, 5.0, 1.0] chose 1 -> near-tie (gaps 4e-4 and 3e-4)."""
+    def margin(logits) -> float:
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
+
+    gap_a = float(logits_a[token_a] - logits_a[token_b])
+    gap_b = float(logits_b[token_b] - logits_b[token_a])
+    near = max(abs(gap_a), abs(gap_b)) <= tolerance
+    return {"class": "near-tie" if near else "mismatch", "gap_a": round(gap_a, 7), "gap_b": round(gap_b, 7),
+            "top2_margin_a": round(margin(logits_a), 7), "top2_margin_b": round(margin(logits_b), 7),
+            "argmax_a": int(logits_a.argmax()), "argmax_b": int(logits_b.argmax()), "tolerance": tolerance}
+
+
 def off_device(executor, device: str) -> list[str]:
     """Parameters and buffers of the executor's modules that are not on `device`."""
     import torch
@@ -552,7 +843,69 @@ def off_device(executor, device: str) -> list[str]:
     return found
 
 
-# ---------------------------------------------------------------- stage 2: the DFlashAccept kernel
+# ---------------------------------------------------------------- stage 2: the Decoder loop (benchmarks/gpu_decoder.py)
+
+def sibling(name: str):
+    """benchmarks/NAME.py as a module (this script is not in a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def stage_decoder(ctx: StageContext) -> None:
+    import torch
+
+    from trtllm_dflash.runtime.decoding import Decoder, Request
+    from trtllm_dflash.runtime.executor import TorchExecutor
+
+    gd = sibling("gpu_decoder")
+    o, r = ctx.options, ctx.results
+    dev = torch.device(ctx.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    r["tf32"] = gd.tf32_settings()
+    started = time.monotonic()
+    target, drafter = random_pair(o.shape, o.target_layers, o.draft_layers, o.block_size, dtype, dev)
+    prompt_len = 128
+    ex = TorchExecutor(target, drafter, num_slots=o.decoder_requests,
+                       max_seq_len=max(o.prefill_tokens, prompt_len + o.decoder_new_tokens), block_size=o.block_size)
+    r["config"] = {"shape": o.shape, "target_layers": o.target_layers, "draft_layers": o.draft_layers,
+                   "block_size": o.block_size, "dtype": str(dtype).removeprefix("torch."), "requests": o.decoder_requests,
+                   "prompt_tokens": prompt_len, "max_new_tokens": o.decoder_new_tokens}
+    ctx.log(f"random pair of {o.shape} layer shapes on {dev} ({time.monotonic() - started:.1f} s)")
+    g = torch.Generator().manual_seed(0)
+    requests = [Request(id=i, prompt_token_ids=torch.randint(0, ex.vocab_size, (prompt_len,), generator=g).tolist(),
+                        max_new_tokens=o.decoder_new_tokens) for i in range(o.decoder_requests)]
+    r["host_and_syncs"] = {}
+    for mode in ("ar", "dflash"):
+        r["host_and_syncs"][mode] = gd.host_and_syncs(lambda mode=mode: Decoder(ex, mode, ()), requests,
+                                                      warmup_steps=2, steps=12, device=dev)
+        ctx.log(f"{mode}: {r['host_and_syncs'][mode].get('syncs_per_step')} syncs per step; profiled "
+                f"{r['host_and_syncs'][mode].get('profiled')}")
+        ctx.save()
+    r["throughput"] = gd.decoder_throughput(ex, requests, lambda e, mode: Decoder(e, mode, ()), dev)
+    ctx.log(f"throughput: {r['throughput']}")
+    ctx.save()
+    heads, kv_heads, hd = (PAIR_SHAPES[o.shape][k] for k in ("num_heads", "num_kv_heads", "head_dim"))
+    batch, context = min(8, o.decoder_requests), 1024
+    verify = pass_functions(ex, batch, min(context, ex.max_seq_len - o.block_size), static=False)["verify"]
+    r["sdpa"] = gd.sdpa(verify, (batch, o.block_size, heads, hd), (batch, context + o.block_size, kv_heads, hd),
+                        dtype, dev)
+    ctx.log(f"sdpa: {r['sdpa']}")
+    ctx.save()
+    contexts = o.kv_contexts if dev.type == "cuda" else tuple(c for c in o.kv_contexts if c <= 2048)
+    r["kv_read_ms"] = gd.kv_read_ms(contexts, (1, batch), kv_heads, hd, dtype, dev, repeats=10)
+    ctx.log(f"KVCache.read: {r['kv_read_ms']}")
+    ctx.save()
+    r["prefill_peak_memory"] = [gd.prefill_peak_memory(ex, o.prefill_tokens, b, dev)
+                                for b in sorted({1, o.decoder_requests})]
+    ctx.log(f"prefill peak memory: {r['prefill_peak_memory']}")
+
+
+# ---------------------------------------------------------------- stage 3: the DFlashAccept kernel
 
 # A C ABI over launchDFlashAccept for ctypes: the kernel driven with torch's CUDA tensors and stream.
 ACCEPT_SHIM = r"""
@@ -703,14 +1056,14 @@ def cuda_launcher(fn, device: str):
     return launch
 
 
-def time_accept_kernel(fn, device: str) -> dict:
-    """Kernel time at batch 32, block 16, vocabulary 151936, bf16 greedy: all drafts accepted (every row read)
+def time_accept_kernel(fn, device: str, B: int = 32) -> dict:
+    """Kernel time at batch B, block 16, vocabulary 151936, bf16 greedy: all drafts accepted (every row read)
     and the first rejected (one row), against the same step in torch ops on the GPU."""
     import torch
 
     from trtllm_dflash.speculative.core import accepted_lengths, block_input, bonus_tokens
 
-    B, S, V = 32, 16, 151936
+    S, V = 16, 151936
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn((B, S, V), generator=gen, device=device, dtype=torch.bfloat16)
     temperature, noise = torch.zeros(B, device=device), torch.zeros((B, S, V), device=device)
@@ -752,6 +1105,8 @@ def time_accept_kernel(fn, device: str) -> dict:
 
 def stage_kernel(ctx: StageContext) -> None:
     r = ctx.results
+    if not ctx.device.startswith("cuda"):
+        raise Skip("the kernel runs on a CUDA device (--device cpu)")
     nvcc = find_nvcc()
     if nvcc is None:
         raise Skip("nvcc was not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
@@ -783,6 +1138,18 @@ def stage_kernel(ctx: StageContext) -> None:
         if run["rc"] != 0:
             problems.append(f"kernel_check exited with {run['rc']}")
         ctx.save()
+        sanitizer = find_sanitizer(nvcc)
+        if sanitizer is None:
+            r["compute_sanitizer"] = {"skipped": "compute-sanitizer was not found next to nvcc nor on PATH"}
+        else:  # memcheck: out-of-bounds and misaligned accesses of the kernel, on every kernel_check case
+            san = r["compute_sanitizer"] = run_command(
+                [sanitizer, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20",
+                 ctx.tmp / "dflash_kernel_check"], max(10.0, min(90.0, ctx.remaining() - 45)))
+            san["lines"] = san.pop("output").splitlines()[-30:]
+            ctx.log(f"compute-sanitizer memcheck exit code {san['rc']} ({san['seconds']} s)")
+            if san["rc"] not in (0, None):
+                problems.append(f"compute-sanitizer memcheck exited with {san['rc']}")
+        ctx.save()
     if r["compile"]["ctypes_library"]["rc"] == 0:
         fn = cuda_accept_library(ctx.tmp / "libdflash_accept_cuda.so")
         cases = r["torch_cases"] = check_accept_cases(cuda_launcher(fn, ctx.device), tuple(LOGITS_TYPES),
@@ -792,13 +1159,16 @@ def stage_kernel(ctx: StageContext) -> None:
         if cases["mismatching_cases"]:
             problems.append(f"{cases['mismatching_cases']} torch-driven cases differ from speculative/core.py")
         ctx.save()
-        r["timing"] = time_accept_kernel(fn, ctx.device)
-        ctx.log(f"timing: {r['timing']}")
+        r["timing"] = {}
+        for batch in (1, 8, 32):  # one CUDA block per request: at batch 1-8 most SMs idle
+            r["timing"][str(batch)] = time_accept_kernel(fn, ctx.device, batch)
+            ctx.log(f"timing at batch {batch}: {r['timing'][str(batch)]}")
+            ctx.save()
     if problems:
         raise CheckFailed("; ".join(problems))
 
 
-# ---------------------------------------------------------------- stage 3: pass timings, eager and CUDA graphs
+# ---------------------------------------------------------------- stage 4: pass timings, eager and CUDA graphs
 
 def random_pair(shape: str, target_layers: int, draft_layers: int, block_size: int, dtype, device, seed: int = 0):
     """A TargetModel and a DFlashDrafter of `shape`'s layer dimensions with random weights (N(0, 0.02), norms
@@ -1056,7 +1426,7 @@ def stage_timings(ctx: StageContext) -> None:
         f"{k} {'captured' if v['captured'] else 'not captured'}" for k, v in as_written.items() if isinstance(v, dict)))
 
 
-# ---------------------------------------------------------------- stage 4: TensorRT
+# ---------------------------------------------------------------- stage 5: TensorRT
 
 def tensorrt_headers(trt) -> Path | None:
     roots = [os.environ.get("TENSORRT_ROOT", ""), os.environ.get("TensorRT_ROOT", "")]
@@ -1094,9 +1464,10 @@ def tensorrt_plugin(ctx: StageContext, trt, logger) -> dict:
     rec = {"headers": str(include), "compile": built}
     if built["rc"] != 0:
         return {"status": "failed", "error": "the plugin library did not compile", **rec}
-    registry = trt.get_plugin_registry()
-    registry.load_library(str(lib))
-    creator = registry.get_creator("DFlashAccept", "1", "trtllm_dflash")
+    from trtllm_dflash.compile.tensorrt_build import load_plugin_library
+
+    load_plugin_library(trt, lib)  # once per process: a second load_library of it would fail
+    creator = trt.get_plugin_registry().get_creator("DFlashAccept", "1", "trtllm_dflash")
     if creator is None:
         return {"status": "failed", "error": "DFlashAccept/1/trtllm_dflash is not in the registry after loading", **rec}
     B, S, V = 64, 16, 1000
@@ -1171,9 +1542,11 @@ def stage_tensorrt(ctx: StageContext) -> None:
         import tensorrt as trt
     except Exception as exc:  # ImportError, or a wheel whose native libraries do not load
         raise Skip(f"`import tensorrt` failed ({one_line(exc, 200)})") from None
+    from trtllm_dflash.compile.tensorrt_build import process_logger
+
     r = ctx.results
     r["tensorrt"] = trt.__version__
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = process_logger(trt)  # the one logger of this process, as compile_engine's builders get
     for name, part in (("plugin", tensorrt_plugin), ("plans", tensorrt_plans)):
         try:
             r[name] = part(ctx, trt, logger)
@@ -1191,8 +1564,8 @@ def stage_tensorrt(ctx: StageContext) -> None:
         raise Skip("; ".join(p["reason"] for p in parts))
 
 
-STAGE_FUNCTIONS = {"executor": stage_executor, "kernel": stage_kernel, "timings": stage_timings,
-                   "tensorrt": stage_tensorrt}
+STAGE_FUNCTIONS = {"executor": stage_executor, "decoder": stage_decoder, "kernel": stage_kernel,
+                   "timings": stage_timings, "tensorrt": stage_tensorrt}
 
 
 # ---------------------------------------------------------------- command line
@@ -1219,7 +1592,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     d = Options()
     p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0],
-                                epilog="Exit codes: 0 passed, 1 a stage failed, 2 usage, 3 no CUDA device visible.")
+                                epilog="Exit codes: 0 passed, 1 a stage failed, 2 usage, 3 no CUDA device visible, 143 SIGTERM.")
     p.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON report (default: gpu_check.json)")
     p.add_argument("--stages", type=stage_list, default=STAGES,
                    help=f"comma-separated stages to run (default: {','.join(STAGES)})")
@@ -1238,8 +1611,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=positive(int), default=d.draft_layers,
                    help=f"timings (default: {d.draft_layers})")
     p.add_argument("--block-size", type=positive(int), default=d.block_size, help=f"timings (default: {d.block_size})")
-    p.add_argument("--shape", choices=sorted(PAIR_SHAPES), default=d.shape, help=f"timings (default: {d.shape})")
-    p.add_argument("--worker", choices=("machine", *STAGES), help=argparse.SUPPRESS)
+    p.add_argument("--shape", choices=sorted(PAIR_SHAPES), default=d.shape,
+                   help=f"timings, decoder (default: {d.shape})")
+    p.add_argument("--decoder-requests", type=positive(int), default=d.decoder_requests,
+                   help=f"decoder (default: {d.decoder_requests})")
+    p.add_argument("--decoder-new-tokens", type=positive(int), default=d.decoder_new_tokens,
+                   help=f"decoder (default: {d.decoder_new_tokens})")
+    p.add_argument("--prefill-tokens", type=positive(int), default=d.prefill_tokens,
+                   help=f"decoder: the peak-memory prefill (default: {d.prefill_tokens})")
+    p.add_argument("--kv-contexts", type=int_list, default=d.kv_contexts,
+                   help=f"decoder: KVCache.read contexts (default: {','.join(map(str, d.kv_contexts))})")
+    p.add_argument("--wheels", type=Path, default=None,
+                   help=f"wheels to install first, offline, into a temporary directory (benchmarks/gpu_wheels.sh DIR; "
+                        f"default: {WHEELS.relative_to(ROOT)}/ if it exists)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: run the stages' torch code on the CPU (a dry run of the script where there is no GPU; "
+                        "the kernel and TensorRT stages skip) (default: cuda)")
+    p.add_argument("--worker", choices=("machine", "preflight", *STAGES), help=argparse.SUPPRESS)
     p.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-budget-s", type=float, default=60.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

