@@ -22,6 +22,7 @@ from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.schedule import AutoBlockSize
 
 pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.slow  # every test here builds an engine with ONNX graphs (~30 s)
 LONG_PROMPT = 300  # longer than a TensorRT plan's pass (PASS_TOKENS 256): the prefill runs in two passes
 
 
@@ -117,7 +118,6 @@ def decode(executor, policy, reqs: list[Request], cancel: dict[int, int]) -> dic
     return results
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("auto", [True, False], ids=["block-size-auto", "fixed-block"])
 def test_every_executor_drafts_the_same_tokens_step_for_step(engine, auto):
     runs = {}
