@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import strict_lines
 from trtllm_dflash.interop.reference import ReferenceDrafter, ReferenceTarget, reference_generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +45,11 @@ VARIANTS = {  # name -> (feature convention, context k_norm of layer)
 def prompts_ids(target_dir: Path, prompts: Path, n: int) -> list[list[int]]:
     from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(target_dir)
-    lines = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()][:n]
-    return [tokenizer(line["prompt"])["input_ids"] for line in lines]
+    from trtllm_dflash.interop.drafter_step import prompt_ids
+
+    load_tokenizer(target_dir)  # a missing or broken tokenizer fails here, before any line is read
+    count = sum(1 for _ in strict_lines(prompts, "prompt file"))
+    return [prompt_ids(target_dir, prompts, i) for i in range(min(n, count))]
 
 
 def measure(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_new_tokens: int,
@@ -86,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's own engine, one request at a time")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    report = measure(args.target, args.drafter, prompts_ids(args.target, args.prompts, args.num_prompts),
-                     args.max_new_tokens, args.vllm)
+    try:
+        report = measure(args.target, args.drafter, prompts_ids(args.target, args.prompts, args.num_prompts),
+                         args.max_new_tokens, args.vllm)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"{report['prompts']} prompts, {report['max_new_tokens']} new tokens, target_layer_ids "
           f"{report['target_layer_ids']} of {report['target_layers']} layers; greedy, batch 1")
     for name, v in report["variants"].items():

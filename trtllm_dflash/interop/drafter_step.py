@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.inputs import loads, require_dir, strict_lines
 from trtllm_dflash.interop.reference import ReferenceDrafter, ReferenceTarget, draft_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +49,7 @@ class OurPair:
 
         target, drafter = load_pair(Path(target_dir), Path(drafter_dir))
         if drafter.draft_vocab_size is not None:
-            raise SystemExit(f"{drafter_dir}: a drafter with its own lm_head (pruned vocabulary); the z-lab reference "
+            raise UserError(f"{drafter_dir}: a drafter with its own lm_head (pruned vocabulary); the z-lab reference "
                              "drafts with the target's lm_head only.")
         t_state = {n: target.tensors.get(n).to(dtype) for n in target_tensor_shapes(target.spec)}
         d_state = {n: drafter.tensors.get(n).to(dtype) for n in drafter_tensor_shapes(drafter.spec, drafter.params)}
@@ -79,10 +81,19 @@ class OurPair:
 def prompt_ids(target_dir: Path, prompts: Path, index: int) -> list[int]:
     from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 
-    lines = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
+    require_dir(target_dir, "target directory")
+    lines = []
+    for n, text in strict_lines(prompts, "prompt file"):
+        try:
+            lines.append((n, loads(text)))
+        except ValueError as exc:
+            raise UserError(f"{prompts}:{n}: not a JSON line ({exc}).") from None
     if not 0 <= index < len(lines):
-        raise SystemExit(f"--prompt-index {index}: {prompts} has {len(lines)} prompts.")
-    return load_tokenizer(target_dir)(lines[index]["prompt"])["input_ids"]
+        raise UserError(f"--prompt-index {index}: {prompts} has {len(lines)} prompts.")
+    n, line = lines[index]
+    if not (isinstance(line, dict) and isinstance(line.get("prompt"), str) and line["prompt"]):
+        raise UserError(f"{prompts}:{n}: needs a non-empty string 'prompt'.")
+    return load_tokenizer(target_dir)(line["prompt"])["input_ids"]
 
 
 def compare(target_dir: Path, drafter_dir: Path, prompt: list[int], with_vllm: bool = False) -> dict:
@@ -175,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's own engine (needs vllm installed)")
     ap.add_argument("--json", type=Path, help="write the report as JSON here too")
     args = ap.parse_args(argv)
-    prompt = prompt_ids(args.target, args.prompts, args.prompt_index)
-    report = compare(args.target, args.drafter, prompt, args.vllm)
+    try:
+        prompt = prompt_ids(args.target, args.prompts, args.prompt_index)
+        report = compare(args.target, args.drafter, prompt, args.vllm)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
