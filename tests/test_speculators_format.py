@@ -120,7 +120,7 @@ def test_draft_to_target_applies_offsets():
 def test_converted_config_maps_back_to_the_z_lab_parameters(drafters):
     config = json.loads((drafters["pruned"] / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
-    assert config["aux_hidden_state_layer_ids"] == [2, 6, 11, 16]  # z-lab [1, 5, 10, 15] + 1
+    assert config["aux_hidden_state_layer_ids"] == [2, 6, 10, 14]  # z-lab [1, 5, 9, 13] + 1
     assert config["draft_vocab_size"] == KEPT
     original = load_drafter(drafters["z-lab"])
     for name in ("whole", "pruned"):
