@@ -339,7 +339,8 @@ def convert_to_speculators(drafter_dir: Path, target_dir: Path, output: Path, pr
     from trtllm_dflash.outputs import atomic_directory, check_output_dir
 
     check_output_dir(output, "drafter", "OUTPUT", inputs=(drafter_dir, target_dir, *vocab_texts), force=force)
-    target, drafter = load_pair(target_dir, drafter_dir, warn=warn)
+    warnings_: list[str] = []  # said once OUTPUT is written: a conversion that fails prints its error alone
+    target, drafter = load_pair(target_dir, drafter_dir, warn=warnings_.append)
     vocab = target.spec.vocab_size
     keep = None
     if prune_vocab is not None:
@@ -350,4 +351,6 @@ def convert_to_speculators(drafter_dir: Path, target_dir: Path, output: Path, pr
         keep = most_frequent_ids(ids, prune_vocab, vocab)
     with atomic_directory(output, "drafter", force) as tmp:
         write_speculators_drafter(target, drafter, tmp, keep)
+    for warning in warnings_:
+        warn(warning)
     return vocab if keep is None else len(keep)

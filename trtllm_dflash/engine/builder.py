@@ -182,7 +182,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
     check_output_dir(cfg.output, "engine", "output directory", force=force,
                      inputs=(cfg.target, cfg.drafter, cfg.calibration, config_file))
     with _stage(report, "checked the target + drafter pair and the build options"):
-        target, drafter = load_pair(cfg.target, cfg.drafter, warn=report and (lambda w: report(f"warning: {w}")))
+        warnings_ = []  # said once the engine is written: a build that fails prints its error alone
+        target, drafter = load_pair(cfg.target, cfg.drafter, warn=warnings_.append)
         if cfg.max_seq_len > target.spec.max_position_embeddings:
             raise UserError(
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
@@ -263,4 +264,6 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             with _stage(report, f"exported the ONNX graphs of the target and drafter steps{ranks}"):
                 export_graphs(tmp, engine_cfg)
         write_manifest(tmp)
+    for warning in warnings_ if report else ():
+        report(f"warning: {warning}")
     return cfg.output
