@@ -249,7 +249,7 @@ def test_run_ends_the_text_before_the_stop_string(engine_dir, stop_cases, tmp_pa
 
 
 BAD_LINES = [
-    ({"top_k": -1}, "'top_k' must be an integer >= 0 (0: no limit), got -1"),
+    ({"top_k": -1}, "'top_k' must be an integer from 0 to 2147483647 (0: no limit), got -1"),
     ({"top_k": 2.5}, "'top_k' must be an integer >= 0"),
     ({"top_p": 0}, "'top_p' must be a number in (0, 1] (1: no limit), got 0"),
     ({"top_p": 1.5}, "'top_p' must be a number in (0, 1]"),
@@ -462,7 +462,7 @@ def test_serve_samples_with_top_k_and_top_p_as_run_does(server, served_expected)
 
 @pytest.mark.triton
 @pytest.mark.parametrize("inputs, words", [
-    ({"top_k": -2}, "'sampling_param_top_k' must be an integer >= 0 (0: no limit), got -2"),
+    ({"top_k": -2}, "'sampling_param_top_k' must be an integer from 0 to 2147483647 (0: no limit), got -2"),
     ({"top_p": 0.0}, "'sampling_param_top_p' must be a number in (0, 1] (1: no limit), got 0.0"),
     ({"stop": [""]}, "'sampling_param_stop' has an empty string"),
 ], ids=["top_k", "top_p", "stop"])
