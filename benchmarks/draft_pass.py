@@ -45,10 +45,11 @@ class ContextPassFirst:
     def __getattr__(self, name: str):
         return getattr(self.executor, name)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context: DraftContext | None = None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context: DraftContext | None = None,
+              rows=None) -> torch.Tensor:
         if context is not None:
             self.executor.append_context(context.hidden, context.starts, slots)
-        return self.executor.draft(anchors, starts, slots, num_drafts)
+        return self.executor.draft(anchors, starts, slots, num_drafts, rows=rows)
 
 
 def decode_one_by_one(executor, mode: str, requests: list[Request], eos: list[int]) -> tuple[float, list[list[int]]]:

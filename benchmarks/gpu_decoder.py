@@ -133,14 +133,14 @@ class OracleDrafts:
     def __getattr__(self, name):
         return getattr(self._executor, name)
 
-    def target_forward(self, token_ids, starts, slots, capture, last_index=None):
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None):
         if last_index is not None:  # a prefill: which sequence each slot holds from now on
             for row, (slot, last) in enumerate(zip(slots.tolist(), last_index.tolist())):
                 self._by_slot[slot] = self._continuations[tuple(token_ids[row, : last + 1].tolist())]
-        return self._executor.target_forward(token_ids, starts, slots, capture, last_index)
+        return self._executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None):
-        real = self._executor.draft(anchors, starts, slots, num_drafts, context)
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None):
+        real = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows)
         k = real.shape[1]
         rows = []
         for slot, start in zip(slots.tolist(), starts.tolist()):

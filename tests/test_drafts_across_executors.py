@@ -56,16 +56,16 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self._executor, name)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None):
-        out = self._executor.draft(anchors, starts, slots, num_drafts, context)
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None):
+        out = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows)
         self.drafts.append(out.clone())
         return out
 
-    def append_context(self, hidden, starts, slots):
+    def append_context(self, hidden, starts, slots, rows=None):
         rows = getattr(self._executor, "_rows", None)
         if rows is not None:  # the rows these slots hold now (a new request has none yet)
             self.context_rows.append(sorted(rows._row.get(s) for s in slots.tolist() if s in rows._row))
-        self._executor.append_context(hidden, starts, slots)
+        self._executor.append_context(hidden, starts, slots, rows=rows)
 
 
 class ScriptedAuto(AutoBlockSize):

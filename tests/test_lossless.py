@@ -132,18 +132,18 @@ class CountingExecutor:
     def __getattr__(self, name):
         return getattr(self.executor, name)
 
-    def target_forward(self, token_ids, starts, slots, capture, last_index=None):
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None):
         self.calls["prefill" if last_index is not None else "verify"] += 1
-        return self.executor.target_forward(token_ids, starts, slots, capture, last_index)
+        return self.executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None):
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None):
         self.calls["draft"] += 1
         self.calls["draft adding context"] += context is not None
-        return self.executor.draft(anchors, starts, slots, num_drafts, context)
+        return self.executor.draft(anchors, starts, slots, num_drafts, context, rows=rows)
 
-    def append_context(self, hidden, starts, slots):
+    def append_context(self, hidden, starts, slots, rows=None):
         self.calls["append_context"] += 1
-        return self.executor.append_context(hidden, starts, slots)
+        return self.executor.append_context(hidden, starts, slots, rows=rows)
 
 
 def test_a_step_runs_one_drafter_pass(biased_engines):

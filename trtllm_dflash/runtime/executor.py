@@ -64,6 +64,29 @@ class DraftContext:
         return self.starts[:, None] + torch.arange(self.hidden.shape[1], device=self.starts.device)
 
 
+@dataclass(frozen=True)
+class HostRows:
+    """What the host already knows about a pass's rows (the Decoder's own bookkeeping), handed to an executor with the
+    device tensors so that it never reads them back: on a GPU every such read waits for the queue to drain.
+
+    Row b is request slot slots[b], its tokens at positions starts[b] .. starts[b] + T - 1 (T: the pass's tokens per
+    row; for a draft pass with context, the context's rows start earlier, see DraftContext)."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    def attended(self, tokens: int) -> int:
+        """Keys the longest row attends to in a pass of `tokens` per row: positions 0 .. max(start) + tokens - 1."""
+        return max(self.starts) + tokens
+
+    def slot_run(self) -> slice | None:
+        """The slots as one slice when they are consecutive and increasing (a cache can then be read as a view), else
+        None."""
+        first = self.slots[0]
+        return slice(first, first + len(self.slots)) if self.slots == tuple(range(first, first + len(self.slots))) \
+            else None
+
+
 class Executor(Protocol):
     """Runs the target and the drafter over per-slot KV caches; everything the Decoder relies on.
 
@@ -79,19 +102,23 @@ class Executor(Protocol):
     block_size: int  # tokens per DFlash block at run time (1 without a drafter)
 
     def target_forward(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-                       capture: bool, last_index: torch.Tensor | None = None) -> StepOutput:
-        """token_ids [B, T] at positions starts[:, None] + arange(T), written into the slots' caches."""
+                       capture: bool, last_index: torch.Tensor | None = None, rows: HostRows | None = None
+                       ) -> StepOutput:
+        """token_ids [B, T] at positions starts[:, None] + arange(T), written into the slots' caches. `rows`: the
+        same starts and slots as the host knows them (None: the executor may read the tensors)."""
         ...
 
     def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-              num_drafts: int | None = None, context: DraftContext | None = None) -> torch.Tensor:
+              num_drafts: int | None = None, context: DraftContext | None = None,
+              rows: HostRows | None = None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (default block_size - 1) for the block [anchor, MASK...] at positions
         starts + arange(block_size). The drafter always runs over the whole block; only the first num_drafts
         drafts are read out (an executor may save the lm_head of the others). With `context`, the same drafter pass
         first adds those features to the drafter's context (each request's positions up to its start)."""
         ...
 
-    def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
+    def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+                       rows: HostRows | None = None) -> None:
         """Give the drafter captured target features hidden [B, C, F] at positions starts + arange(C), in a pass
         of their own (many positions: a prompt, or what plain AR steps held back)."""
         ...
@@ -141,7 +168,7 @@ class TorchExecutor:
         self.device = target.lm_head.weight.device
 
     @torch.inference_mode()
-    def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
         """Run the target on token_ids [B, T] at positions starts[:, None] + arange(T).
 
         With `capture`, also return the outputs of the drafter's target_layer_ids [B, T, n_feat * H].
@@ -152,7 +179,7 @@ class TorchExecutor:
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] for the block after each anchor (at position `starts`), as target
         token ids (a drafter with a pruned vocabulary maps its own through d2t), after adding `context` to the
         drafter's cache in the same pass. The lm_head runs over the num_drafts positions read out only: with a
@@ -167,7 +194,7 @@ class TorchExecutor:
         return self.drafter.greedy_tokens(hidden[:, 1:n + 1], self.target.logits)
 
     @torch.inference_mode()
-    def append_context(self, hidden, starts, slots) -> None:
+    def append_context(self, hidden, starts, slots, rows=None) -> None:
         """Add captured target features hidden [B, C, F] at positions starts[:, None] + arange(C)."""
         assert self.drafter is not None
         positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)

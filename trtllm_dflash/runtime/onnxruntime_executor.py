@@ -141,7 +141,7 @@ class OnnxRuntimeExecutor:
     # The Executor contract
     # ------------------------------------------------------------------------------------------------
 
-    def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
         runs = self._rows.runs_of(slots)
         T = token_ids.shape[1]
@@ -168,7 +168,7 @@ class OnnxRuntimeExecutor:
         self._sessions["target_step.onnx"].run_with_iobinding(binding)
         return logits, hidden
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
         whole block: the graph has one block length), after writing `context` into the drafter's caches."""
         runs = self._rows.runs_of(slots)
@@ -194,7 +194,7 @@ class OnnxRuntimeExecutor:
             drafts = batch_order(runs, drafts)[:, :num_drafts]
         return drafts
 
-    def append_context(self, hidden, starts, slots) -> None:
+    def append_context(self, hidden, starts, slots, rows=None) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)

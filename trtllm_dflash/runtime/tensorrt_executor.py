@@ -203,7 +203,7 @@ class TensorRTExecutor:
     # The Executor contract
     # ------------------------------------------------------------------------------------------------
 
-    def target_forward(self, token_ids, starts, slots, capture, last_index=None) -> StepOutput:
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`).
 
         T > pass_tokens (a prefill) runs in passes of pass_tokens positions; with `last_index`, only the logits at
@@ -246,7 +246,7 @@ class TensorRTExecutor:
             picked = found if picked is None else torch.where(here[:, None, None], found, picked)
         return picked, hidden
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
         writing `context` into the drafter's caches."""
         runs = self._rows.runs_of(slots)
@@ -266,7 +266,7 @@ class TensorRTExecutor:
             drafts = batch_order(runs, drafts)[:, :num_drafts]
         return drafts
 
-    def append_context(self, hidden, starts, slots) -> None:
+    def append_context(self, hidden, starts, slots, rows=None) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place, in passes
         of at most pass_tokens positions."""
         with self._on_own_stream():
