@@ -54,7 +54,7 @@ class ContextPassFirst:
 
 def decode_one_by_one(executor, mode: str, requests: list[Request], eos: list[int]) -> tuple[float, list[list[int]]]:
     """Seconds to decode the requests one at a time (batch size 1), and their tokens."""
-    decoder = Decoder(executor, mode, eos)
+    decoder = Decoder.for_mode(executor, mode, eos)
     start, tokens = time.perf_counter(), []
     for request in requests:
         tokens += [r.output_token_ids for r in decoder.generate([request])]

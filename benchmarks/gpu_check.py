@@ -881,12 +881,12 @@ def stage_decoder(ctx: StageContext) -> None:
                         max_new_tokens=o.decoder_new_tokens) for i in range(o.decoder_requests)]
     r["host_and_syncs"] = {}
     for mode in ("ar", "dflash"):
-        r["host_and_syncs"][mode] = gd.host_and_syncs(lambda mode=mode: Decoder(ex, mode, ()), requests,
+        r["host_and_syncs"][mode] = gd.host_and_syncs(lambda mode=mode: Decoder.for_mode(ex, mode, ()), requests,
                                                       warmup_steps=2, steps=12, device=dev)
         ctx.log(f"{mode}: {r['host_and_syncs'][mode].get('syncs_per_step')} syncs per step; profiled "
                 f"{r['host_and_syncs'][mode].get('profiled')}")
         ctx.save()
-    r["throughput"] = gd.decoder_throughput(ex, requests, lambda e, mode: Decoder(e, mode, ()), dev)
+    r["throughput"] = gd.decoder_throughput(ex, requests, lambda e, mode: Decoder.for_mode(e, mode, ()), dev)
     ctx.log(f"throughput: {r['throughput']}")
     ctx.save()
     heads, kv_heads, hd = (PAIR_SHAPES[o.shape][k] for k in ("num_heads", "num_kv_heads", "head_dim"))
@@ -971,7 +971,7 @@ def make_case(kind: str, batch: int, block_size: int, vocab: int, gen):
 
 
 def accept_reference(draft, target, starts, block_size: int) -> dict:
-    """The plugin's five outputs from the target tokens [B, K+1], as Decoder._dflash_step commits them."""
+    """The plugin's five outputs from the target tokens [B, K+1], as Decoder._decode commits them."""
     import torch
 
     from trtllm_dflash.speculative.core import accepted_lengths, block_input, bonus_tokens

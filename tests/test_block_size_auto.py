@@ -251,7 +251,7 @@ def mixed_requests(vocab: int, n: int = 6) -> list[Request]:
 
 
 def decode(executor, mode, reqs, auto=None) -> dict:
-    return {r.request.id: r for r in Decoder(executor, mode, (), auto).generate(reqs)}
+    return {r.request.id: r for r in Decoder.for_mode(executor, mode, (), auto).generate(reqs)}
 
 
 def test_any_verify_lengths_keep_dflash_equal_to_ar(biased_engines):
@@ -279,7 +279,7 @@ class FullBlock(RandomVerifyLength):
 
 def drafter_context(ex, requests, auto, steps: int) -> list[torch.Tensor]:
     """The drafter's cached keys of every layer, positions 0 .. start - 1 of each request's slot, after `steps`."""
-    decoder = Decoder(ex, "dflash", (), auto)
+    decoder = Decoder.for_mode(ex, "dflash", (), auto)
     for r in requests:
         decoder.submit(r)
     for _ in range(steps):

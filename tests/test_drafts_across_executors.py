@@ -104,7 +104,7 @@ SCRIPT, CANCEL = (8, 1, 8), {3: 0}  # verify lengths of the first steps; step ->
 
 def decode(executor, policy, reqs: list[Request], cancel: dict[int, int]) -> dict:
     """Every request through a Decoder, step by step, cancelling cancel[s] before step s: id -> (tokens, ALs)."""
-    decoder = Decoder(executor, "dflash", (), policy)
+    decoder = Decoder.for_mode(executor, "dflash", (), policy)
     for r in reqs:
         decoder.submit(r)
     results, step = {}, 0

@@ -136,8 +136,8 @@ def test_greedy_dflash_equals_ar_equals_hf_generate(pair, tmp_path):
     assert engine.executor.drafter.spec.input_embedding_scale == 8.0  # sqrt(hidden), from dflash_config
     hf = AutoModelForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
     reqs = requests(engine.executor.vocab_size)
-    dflash = {r.request.id: r for r in Decoder(engine.executor, "dflash", ()).generate(reqs)}
-    ar = {r.request.id: r for r in Decoder(engine.executor, "ar", ()).generate(reqs)}
+    dflash = {r.request.id: r for r in Decoder.for_mode(engine.executor, "dflash", ()).generate(reqs)}
+    ar = {r.request.id: r for r in Decoder.for_mode(engine.executor, "ar", ()).generate(reqs)}
     for req in reqs:
         ids = torch.tensor([req.prompt_token_ids])
         want = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,

@@ -135,8 +135,8 @@ def test_quantized_engine_is_lossless_against_itself(quantized):
     fmt, engine_dir = quantized
     engine = Engine.load(engine_dir, backend="torch")
     reqs = requests(engine.executor.vocab_size)
-    dflash = {r.request.id: r.output_token_ids for r in Decoder(engine.executor, "dflash", ()).generate(reqs)}
-    ar = {r.request.id: r.output_token_ids for r in Decoder(engine.executor, "ar", ()).generate(reqs)}
+    dflash = {r.request.id: r.output_token_ids for r in Decoder.for_mode(engine.executor, "dflash", ()).generate(reqs)}
+    ar = {r.request.id: r.output_token_ids for r in Decoder.for_mode(engine.executor, "ar", ()).generate(reqs)}
     assert dflash == ar and len({t for out in ar.values() for t in out}) > 10
 
 

@@ -20,7 +20,7 @@ def requests(vocab_size: int) -> list[Request]:
 
 
 def run(engine, mode, reqs, stop_ids=()):
-    results = Decoder(engine.executor, mode, stop_ids).generate(reqs)
+    results = Decoder.for_mode(engine.executor, mode, stop_ids).generate(reqs)
     return {r.request.id: r for r in results}
 
 
@@ -114,7 +114,7 @@ def test_admitted_prompts_prefill_in_length_groups(biased_engines):
     forward = ex.target_forward
     ex.target_forward = lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or forward(ids, *a, **k)
     try:
-        decoder = Decoder(ex, "ar", ())
+        decoder = Decoder.for_mode(ex, "ar", ())
         for req in requests(ex.vocab_size):
             decoder.submit(req)
         decoder.step()
@@ -152,7 +152,7 @@ def test_a_step_runs_one_drafter_pass(biased_engines):
     engine = biased_engines[8]
     reqs = requests(engine.executor.vocab_size)
     counting = CountingExecutor(engine.executor)
-    dflash = {r.request.id: r for r in Decoder(counting, "dflash", ()).generate(reqs)}
+    dflash = {r.request.id: r for r in Decoder.for_mode(counting, "dflash", ()).generate(reqs)}
     ar = run(engine, "ar", reqs)
     assert all(dflash[r.id].output_token_ids == ar[r.id].output_token_ids for r in reqs)
     calls = counting.calls

@@ -24,7 +24,7 @@ ALPHA = 1e-3  # a correct sampler fails with this probability; the seeds are fix
 def samples(engine, mode, n=N, max_new=3, temperature=1.0):
     reqs = [Request(id=i, prompt_token_ids=PROMPT, max_new_tokens=max_new, temperature=temperature,
                     seed=request_seed(0, str(i))) for i in range(n)]
-    return {r.request.id: r for r in Decoder(engine.executor, mode, ()).generate(reqs)}
+    return {r.request.id: r for r in Decoder.for_mode(engine.executor, mode, ()).generate(reqs)}
 
 
 def chi_square_pvalue(observed_tokens: list[int], probs: torch.Tensor) -> float:

@@ -113,8 +113,8 @@ def _requests(n: int, max_new: int, configs: list[tuple[int, float]]) -> list[Re
 @pytest.mark.slow
 def test_dflash_and_ar_sample_identical_tokens_with_top_k_and_top_p(wide_engine):
     reqs = _requests(64, 20, [(5, 1.0), (0, 0.7), (10, 0.8)])
-    dflash = {r.request.id: r for r in Decoder(wide_engine.executor, "dflash", ()).generate(reqs)}
-    ar = {r.request.id: r for r in Decoder(wide_engine.executor, "ar", ()).generate(reqs)}
+    dflash = {r.request.id: r for r in Decoder.for_mode(wide_engine.executor, "dflash", ()).generate(reqs)}
+    ar = {r.request.id: r for r in Decoder.for_mode(wide_engine.executor, "ar", ()).generate(reqs)}
     assert all(dflash[i].output_token_ids == ar[i].output_token_ids for i in range(len(reqs)))
     assert len({tuple(r.output_token_ids) for r in dflash.values()}) > 32  # really sampled
     assert sum(n > 1 for r in dflash.values() for n in r.acceptance_lengths) > 0  # drafts were accepted
@@ -145,7 +145,7 @@ def test_dflash_samples_follow_the_truncated_target_distribution(wide_engine, pe
     truncated set and the counts fit its renormalised probabilities; untruncated samples leave the set."""
     top_k, top_p, n = 12, 0.88, 1200
     hf = AutoModelForCausalLM.from_pretrained(str(peaky_pair / "target"), dtype=torch.float32).eval()
-    results = Decoder(wide_engine.executor, "dflash", ()).generate(_requests(n, 3, [(top_k, top_p)]))
+    results = Decoder.for_mode(wide_engine.executor, "dflash", ()).generate(_requests(n, 3, [(top_k, top_p)]))
     outs = [r.output_token_ids for r in results]
     prefix: list[int] = []
     for position in range(3):
@@ -160,7 +160,7 @@ def test_dflash_samples_follow_the_truncated_target_distribution(wide_engine, pe
         assert _chi_square_pvalue(group, probs) > ALPHA, f"position {position} after {prefix}"
         prefix = prefix + [max(set(group), key=group.count)]
 
-    plain = [r.output_token_ids[0] for r in Decoder(wide_engine.executor, "dflash", ()).generate(
+    plain = [r.output_token_ids[0] for r in Decoder.for_mode(wide_engine.executor, "dflash", ()).generate(
         _requests(500, 1, [(0, 1.0)]))]
     with torch.no_grad():
         kept = set(_truncated_probs(hf(torch.tensor([PROMPT])).logits[0, -1], top_k, top_p).nonzero().flatten().tolist())

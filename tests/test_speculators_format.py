@@ -56,7 +56,7 @@ def held_out_requests(engine: Engine, n: int = 3, max_new: int = 32, temperature
 
 
 def run(engine: Engine, mode: str, requests: list[Request]) -> dict:
-    return {r.request.id: r for r in Decoder(engine.executor, mode, ()).generate(requests)}
+    return {r.request.id: r for r in Decoder.for_mode(engine.executor, mode, ()).generate(requests)}
 
 
 def vllm_reads(config: dict) -> dict:

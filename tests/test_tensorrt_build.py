@@ -480,7 +480,7 @@ def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
     expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
                 for r in reference.decoder(mode).generate(reqs)}
     got = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
-           for r in Decoder(executor, mode, cfg.eos_token_ids).generate(reqs)}
+           for r in Decoder.for_mode(executor, mode, cfg.eos_token_ids).generate(reqs)}
     assert got == expected
     assert executor._rows.in_use == 0  # every request released its row
 

@@ -52,7 +52,7 @@ def quantize_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoint, fmt: 
     def forward_loop(m: DFlashDrafter) -> None:
         executor = TorchExecutor(target_model, m, num_slots=min(8, len(prompts)), max_seq_len=max_seq_len)
         requests = [Request(i, ids, CALIBRATION_NEW_TOKENS) for i, ids in enumerate(prompts)]
-        for _ in Decoder(executor, "dflash", stop_token_ids=()).generate(requests):
+        for _ in Decoder.for_mode(executor, "dflash", stop_token_ids=()).generate(requests):
             pass
 
     calibrate_module(model, fmt, forward_loop)

@@ -14,7 +14,9 @@ not yet in it. The drafter's context cache holds the same positions.
 
 from __future__ import annotations
 
+import bisect
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -26,9 +28,10 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.inputs import shown
-from trtllm_dflash.runtime.executor import DraftContext, Executor
-from trtllm_dflash.runtime.options import Mode
+from trtllm_dflash.runtime.executor import DraftContext, Executor, HostRows
 from trtllm_dflash.runtime.stop_strings import first_stop
+from trtllm_dflash.runtime.options import Mode
+from trtllm_dflash.runtime.verify import StepShape, VerifyPolicy, verify_policy
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
 
@@ -178,30 +181,47 @@ class _Active:
 
 
 class Decoder:
-    """Continuous-batching scheduler over one executor's KV-cache slots, `mode` 'dflash' or 'ar'.
+    """Continuous-batching scheduler over one executor's KV-cache slots; `policy` says how many tokens each step
+    verifies (runtime/verify.py: plain decoding, a fixed DFlash block, or --block-size auto).
 
     `submit` queues requests; every `step` admits queued requests into free slots (one batched
     prefill; on the CPU, one per group of similar prompt lengths), runs one decoding step (a draft +
-    verify pass, or one AR token) for every running request and returns what each request committed.
-    Finished requests free their slot in the same step, so the next step admits new ones. `generate` is the batch-job loop over it.
+    verify pass, or one plain token) for every running request and returns what each request committed.
+    Finished requests free their slot in the same step, so the next step admits new ones. `generate` is the batch-job
+    loop over it.
 
     `cancel` ends a request at the next step: before anything is admitted, it leaves with what it has
     committed (finish_reason "cancelled") and its slot is released exactly as a finished request's.
     Requests with stop strings need the `tokenizer` (the engine's, which decodes `run`'s text).
 
-    With `auto_block` (`--block-size auto`), each dflash step verifies k tokens per request, chosen for the
-    running batch (speculative/schedule.py): one k per step, not per request, because an executor's
-    target pass takes one [B, T] block (ragged lengths would pad to the longest and cost as much).
+    A step verifies the same k tokens for every request (one k per step, not per request: an executor's target
+    pass takes one [B, T] block, and ragged lengths would pad to the longest and cost as much).
+
+    Host and device: what the host already knows (slots, starts, anchors, sampling settings) goes to the device in
+    one copy per step (`_stage`), the executors are told it as HostRows, and a step's results (accepted drafts,
+    bonus tokens, drafts) come back in one read (`_read`): one host synchronization per decoding step. Running
+    requests are kept in slot order and take the lowest free slot, so a batch's slots are usually one run that
+    the caches read as views.
     """
 
-    def __init__(self, executor: Executor, mode: Mode, stop_token_ids: Iterable[int],
-                 auto_block: AutoBlockSize | None = None, tokenizer: PreTrainedTokenizerBase | None = None):
-        self.executor, self.mode, self.auto_block, self.tokenizer = executor, mode, auto_block, tokenizer
+    def __init__(self, executor: Executor, policy: VerifyPolicy, stop_token_ids: Iterable[int],
+                 tokenizer: PreTrainedTokenizerBase | None = None):
+        if policy.longest > executor.block_size:
+            raise ValueError(f"the policy verifies up to {policy.longest} tokens a step, more than the executor's "
+                             f"block of {executor.block_size}")
+        self.executor, self.policy, self.tokenizer = executor, policy, tokenizer
         self.stop_ids = frozenset(stop_token_ids)
         self._pending: deque[tuple[Request, float]] = deque()
-        self._free = list(range(executor.num_slots))
-        self._active: list[_Active] = []
+        self._free = list(range(executor.num_slots))  # kept sorted: a new request takes the lowest
+        self._active: list[_Active] = []  # in slot order
         self._cancelled: set[str | int] = set()  # ids to end at the next step
+
+    @classmethod
+    def for_mode(cls, executor: Executor, mode: Mode, stop_token_ids: Iterable[int] = (),
+                 auto: AutoBlockSize | None = None, tokenizer: PreTrainedTokenizerBase | None = None) -> "Decoder":
+        """The decoder of `run --mode`: plain decoding for "ar"; for "dflash", `auto`'s choice (--block-size auto)
+        when given, else blocks of the executor's block_size."""
+        return cls(executor, verify_policy(mode, executor.block_size, auto), stop_token_ids, tokenizer)
 
     def check(self, request: Request) -> None:
         """Raise ValueError if the request can never fit in a slot (prompt + max_new_tokens > max_seq_len) or
@@ -235,14 +255,13 @@ class Decoder:
         admitted = []
         while self._pending and self._free:
             request, submitted = self._pending.popleft()
-            estimate = self.auto_block.new_request() if self.auto_block is not None else None
-            admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=estimate))
+            admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=self.policy.new_request()))
         if admitted:
             self._prefill(admitted)
-            self._active += admitted
+            self._active = sorted(self._active + admitted, key=lambda a: a.slot)
         running = [a for a in self._active if a.finish_reason is None]
         if running:
-            self._dflash_step(running) if self.mode == "dflash" else self._ar_step(running)
+            self._decode(running)
         for a in list(self._active):
             new = a.output[before.get(id(a), 0):]
             result = self._finish(a) if a.finish_reason is not None else None
@@ -254,7 +273,7 @@ class Decoder:
         """Take a finished request out of the batch and free its slot."""
         self._active.remove(a)
         self.executor.release(a.slot)
-        self._free.append(a.slot)
+        bisect.insort(self._free, a.slot)
         return a.result()
 
     def _drop_cancelled(self) -> list[Update]:
@@ -276,16 +295,28 @@ class Decoder:
         """Yield each request's result as soon as it finishes (not in input order)."""
         return run_to_completion(self, requests)
 
-    def _batch(self, active: list[_Active]) -> tuple[torch.Tensor, torch.Tensor, Sampling]:
-        dev = self.executor.device
-        slots = torch.tensor([a.slot for a in active], device=dev)
-        starts = torch.tensor([a.start for a in active], device=dev)
+    def save(self) -> None:
+        """Keep what the policy learnt for the next run (--block-size auto's acceptance prior), if anything."""
+        save = getattr(self.policy, "save", None)
+        if save is not None:
+            save()
+
+    def _stage(self, active: list[_Active], prompts: list[list[int]] | None = None) -> _Staged:
+        """The batch's host values on the executor's device, in one copy: slots, starts (0 for `prompts`: a prefill's
+        padded prompt ids), anchors, sampling settings and, where requests hold features for the drafter, where
+        those begin."""
         reqs = [a.request for a in active]
-        sampling = Sampling(torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=dev),
-                            torch.tensor([r.top_k for r in reqs], dtype=torch.long, device=dev),
-                            torch.tensor([r.top_p for r in reqs], dtype=torch.float32, device=dev),
-                            [r.seed for r in reqs])
-        return slots, starts, sampling
+        temperature = [r.temperature for r in reqs]
+        starts = [0] * len(active) if prompts is not None else [a.start for a in active]
+        rows = [[a.slot for a in active], starts, [a.output[-1] if a.output else 0 for a in active],
+                [a.start - a.num_pending for a in active], [r.top_k for r in reqs],
+                float_bits(temperature), float_bits([r.top_p for r in reqs])]
+        if prompts is not None:
+            rows += [[len(r.prompt_token_ids) - 1 for r in reqs], [t for p in prompts for t in p]]
+        staged = to_device(rows, self.executor.device)
+        sampling = Sampling(bits_float(staged[5]), staged[4], bits_float(staged[6]), [r.seed for r in reqs])
+        return _Staged(HostRows(tuple(rows[0]), tuple(starts)), *staged[:4], sampling, any(t > 0 for t in temperature),
+                       *((staged[7], staged[8].view(len(active), -1)) if prompts is not None else (None, None)))
 
     def _commit(self, a: _Active, tokens: list[int]) -> None:
         """Commit a step's tokens: up to a stop token or the length limit, then up to the token that completes
@@ -308,96 +339,125 @@ class Decoder:
 
     def _prefill_group(self, admitted: list[_Active]) -> None:
         lengths = [len(a.request.prompt_token_ids) for a in admitted]
-        slots, _, sampling = self._batch(admitted)
-        tokens = torch.zeros(len(admitted), max(lengths), dtype=torch.long, device=slots.device)
-        for row, a in enumerate(admitted):
-            tokens[row, : lengths[row]] = torch.tensor(a.request.prompt_token_ids)
-        zeros = torch.zeros_like(slots)
-        last = torch.tensor(lengths, device=slots.device) - 1
-        out = self.executor.target_forward(tokens, zeros, slots, capture=self.mode == "dflash", last_index=last)
-        first = sample_tokens(out.logits, sampling, (last + 1)[:, None])[:, 0]
-        if self.mode == "dflash" and self.auto_block is not None and max(lengths) <= MAX_PENDING_CONTEXT:
+        longest = max(lengths)
+        batch = self._stage(admitted, [a.request.prompt_token_ids + [0] * (longest - n)
+                                       for a, n in zip(admitted, lengths)])
+        out = self.executor.target_forward(batch.prompts, batch.starts, batch.slots, capture=self.policy.drafts,
+                                           last_index=batch.last, rows=batch.rows)
+        first = sample_tokens(out.logits, batch.sampling, (batch.last + 1)[:, None])[:, 0]
+        if self.policy.drafts and self.policy.defers_context and longest <= MAX_PENDING_CONTEXT:
             for row, a in enumerate(admitted):  # until a speculative step needs them
                 a.hold_context(out.hidden[row, : lengths[row]])
-        elif self.mode == "dflash":
+        elif self.policy.drafts:
             # Padding columns of shorter prompts land past their `start` and stay masked.
-            self.executor.append_context(out.hidden, zeros, slots)
-        for a, tok in zip(admitted, first.tolist()):
+            self.executor.append_context(out.hidden, batch.starts, batch.slots, rows=batch.rows)
+        for a, tok in zip(admitted, first.tolist()):  # the prefill's one read
             self._commit(a, [tok])
 
-    def _ar_step(self, active: list[_Active]) -> None:
-        slots, starts, sampling = self._batch(active)
-        anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
-        out = self.executor.target_forward(anchors[:, None], starts, slots, capture=False)
-        nxt = sample_tokens(out.logits, sampling, (starts + 1)[:, None])[:, 0]
-        for a, tok in zip(active, nxt.tolist()):
-            self._commit(a, [tok])
-
-    def _dflash_step(self, active: list[_Active]) -> None:
-        slots, starts, sampling = self._batch(active)
-        anchors = torch.tensor([a.output[-1] for a in active], device=slots.device)
-        k = self.executor.block_size
-        began, context, pending = time.perf_counter(), max(a.start for a in active), 0.0
-        if self.auto_block is not None:
-            # Held-back features that need a pass of their own before a draft (up to a block's worth join the draft)
-            pending = sum(a.num_pending for a in active if a.num_pending > self.executor.block_size) / len(active)
-            remaining = sum(a.request.max_new_tokens - len(a.output) for a in active) / len(active)
-            k = self.auto_block.choose(len(active), context, [a.acceptance for a in active], pending, remaining)
-
-        if k == 1:  # a plain AR step, but with the target's features kept for the drafter's later steps
-            block = anchors[:, None]  # [B, 1]
-            out = self.executor.target_forward(block, starts, slots, capture=True)
-            bonus = sample_tokens(out.logits, sampling, (starts + 1)[:, None])[:, 0]
-            accepted = torch.zeros_like(bonus)
-            for row, a in enumerate(active):
-                a.hold_context(out.hidden[row, :1])
-            self._flush_context([a for a in active if a.num_pending >= MAX_PENDING_CONTEXT])
-        else:
-            self._flush_context([a for a in active if a.num_pending > self.executor.block_size])
-            # One drafter pass: the features the last step committed join the context, then the block is drafted.
-            draft = self.executor.draft(anchors, starts, slots, k - 1, self._draft_context(active))  # [B, k-1] greedy
-            block = torch.cat([anchors[:, None], draft], dim=1)  # [B, k]
-            out = self.executor.target_forward(block, starts, slots, capture=True)  # one verify pass
-            accepted, bonus = self.executor.accept(draft, out.logits, sampling, starts)  # [B], [B]
-        accepted_list = accepted.tolist()  # on a GPU, this waits for the step's work: the time below is real
-        for row, a in enumerate(active):
-            n = accepted_list[row]
-            a.verify_lengths.append(k)
+    def _decode(self, active: list[_Active]) -> None:
+        """One decoding step for every running request: the policy's k, then a plain step (k = 1) or a draft pass and
+        a verify pass; one read of the results; commit."""
+        began = time.perf_counter()
+        shape = self._shape(active)
+        k = self.policy.choose(shape)
+        if self.policy.drafts:  # features held back that need a pass of their own first
+            self._flush_context([a for a in active if a.num_pending >= MAX_PENDING_CONTEXT or
+                                 (k > 1 and a.num_pending > self.executor.block_size)])
+        batch = self._stage(active)
+        if k == 1:  # plain: the anchor alone (with a drafter, its features are kept for later steps)
+            out = self.executor.target_forward(batch.anchors[:, None], batch.starts, batch.slots,
+                                               capture=self.policy.drafts, rows=batch.rows)
+            bonus = sample_tokens(out.logits, batch.sampling, (batch.starts + 1)[:, None])[:, 0]
+            results = bonus[:, None]
+        else:  # one drafter pass (the features the last step committed join its context), one verify pass
+            draft = self.executor.draft(batch.anchors, batch.starts, batch.slots, k - 1,
+                                        self._draft_context(active, batch), rows=batch.rows)  # [B, k-1] greedy
+            block = torch.cat([batch.anchors[:, None], draft], dim=1)  # [B, k]
+            out = self.executor.target_forward(block, batch.starts, batch.slots, capture=True, rows=batch.rows)
+            accepted, bonus = self.executor.accept(draft, out.logits, batch.sampling, batch.starts)  # [B], [B]
+            results = torch.cat([bonus[:, None], accepted[:, None], draft], dim=1)
+        # The step's one read: on a GPU it waits for the step's work, so the time below is real.
+        accepted_list = []
+        for row, (a, (bonus_token, *rest)) in enumerate(zip(active, results.tolist())):
+            n, drafts = (rest[0], rest[1:]) if rest else (0, [])
+            accepted_list.append(n)
+            if self.policy.drafts:
+                a.verify_lengths.append(k)
+                # The anchor and the accepted drafts are now in the target's KV cache; the drafter gets their
+                # features with its next draft pass (after plain steps, in a pass of its own once they are many).
+                a.hold_context(out.hidden[row, : n + 1])
             if k > 1:
                 a.acceptance_lengths.append(n + 1)
-                # The anchor and the accepted drafts are now in the target's KV cache; the drafter gets their
-                # features with its next draft pass.
-                a.hold_context(out.hidden[row, : n + 1])
-            self._commit(a, block[row, 1 : n + 1].tolist() + [int(bonus[row])])
-        if self.auto_block is not None:
-            self.auto_block.observe(k, accepted_list, [a.acceptance for a in active])
-            self.auto_block.observe_time(len(active), context, k, time.perf_counter() - began, pending)
+            self._commit(a, drafts[:n] + [bonus_token])
+        self.policy.observe(k, accepted_list, shape, time.perf_counter() - began)
 
-    def _draft_context(self, active: list[_Active]) -> DraftContext | None:
+    def _shape(self, active: list[_Active]) -> StepShape:
+        """What the policy chooses from; `pending`: held-back positions per request beyond what a draft pass takes
+        (what a speculative step must hand over first)."""
+        block = self.executor.block_size
+        return StepShape(batch=len(active), context=max(a.start for a in active),
+                         estimates=[a.acceptance for a in active],
+                         pending=sum(a.num_pending for a in active if a.num_pending > block) / len(active),
+                         remaining=sum(a.request.max_new_tokens - len(a.output) for a in active) / len(active))
+
+    def _draft_context(self, active: list[_Active], batch: _Staged) -> DraftContext | None:
         """The features each request holds for the drafter (at most block_size positions each, once the flush has
         run), as one DraftContext padded to the most any request holds; None if none holds any."""
         held = [a.take_context() if a.num_pending else None for a in active]
         some = next((h for h in held if h is not None), None)
         if some is None:
             return None
-        starts = torch.tensor([a.start - (0 if h is None else h.shape[0]) for a, h in zip(active, held)],
-                              device=some.device)
         empty = some.new_zeros(0, some.shape[-1])
-        return DraftContext(pad_sequence([empty if h is None else h for h in held], batch_first=True), starts)
+        return DraftContext(pad_sequence([empty if h is None else h for h in held], batch_first=True),
+                            batch.context_starts)
 
     def _flush_context(self, requests: list[_Active]) -> None:
-        """Give the drafter, in passes of their own, the features these requests hold (a prompt's, or those plain AR
+        """Give the drafter, in passes of their own, the features these requests hold (a prompt's, or those plain
         steps held back): request r's are positions start_r - n_r .. start_r - 1. One call per distinct n_r (usually
-        one or two: the AR steps' rows, which every running request has alike, and a new request's prompt), so
+        one or two: the plain steps' rows, which every running request has alike, and a new request's prompt), so
         nothing is padded and no write can run past a slot's last position."""
         groups: dict[int, list[_Active]] = {}
         for a in requests:
             groups.setdefault(a.num_pending, []).append(a)
-        dev = self.executor.device
         for n, group in groups.items():
-            starts = torch.tensor([a.start - n for a in group], device=dev)
+            slots, starts = [a.slot for a in group], [a.start - n for a in group]
+            staged = to_device([slots, starts], self.executor.device)
             hidden = torch.stack([a.take_context() for a in group])  # [len(group), n, F]
-            self.executor.append_context(hidden, starts, torch.tensor([a.slot for a in group], device=dev))
+            self.executor.append_context(hidden, staged[1], staged[0], rows=HostRows(tuple(slots), tuple(starts)))
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A batch's host values on the device (`Decoder._stage`)."""
+
+    rows: HostRows
+    slots: torch.Tensor  # [B] int64
+    starts: torch.Tensor  # [B] int64: each request's anchor position (0 in a prefill)
+    anchors: torch.Tensor  # [B] int64: each request's last committed token
+    context_starts: torch.Tensor  # [B] int64: the first position of the features a request holds for the drafter
+    sampling: Sampling
+    sampled: bool  # some request samples (temperature > 0)
+    last: torch.Tensor | None = None  # prefill: [B] each prompt's last column
+    prompts: torch.Tensor | None = None  # prefill: [B, longest] prompt ids, padded with 0
+
+
+def float_bits(values: list[float]) -> list[int]:
+    """float32 values as their int32 bit patterns (to travel in an int64 staging buffer; bits_float undoes it)."""
+    return list(struct.unpack(f"{len(values)}i", struct.pack(f"{len(values)}f", *values)))
+
+
+def bits_float(bits: torch.Tensor) -> torch.Tensor:
+    """[B] int64 holding int32 bit patterns -> the float32 values (float_bits' inverse), on bits' device."""
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def to_device(rows: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Host integer lists -> one int64 tensor per list on `device`, in one copy (on a GPU from pinned memory and
+    without waiting: the copy is queued ahead of the passes that read it)."""
+    host = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
+    if device.type != "cpu":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return list(host.split([len(row) for row in rows]))
 
 
 def prefill_groups(lengths: list[int], pass_tokens: int) -> list[list[int]]:
@@ -425,6 +485,6 @@ def run_to_completion(scheduler, requests: Iterable[Request]) -> Iterator[Result
         for update in scheduler.step():
             if update.result is not None:
                 yield update.result
-    auto_block = getattr(scheduler, "auto_block", None)
-    if auto_block is not None:  # the acceptance seen, as the next run's prior (--block-size auto)
-        auto_block.save()
+    save = getattr(scheduler, "save", None)
+    if save is not None:  # what the policy learnt (--block-size auto's acceptance), as the next run's prior
+        save()

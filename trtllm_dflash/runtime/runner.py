@@ -99,8 +99,8 @@ class Engine:
         """A decoder that stops at the engine's EOS ids, `stop_token_ids` and requests' stop strings (found with the
         engine's tokenizer). Decoders of one engine share its acceptance estimate (--block-size auto), so each
         starts from what the previous ones saw."""
-        return Decoder(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids],
-                       self.auto_block if mode == "dflash" else None, self.tokenizer)
+        return Decoder.for_mode(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids],
+                                self.auto_block if mode == "dflash" else None, self.tokenizer)
 
 
 def _check_auto(cfg: EngineConfig, backend: Backend) -> None:

@@ -97,7 +97,7 @@ def generate_responses(target: TargetModel, eos: tuple[int, ...], requests: list
     executor = TorchExecutor(target, None, num_slots=min(64, len(requests)), max_seq_len=max_seq_len)
     task = progress.add_task("target responses", total=len(requests), loss=float("nan"), al=float("nan"))
     rows = []
-    for result in Decoder(executor, "ar", eos).generate(requests):
+    for result in Decoder.for_mode(executor, "ar", eos).generate(requests):
         rows.append({"id": result.request.id, "prompt_token_ids": result.request.prompt_token_ids,
                      "response_token_ids": result.output_token_ids})
         progress.advance(task)
@@ -192,7 +192,7 @@ def acceptance_estimate(target: TargetModel, drafter: DFlashDrafter, eos, prompt
     """Mean acceptance length of greedy DFlash with the current drafter on held-out prompts."""
     drafter.eval()
     executor = TorchExecutor(target, drafter, num_slots=len(prompts), max_seq_len=max_seq_len)
-    steps = all_steps(Decoder(executor, "dflash", eos).generate(prompts))
+    steps = all_steps(Decoder.for_mode(executor, "dflash", eos).generate(prompts))
     drafter.train()
     return mean_acceptance_length(steps)
 

@@ -1,0 +1,123 @@
+"""How many tokens a decoding step verifies per request: one policy object per Decoder, asked every step.
+
+    PlainDecoding      k = 1 every step: plain autoregressive decoding; the drafter never runs (`--mode ar`).
+    FixedBlock(k)      k every step: DFlash with a block of k tokens, the anchor and k - 1 drafts (`--block-size k`).
+    AutoBlock(auto)    the k in 1 .. block_size that maximises expected tokens/s for the running batch, from
+                       measured pass costs and the acceptance seen so far (`--block-size auto`,
+                       speculative/schedule.py); k = 1 is a plain step that keeps the target's features for later.
+
+Every policy is lossless: the tokens committed are the target's own whatever k is (speculative/core.py), so the
+decoders of one engine under different policies give the same tokens, at different speeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from trtllm_dflash.runtime.options import Mode
+from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a policy is told about the step it chooses for (all host values)."""
+
+    batch: int  # running requests
+    context: int  # the longest request's committed positions
+    estimates: Sequence[AcceptanceEstimate | None]  # each request's own acceptance estimate (AutoBlock's)
+    pending: float  # held-back positions per request that a speculative step hands to the drafter first
+    remaining: float  # tokens per request still allowed (mean of max_new_tokens - committed)
+
+
+class VerifyPolicy(Protocol):
+    drafts: bool  # whether steps use the drafter (and prefills and plain steps keep the target's features for it)
+    defers_context: bool  # prompts' features are held back until a speculative step needs them (AutoBlock)
+    longest: int  # the most tokens a step may verify
+
+    def new_request(self) -> AcceptanceEstimate | None:
+        """A new request's own acceptance estimate, if the policy keeps one."""
+        ...
+
+    def choose(self, shape: StepShape) -> int:
+        """Tokens verified per request this step, 1 .. longest (1: a plain step)."""
+        ...
+
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+        """What the step verifying k tokens accepted per request (drafts, in `shape.estimates`' order), in `seconds`."""
+        ...
+
+
+class PlainDecoding:
+    """One token per step, without the drafter."""
+
+    drafts, defers_context, longest = False, False, 1
+
+    def new_request(self) -> None:
+        return None
+
+    def choose(self, shape: StepShape) -> int:
+        return 1
+
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class FixedBlock:
+    """A block of k tokens every step: the anchor and k - 1 drafts (k >= 2)."""
+
+    k: int
+    drafts = True
+    defers_context = False
+
+    def __post_init__(self):
+        if self.k < 2:
+            raise ValueError(f"a DFlash block verifies at least 2 tokens (the anchor and a draft), got {self.k}")
+
+    @property
+    def longest(self) -> int:
+        return self.k
+
+    def new_request(self) -> None:
+        return None
+
+    def choose(self, shape: StepShape) -> int:
+        return self.k
+
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+        pass
+
+
+class AutoBlock:
+    """`--block-size auto`: the engine's AutoBlockSize chooses k per step and learns from what each step accepted and
+    how long it took. Decoders of one engine share it, so each starts from what the previous ones saw."""
+
+    drafts, defers_context = True, True
+
+    def __init__(self, auto: AutoBlockSize):
+        self.auto = auto
+        self.longest = auto.block_size
+
+    def new_request(self) -> AcceptanceEstimate:
+        return self.auto.new_request()
+
+    def choose(self, shape: StepShape) -> int:
+        return self.auto.choose(shape.batch, shape.context, shape.estimates, shape.pending, shape.remaining)
+
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+        self.auto.observe(k, accepted, shape.estimates)  # k = 1 verifies no draft: only the step is counted
+        self.auto.observe_time(shape.batch, shape.context, k, seconds, shape.pending)
+
+    def save(self) -> None:
+        """The acceptance seen, as the next run's prior."""
+        self.auto.save()
+
+
+def verify_policy(mode: Mode, block_size: int, auto: AutoBlockSize | None = None) -> VerifyPolicy:
+    """The policy of `run --mode` (and `--block-size`): plain decoding for "ar"; for "dflash", `auto`'s choice when
+    given (`--block-size auto`), else a fixed block of `block_size` tokens."""
+    if mode == "ar":
+        return PlainDecoding()
+    return AutoBlock(auto) if auto is not None else FixedBlock(block_size)
