@@ -352,3 +352,17 @@ def test_published_models_split_eight_ways_quantized(name, dims):
     assert [len(query_heads(spec, 8, r)) for r in range(8)] == [4] * 8
     assert [kv_heads(spec, 8, r).start for r in range(8)] == list(range(8))
     assert padded_vocab(spec.vocab_size, 8) % 8 == 0 and padded_vocab(spec.vocab_size, 8) - spec.vocab_size < 8
+
+
+def test_run_puts_a_rank_on_the_gpu_of_its_local_rank(monkeypatch):
+    """--device cuda: rank 3 of two 2-GPU nodes (local rank 1) drives cuda:1, not cuda:(3 % 2) by chance of the
+    numbering; rank 2 of 4-GPU nodes numbered round-robin (local rank 1) drives cuda:1, not cuda:2."""
+    from trtllm_dflash.parallel.world import World
+    from trtllm_dflash.runtime.options import RunOptions
+    from trtllm_dflash.runtime.runner import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _device(RunOptions(device="cuda"), World(3, 4, None, 1)) == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _device(RunOptions(device="cuda"), World(2, 8, None, 1)) == "cuda:1"

@@ -449,7 +449,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
     r.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
     r.add_argument("--device", choices=("cpu", "cuda"), default=ro.device,
-                   help="cuda: rank r runs on GPU r %% device_count, collectives over nccl")
+                   help="cuda: each rank runs on the GPU of its local rank on its node, collectives over nccl")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress on stderr (default: only when stderr is a terminal)")
     _add_backend(r)

@@ -26,7 +26,7 @@ class RunOptions:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
     threads: int | None = None  # torch CPU threads per rank (None: torch's choice, shared out among ranks)
     block_size: BlockSize | None = None  # tokens per block, <= the engine's trained one, or "auto" (None: trained)
-    device: str = "cpu"  # "cpu" or "cuda" (rank r uses GPU r % device_count)
+    device: str = "cpu"  # "cpu" or "cuda" (a rank drives the GPU of its local rank on its node: parallel/world.py)
     resume: bool = False  # keep the output file's finished requests and run only the others
     progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
     backend: Backend | None = None  # "torch" or "onnxruntime" (None: what the engine was compiled for)

@@ -22,7 +22,7 @@ from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine
 from trtllm_dflash.errors import Interrupted, UserError
 from trtllm_dflash.inputs import decode_lines, loads, require_file, shown
 from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
-from trtllm_dflash.parallel.world import World
+from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
@@ -125,7 +125,7 @@ def _device(opts: RunOptions, world: World) -> str:
         return "cpu"
     if not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible to torch on this machine.")
-    return f"cuda:{world.rank % torch.cuda.device_count()}"
+    return f"cuda:{cuda_device_index(world.local_rank, torch.cuda.device_count())}"
 
 
 def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path | None = None,
