@@ -29,6 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BIAS_TOKEN = 100
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Engine.load sets this process's torch threads (runtime/runner.py cpu_threads: 1 for the tiny test models);
+    each test gets the process's threads back, so builds and exports in later tests keep every core."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def load_script(path: Path, name: str) -> ModuleType:
     """Import a script that is not in a package (benchmarks/, docker/) as module `name`, registered in sys.modules
     (dataclasses look their module up there)."""

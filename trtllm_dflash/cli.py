@@ -250,7 +250,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
                    help="when a request has no sampling_param_max_tokens")
     s.add_argument("--seed", type=_seed, default=d.seed, help="when a request has no sampling_param_seed")
-    s.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
+    s.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
+                   "shared among the ranks)")
     _add_backend(s)
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
     s.add_argument("--host", default=e.host, help="address the endpoints bind to")
@@ -337,7 +338,8 @@ def _add_bench(sub) -> None:
                    help="write the full report (trtllm-bench field names) here (default: not written)")
     b.add_argument("--plot", type=Path,
                    help="write a PNG: per-user vs total throughput, acceptance per position (default: not written)")
-    b.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
+    b.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
+                   "shared among the ranks)")
     _add_backend(b)
     b.set_defaults(func=cmd_bench)
 
@@ -446,7 +448,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--stop-token-ids", type=int, nargs="+", default=[], metavar="ID",
                    help="token ids that end a request, in addition to the engine's EOS ids (default: none)")
     r.add_argument("--summary", type=Path, help="write the run summary JSON here (default: not written)")
-    r.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
+    r.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
+                   "shared among the ranks)")
     r.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
     r.add_argument("--device", choices=("cpu", "cuda"), default=ro.device,
                    help="cuda: each rank runs on the GPU of its local rank on its node, collectives over nccl")
@@ -466,7 +469,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per prompt")
     c.add_argument("--show", type=_non_negative_int, default=3, help="completions to print")
     c.add_argument("--repeats", type=_positive_int, default=1, help="timed repetitions (medians)")
-    c.add_argument("--threads", type=_threads, help="torch CPU threads, up to the CPUs (default: torch's choice)")
+    c.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
+                   "shared among the ranks)")
     c.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
     _add_backend(c)
     c.set_defaults(func=cmd_compare)

@@ -141,14 +141,10 @@ def markdown(report: dict) -> str:
 
 def profile_command(engine_dir: Path, threads: int | None, backend: Backend | None) -> None:
     """`bench --profile`: measure the pass costs again, cache them for --block-size auto, print the step costs."""
-    import torch
-
     from trtllm_dflash.runtime.costs import costs_table, load_or_measure
     from trtllm_dflash.runtime.runner import Engine
 
-    if threads:
-        torch.set_num_threads(threads)
-    engine = Engine.load(engine_dir, command="bench", backend=backend)
+    engine = Engine.load(engine_dir, command="bench", backend=backend, threads=threads)
     costs, path = load_or_measure(engine_dir, engine.executor, backend or engine.config.backend, remeasure=True,
                                   report=lambda line: print(line, file=sys.stderr, flush=True))
     for c in costs.contexts:

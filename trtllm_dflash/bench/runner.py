@@ -19,8 +19,6 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from trtllm_dflash.bench.datasets import load_dataset, to_requests
 from trtllm_dflash.bench.machine import machine_info
 from trtllm_dflash.bench.metrics import TimedRun, summarize_runs
@@ -73,12 +71,11 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
           progress: Callable[[str], None] = lambda line: None) -> dict:
     """Run the whole benchmark and return the report (see benchmarks/README.md for its fields)."""
     dataset = load_dataset(dataset_path)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     # Duplicates would only repeat points; AR alone needs one engine at any block size.
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
-    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench", backend=opts.backend, report=progress)
+    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench", backend=opts.backend, report=progress,
+                         threads=opts.threads)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -92,7 +89,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     for i, block_size in enumerate(block_sizes):
         if i > 0:
             engine = Engine.load(engine_dir, block_size=block_size, command="bench", backend=opts.backend,
-                                 report=progress)
+                                 report=progress, threads=opts.threads)
         b: int | str = "auto" if block_size == "auto" else engine.executor.block_size
         configs: list[tuple[Mode, int | None]] = []
         if "ar" in opts.modes:

@@ -21,11 +21,9 @@ def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_
                       repeats: int, threads: int | None, block_size: BlockSize | None = None,
                       backend: Backend | None = None) -> None:
     require_file(input_path, "input file")
-    if threads:
-        torch.set_num_threads(threads)
     console = Console()
     engine = Engine.load(engine_dir, block_size=block_size, command="compare", backend=backend,
-                         report=lambda line: console.print(line, markup=False, highlight=False))
+                         report=lambda line: console.print(line, markup=False, highlight=False), threads=threads)
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trtllm_dflash.checkpoint.tokenizer import check_prompt_chars, load_tokenizer
 from trtllm_dflash.config import Backend
-from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine
+from trtllm_dflash.engine_dir import TOKENIZER, EngineConfig, open_engine, rank_file
 from trtllm_dflash.errors import Interrupted, UserError
 from trtllm_dflash.inputs import decode_lines, loads, require_file, shown
 from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
@@ -49,17 +49,21 @@ class Engine:
     @classmethod
     def load(cls, root: Path, device: str = "cpu", block_size: BlockSize | None = None,
              world: World | None = None, command: str = "run", backend: Backend | None = None,
-             plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None) -> "Engine":
+             plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None,
+             threads: int | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
         "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
         here, or read from the cache: runtime/costs.py; `report` hears about it).
         `backend`: the executor (default: what the engine was compiled for); `plugin_library`: the TensorRT
-        plugin library the plans were compiled with, if any.
+        plugin library the plans were compiled with, if any. `threads`: CPU threads for this rank's passes (torch's
+        and onnxruntime's; default: cpu_threads' choice on the CPU, torch's own elsewhere).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
         root, world = Path(root), world or World()
         cfg = open_engine(root, rank=world.rank)
+        if threads or device == "cpu":
+            torch.set_num_threads(threads or cpu_threads(root / rank_file(world.rank), world.size))
         auto = block_size == "auto"
         backend = backend or cfg.backend
         if auto:
@@ -113,11 +117,21 @@ def _check_auto(cfg: EngineConfig, backend: Backend) -> None:
                         "block size); use --backend torch or onnxruntime, or give a block size.")
 
 
-def _set_threads(opts: RunOptions, world: World) -> None:
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    elif world.size > 1:  # ranks on one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.size))
+# Below this many bytes of weights per rank, a CPU pass's matrix products are too small to share among threads:
+# OpenMP's fork/join and spin-waits cost more than they save, and when other processes share the cores the threads
+# wait on one another. Measured on the demo engine (36 MB, 2 cores; benchmarks/threads_under_load.py,
+# benchmarks/results/threads_under_load.json): 1 thread gave 1.6x / 1.15x torch's default tokens/s for AR / DFlash
+# on a quiet machine, 3.4x / 5.8x with two busy processes beside it. Larger models keep one thread per core (not
+# measured here: our machines fit no model large enough to show where the crossover is).
+SMALL_MODEL_BYTES = 256 * 2**20
+
+
+def cpu_threads(rank_file_path: Path, ranks: int) -> int:
+    """CPU threads for one rank's passes when none were asked for: 1 for a small model, else this process's CPUs
+    shared out among the ranks of the job (ranks on one machine share its cores)."""
+    if rank_file_path.stat().st_size < SMALL_MODEL_BYTES:
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def _device(opts: RunOptions, world: World) -> str:
@@ -139,13 +153,12 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
                 require_file(input_path, "input file")
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
-                             report=lambda line: print(line, file=sys.stderr, flush=True))
+                             report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")
         return engine, engine.decoder(opts.mode, opts.stop_token_ids)
 
-    _set_threads(opts, world)
     return world.agree(load)
 
 

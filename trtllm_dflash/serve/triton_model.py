@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.checkpoint.tokenizer import check_prompt_chars
@@ -179,13 +178,12 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         cfg: ServeConfig = read_serve_config(Path(args["model_repository"]) / args["model_version"] / SERVE_CONFIG)
         check_serve_config(cfg, read_engine_config(Path(cfg.engine_dir)))  # Engine.load verifies the files
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         self.world = None
         if read_engine_config(Path(cfg.engine_dir)).mapping.tp_size > 1:  # rank 0 of `mpirun -n N ... serve`
             engine, stepper, self.world = join_as_rank0(cfg)
         else:
-            engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size, command="serve", backend=cfg.backend)
+            engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size, command="serve", backend=cfg.backend,
+                                 threads=cfg.threads)
             stepper = engine.decoder(cfg.mode)
         self.tokenizer = engine.tokenizer
         self.block_size = engine.executor.block_size
