@@ -63,7 +63,7 @@ def build_demo(out: Path) -> Path:
 
 
 def run(engine_dir: Path, args) -> dict:
-    engines = {backend: Engine.load(engine_dir, backend=backend) for backend in ("torch", "onnxruntime")}
+    engines = {backend: Engine.load(engine_dir, backend=backend, threads=args.threads) for backend in ("torch", "onnxruntime")}
     tok = engines["torch"].tokenizer
     defaults = Defaults(args.max_new_tokens, 0.0, 0, engines["torch"].config.max_seq_len,
                         engines["torch"].executor.vocab_size)

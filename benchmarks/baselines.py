@@ -61,11 +61,12 @@ def decoders(engine: Engine, hf_model, prompt_lookup_num_tokens: int) -> dict[st
 
 
 def run(engine_dir: Path, target_dir: Path, prompts: Path, num_prompts: int, max_new_tokens: int, repeats: int,
-        prompt_lookup_num_tokens: int = 10, block_size: int | str | None = None, backend: str | None = None) -> dict:
+        prompt_lookup_num_tokens: int = 10, block_size: int | str | None = None, backend: str | None = None,
+        threads: int | None = None) -> dict:
     """`block_size`: our dflash's (an integer, "auto", or None: the engine's); `backend`: our executor (None: what
-    the engine was compiled for)."""
+    the engine was compiled for); `threads`: CPU threads (None: Engine.load's default)."""
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
-    engine = Engine.load(engine_dir, block_size=block_size, backend=backend)
+    engine = Engine.load(engine_dir, block_size=block_size, backend=backend, threads=threads)
     hf_model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, engine.config.dtype)).eval()
     defaults = Defaults(max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(prompts, engine.tokenizer, defaults)
@@ -150,7 +151,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args.engine, args.target, args.prompts, args.num_prompts, args.max_new_tokens, args.repeats,
-                 args.prompt_lookup_num_tokens)
+                 args.prompt_lookup_num_tokens, threads=args.threads)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))

@@ -87,7 +87,7 @@ def main() -> None:
              "in-run bound | in-run draft / verify / AR ms | speedup / in-run bound |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for block_size in args.block_sizes:
-        engine = Engine.load(args.engine, block_size=block_size)
+        engine = Engine.load(args.engine, block_size=block_size, threads=args.threads)
         defaults = Defaults(args.max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
         requests, errors = read_requests(args.prompts, engine.tokenizer, defaults)
         assert not errors, errors

@@ -82,7 +82,7 @@ def main() -> None:
             build_engine(cfg.model_copy(update={"backend": args.backend}), force=True, progress=False)
     output = args.output or ROOT / "benchmarks" / "results" / f"draft_pass{suffix.replace('-', '_')}.json"
 
-    engine = Engine.load(args.engine, block_size=args.block_size, backend=args.backend)
+    engine = Engine.load(args.engine, block_size=args.block_size, backend=args.backend, threads=args.threads)
     defaults = Defaults(args.max_new_tokens, 0.0, 0, engine.config.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(PROMPTS, engine.tokenizer, defaults)
     assert not errors, errors

@@ -17,14 +17,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 import baselines
 import scaling
@@ -83,10 +82,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a small version of every part, to check the pipeline")
     p.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--engine-config", type=Path, default=ROOT / "build_configs" / "demo_bench.yaml")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: Engine.load's: 1 for the demo)")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +95,8 @@ def main() -> None:
                                                           config_file=Path(args.engine_config)))
 
     def run_bench() -> dict:
-        report = bench(engine, PROMPTS, plan["bench"], progress=lambda line: print(line, file=sys.stderr, flush=True))
+        opts = dataclasses.replace(plan["bench"], threads=args.threads)
+        report = bench(engine, PROMPTS, opts, progress=lambda line: print(line, file=sys.stderr, flush=True))
         report["engine"], report["dataset"] = _rel(engine), _rel(PROMPTS)
         (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
         plot_report(report, out / "bench.png")
@@ -107,14 +105,14 @@ def main() -> None:
     bench_report = timed("bench", seconds, run_bench)
 
     def run_baselines() -> dict:
-        report = baselines.run(engine, TARGET, PROMPTS, **plan["baselines"])
+        report = baselines.run(engine, TARGET, PROMPTS, **plan["baselines"], threads=args.threads)
         (out / "baselines.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
 
     baseline_report = timed("baselines", seconds, run_baselines)
 
     def run_scaling() -> dict:
-        report = scaling.run(engine, PROMPTS, **plan["scaling"])
+        report = scaling.run(engine, PROMPTS, **plan["scaling"], threads=args.threads)
         report["engine"], report["prompts"] = _rel(engine), _rel(PROMPTS)
         (out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
         scaling.plot(report, out / "scaling.png")

@@ -98,9 +98,10 @@ def _point(engine: Engine, requests: list[Request], repeats: int, context_len: i
 
 
 def run(engine_dir: Path, prompts_path: Path, lengths: list[int], block_sizes: list[int], num_prompts: int,
-        max_new_tokens: int, repeats: int) -> dict:
+        max_new_tokens: int, repeats: int, threads: int | None = None) -> dict:
+    """`threads`: CPU threads (None: Engine.load's default)."""
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, threads=threads)
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
     prompts, errors = read_requests(prompts_path, engine.tokenizer, defaults)
@@ -131,7 +132,7 @@ def run(engine_dir: Path, prompts_path: Path, lengths: list[int], block_sizes: l
     natural = prompts[:num_prompts]
     context = int(sum(len(r.prompt_token_ids) for r in natural) / len(natural) + max_new_tokens / 2)
     for b in block_sizes:
-        engine = Engine.load(engine_dir, block_size=b)
+        engine = Engine.load(engine_dir, block_size=b, threads=threads)
         row = {"block_size": b, **_point(engine, natural, repeats, context)}
         report["by_block_size"].append(row)
         print(f"block {b:3d}: ar {row['ar']['tpot_ms']:.2f} ms/token, dflash {row['dflash']['tpot_ms']:.2f} "
@@ -217,7 +218,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args.engine, args.prompts, args.lengths, args.block_sizes, args.num_prompts, args.max_new_tokens,
-                 args.repeats)
+                 args.repeats, threads=args.threads)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.plot)

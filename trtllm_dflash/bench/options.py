@@ -17,5 +17,5 @@ class BenchOptions:
     max_new_tokens: int = 128
     warmup: int = 2  # requests run through every configuration before timing, not measured
     repeats: int = 3  # timed runs per point; the report gives medians
-    threads: int | None = None  # torch CPU threads (None: torch's default)
+    threads: int | None = None  # CPU threads (None: Engine.load's default, runtime/runner.py cpu_threads)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
