@@ -10,9 +10,10 @@ since the machine may have other work of its own.
         --policies default,threads1,passive --output benchmarks/results/threads_under_load.json
 
 Policies:
-  default   torch's (one thread per core; libgomp spins at its barriers before sleeping)
+  default   no --threads: trtllm-dflash's default (runtime/runner.py cpu_threads; before it, torch's one per core)
   threads1  --threads 1 (no barrier at all)
-  passive   OMP_WAIT_POLICY=PASSIVE, one thread per core (a waiting thread sleeps at once and gives its core away)
+  threads2  --threads 2 (torch's default on this 2-core machine: libgomp spins at its barriers before sleeping)
+  passive   OMP_WAIT_POLICY=PASSIVE, --threads 2 (a waiting thread sleeps at once and gives its core away)
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {
     "default": ({}, []),
     "threads1": ({}, ["--threads", "1"]),
-    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
+    "threads2": ({}, ["--threads", "2"]),
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, ["--threads", "2"]),
     "passive-threads1": ({"OMP_WAIT_POLICY": "PASSIVE"}, ["--threads", "1"]),
 }
 SPIN = "while True:\n    pass\n"

@@ -22,7 +22,8 @@ HELD_OUT = ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl"
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
     cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo") / "engine")
-    return Engine.load(build_engine(cfg, progress=False))
+    # the torch form (the reference executor; the compiled form is demo_ort_engine's)
+    return Engine.load(build_engine(cfg.model_copy(update={"backend": "torch"}), progress=False))
 
 
 def test_assets_fit_the_size_budget():

@@ -53,7 +53,8 @@ SEED = 3
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory) -> Path:
     cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo") / "engine")
-    return build_engine(cfg, progress=False)
+    # the torch form; the demo's onnxruntime form is served in tests/test_serve_onnxruntime.py
+    return build_engine(cfg.model_copy(update={"backend": "torch"}), progress=False)
 
 
 def test_writes_a_triton_model_repository(engine_dir, tmp_path):
@@ -376,7 +377,7 @@ def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_p
         pytest.fail(f"{mpiexec} is missing: install the Triton environment with '.[serve,mpi]'")
     root = tmp_path_factory.mktemp("tp2")
     cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=root / "engine")
-    engine = build_engine(cfg.model_copy(update={"tp_size": 2}), progress=False)
+    engine = build_engine(cfg.model_copy(update={"tp_size": 2, "backend": "torch"}), progress=False)
     server = Server(cli, engine, root, "--no-streaming", launcher=(str(mpiexec), "-n", "2"))
     try:
         server.wait_ready()

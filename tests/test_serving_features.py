@@ -172,7 +172,7 @@ def test_dflash_samples_follow_the_truncated_target_distribution(wide_engine, pe
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo") / "engine")
-    return build_engine(cfg, progress=False)
+    return build_engine(cfg.model_copy(update={"backend": "torch"}), progress=False)
 
 
 @pytest.fixture(scope="module")
