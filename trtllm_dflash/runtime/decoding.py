@@ -313,10 +313,12 @@ class Decoder:
                 float_bits(temperature), float_bits([r.top_p for r in reqs])]
         if prompts is not None:
             rows += [[len(r.prompt_token_ids) - 1 for r in reqs], [t for p in prompts for t in p]]
-        staged = to_device(rows, self.executor.device)
-        sampling = Sampling(bits_float(staged[5]), staged[4], bits_float(staged[6]), [r.seed for r in reqs])
-        return _Staged(HostRows(tuple(rows[0]), tuple(starts)), *staged[:4], sampling, any(t > 0 for t in temperature),
-                       *((staged[7], staged[8].view(len(active), -1)) if prompts is not None else (None, None)))
+        slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, *prefill = to_device(
+            rows, self.executor.device)
+        sampling = Sampling(bits_float(temperature_bits), top_k, bits_float(top_p_bits), [r.seed for r in reqs])
+        last, prompt_ids = (prefill[0], prefill[1].view(len(active), -1)) if prefill else (None, None)
+        return _Staged(HostRows(tuple(rows[0]), tuple(starts)), slots, starts_d, anchors, context_starts, sampling,
+                       any(t > 0 for t in temperature), last, prompt_ids)
 
     def _commit(self, a: _Active, tokens: list[int]) -> None:
         """Commit a step's tokens: up to a stop token or the length limit, then up to the token that completes
