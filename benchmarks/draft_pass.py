@@ -46,10 +46,10 @@ class ContextPassFirst:
         return getattr(self.executor, name)
 
     def draft(self, anchors, starts, slots, num_drafts=None, context: DraftContext | None = None,
-              rows=None) -> torch.Tensor:
+              rows=None, width=None) -> torch.Tensor:
         if context is not None:
             self.executor.append_context(context.hidden, context.starts, slots)
-        return self.executor.draft(anchors, starts, slots, num_drafts, rows=rows)
+        return self.executor.draft(anchors, starts, slots, num_drafts, rows=rows, width=width)
 
 
 def decode_one_by_one(executor, mode: str, requests: list[Request], eos: list[int]) -> tuple[float, list[list[int]]]:

@@ -139,8 +139,8 @@ class OracleDrafts:
                 self._by_slot[slot] = self._continuations[tuple(token_ids[row, : last + 1].tolist())]
         return self._executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None):
-        real = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows)
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
+        real = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows, width=width)
         k = real.shape[1]
         rows = []
         for slot, start in zip(slots.tolist(), starts.tolist()):

@@ -7,12 +7,14 @@ import json
 import statistics
 
 import pytest
+import torch
 
-from trtllm_dflash.bench.datasets import load_dataset
+from trtllm_dflash.bench.datasets import load_dataset, to_requests
 from trtllm_dflash.bench.options import BenchOptions
 from trtllm_dflash.bench.runner import bench
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.runner import Engine
 
 from .conftest import build
 
@@ -202,3 +204,32 @@ def test_cli_reports_a_bad_dataset_in_one_line(qwen3_engine_dir, tmp_path, capsy
                    'or a {"prompt"} record.')
     assert main(["bench", str(qwen3_engine_dir), "--dataset", str(tmp_path / "missing.jsonl")]) == EXIT_USER_ERROR
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'missing.jsonl'}: dataset file does not exist."
+
+
+def test_one_loaded_engine_serves_every_block_size(bench_engine, tmp_path, monkeypatch):
+    """bench loads the engine once for all its block sizes (each a decoder with its own verify policy), and a
+    block size there drafts as `run --block-size` does (a shorter block of the drafter: the same acceptance)."""
+    loads = []
+    real_load = Engine.load.__func__
+
+    def counting_load(cls, *args, **kwargs):
+        loads.append(kwargs.get("block_size"))
+        return real_load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", classmethod(counting_load))
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f():"}, {"id": "b", "prompt": "x = 1"}])
+    opts = BenchOptions((1,), ("ar", "dflash"), (4, "auto", 8), num_requests=2, max_new_tokens=12, warmup=0, repeats=1)
+    report = bench(bench_engine, dataset, opts)
+    assert loads == ["auto"]
+    dflash = {p["block_size"]: p for p in report["points"] if p["mode"] == "dflash"}
+    assert set(dflash) == {4, 8, "auto"} and all(p["outputs_identical_to_ar"] for p in dflash.values())
+    monkeypatch.undo()
+    engine = Engine.load(bench_engine, block_size=4)
+    requests = to_requests(load_dataset(dataset), engine.tokenizer, 12, engine.config.max_seq_len, 2)
+    steps = [n for r in engine.decoder("dflash").generate(requests) for n in r.acceptance_lengths]
+    assert dflash[4]["decoding_stats"]["acceptance_length"] == round(sum(steps) / len(steps), 4)  # reported to 4 places
+    # the drafter's block of 4 on the trained-width executor is the shorter block's executor's, not 4 of its 8
+    full, one = Engine.load(bench_engine).executor, torch.tensor([0])
+    anchors = torch.tensor([5, 9])
+    short = engine.executor.draft(anchors, one.repeat(2), torch.tensor([0, 1]))
+    assert torch.equal(full.draft(anchors, one.repeat(2), torch.tensor([0, 1]), width=4), short)

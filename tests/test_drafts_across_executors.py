@@ -56,8 +56,8 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self._executor, name)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None):
-        out = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows)
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
+        out = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows, width=width)
         self.drafts.append(out.clone())
         return out
 

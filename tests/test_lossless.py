@@ -136,10 +136,10 @@ class CountingExecutor:
         self.calls["prefill" if last_index is not None else "verify"] += 1
         return self.executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None):
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
         self.calls["draft"] += 1
         self.calls["draft adding context"] += context is not None
-        return self.executor.draft(anchors, starts, slots, num_drafts, context, rows=rows)
+        return self.executor.draft(anchors, starts, slots, num_drafts, context, rows=rows, width=width)
 
     def append_context(self, hidden, starts, slots, rows=None):
         self.calls["append_context"] += 1

@@ -72,10 +72,11 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     """Run the whole benchmark and return the report (see benchmarks/README.md for its fields)."""
     dataset = load_dataset(dataset_path)
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
-    # Duplicates would only repeat points; AR alone needs one engine at any block size.
+    # Duplicates would only repeat points; AR alone needs no block size. One loaded engine serves every block size
+    # (each a decoder of its own); with "auto" among them, the engine is loaded with it (its pass costs measured).
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
-    engine = Engine.load(engine_dir, block_size=block_sizes[0], command="bench", backend=opts.backend, report=progress,
-                         threads=opts.threads)
+    engine = Engine.load(engine_dir, block_size="auto" if "auto" in block_sizes else None, command="bench",
+                         backend=opts.backend, report=progress, threads=opts.threads)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -86,11 +87,9 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     points, bounds = [], []
     cost_profile = None  # with auto: the measured step costs it chose from
     ar_all: dict[int, list[TimedRun]] = {c: [] for c in concurrency}  # every phase's AR runs, for the AR point
-    for i, block_size in enumerate(block_sizes):
-        if i > 0:
-            engine = Engine.load(engine_dir, block_size=block_size, command="bench", backend=opts.backend,
-                                 report=progress, threads=opts.threads)
-        b: int | str = "auto" if block_size == "auto" else engine.executor.block_size
+    for block_size in block_sizes:
+        b: int | str = block_size or engine.executor.block_size
+        engine.decoder("dflash", block_size=b)  # a block size the engine cannot run is refused before any run
         configs: list[tuple[Mode, int | None]] = []
         if "ar" in opts.modes:
             configs.append(("ar", None))
@@ -98,13 +97,13 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
             configs.append(("dflash", b))
         for mode, _ in configs:
             if warmup:
-                closed_loop(engine.decoder(mode), warmup, min(len(warmup), max(concurrency)))
+                closed_loop(engine.decoder(mode, block_size=b), warmup, min(len(warmup), max(concurrency)))
         runs: dict[tuple[Mode, int], list[TimedRun]] = {(m, c): [] for m, _ in configs for c in concurrency}
-        costs = engine.auto_block.costs if engine.auto_block is not None else None
+        costs = engine.auto_block.costs if b == "auto" else None
         for rep in range(opts.repeats):
             for c in concurrency:
                 for mode, _ in (configs if rep % 2 == 0 else configs[::-1]):
-                    run = closed_loop(engine.decoder(mode), requests, c)
+                    run = closed_loop(engine.decoder(mode, block_size=b), requests, c)
                     runs[mode, c].append(run)
                     name = mode if mode == "ar" else f"dflash {_label(b)}"
                     progress(f"repeat {rep + 1}/{opts.repeats}: {name} C={c}: "
@@ -112,7 +111,8 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         for c in concurrency:
             ar_all[c] += runs.get(("ar", c), [])
             if "dflash" in opts.modes:
-                points.append(_dflash_point(b, c, runs, dataset.categories, engine.executor.block_size))
+                points.append(_dflash_point(b, c, runs, dataset.categories,
+                                            engine.executor.block_size if b == "auto" else b))
                 progress(_progress_line(points[-1]))
         if "dflash" in opts.modes and b != "auto":
             bounds.append(_speedup_bound(engine, context_len, points, b))
@@ -176,7 +176,7 @@ def _speedup_bound(engine: Engine, context_len: int, points: list[dict], block_s
     """Batch-1 bound AL x t_ar / (t_verify + t_draft) next to the speedup measured at concurrency 1."""
     dflash = [p for p in points if p["mode"] == "dflash" and p["block_size"] == block_size]
     al = dflash[0]["decoding_stats"]["acceptance_length"]  # same tokens at every concurrency
-    costs = step_costs(engine, context_len, context_rows=round(al or 1))
+    costs = step_costs(engine, context_len, context_rows=round(al or 1), block=block_size)
     at_1 = next((p for p in dflash if p["concurrency"] == 1), None)
     return {
         "block_size": block_size,

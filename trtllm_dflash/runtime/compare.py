@@ -78,16 +78,18 @@ class StepCosts:
         return acceptance_length * self.ar_s / (self.verify_s + self.draft_s)
 
 
-def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int = 60) -> StepCosts:
+def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int = 60,
+               block: int | None = None) -> StepCosts:
     """Median times of the three passes at one context length, batch size 1, each timed where the loop runs it: a
     drafter pass after a target pass and a verify pass after a drafter pass (as in DFlash steps), an AR pass after
     an AR pass (as in plain decoding): on a CPU, a pass that follows the other model's pass finds its weights out of
     the caches, and a pass repeated alone would not. The three are timed in rounds (draft, verify, an untimed AR
     pass, AR), so that a slow spell of a shared machine slows all three alike and leaves the bound's ratio
     t_ar / (t_verify + t_draft) as it was. The drafter pass adds `context_rows` positions to the drafter's context
-    first, as a step adds those the step before committed (the acceptance length, rounded)."""
+    first, as a step adds those the step before committed (the acceptance length, rounded). `block`: the tokens a
+    verify pass checks and the drafter's block (default: the executor's block_size)."""
     ex = engine.executor
-    block = ex.block_size
+    block = block or ex.block_size
     slots, starts = torch.tensor([0], device=ex.device), torch.tensor([context_len], device=ex.device)
     ids = torch.randint(4, ex.vocab_size, (1, context_len + block), generator=torch.Generator().manual_seed(0))
     ids, zero = ids.to(ex.device), torch.tensor([0], device=ex.device)
@@ -97,7 +99,7 @@ def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int
     new = DraftContext(hidden[:, context_len - rows:], starts - rows)
     anchor = ids[:, context_len]
     passes = {  # one round, in this order; None: run untimed
-        "draft": lambda: ex.draft(anchor, starts, slots, context=new),
+        "draft": lambda: ex.draft(anchor, starts, slots, context=new, width=block),
         "verify": lambda: ex.target_forward(ids[:, context_len:context_len + block], starts, slots, capture=True),
         None: lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False),
         "ar": lambda: ex.target_forward(ids[:, context_len:context_len + 1], starts, slots, capture=False),

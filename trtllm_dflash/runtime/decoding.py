@@ -373,7 +373,8 @@ class Decoder:
             results = bonus[:, None]
         else:  # one drafter pass (the features the last step committed join its context), one verify pass
             draft = self.executor.draft(batch.anchors, batch.starts, batch.slots, k - 1,
-                                        self._draft_context(active, batch), rows=batch.rows)  # [B, k-1] greedy
+                                        self._draft_context(active, batch), rows=batch.rows,
+                                        width=self.policy.width)  # [B, k-1] greedy
             block = torch.cat([batch.anchors[:, None], draft], dim=1)  # [B, k]
             out = self.executor.target_forward(block, batch.starts, batch.slots, capture=True, rows=batch.rows)
             accepted, bonus = self.executor.accept(draft, out.logits, batch.sampling, batch.starts)  # [B], [B]

@@ -110,11 +110,12 @@ class Executor(Protocol):
 
     def draft(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
               num_drafts: int | None = None, context: DraftContext | None = None,
-              rows: HostRows | None = None) -> torch.Tensor:
-        """Greedy drafts [B, num_drafts] (default block_size - 1) for the block [anchor, MASK...] at positions
-        starts + arange(block_size). The drafter always runs over the whole block; only the first num_drafts
-        drafts are read out (an executor may save the lm_head of the others). With `context`, the same drafter pass
-        first adds those features to the drafter's context (each request's positions up to its start)."""
+              rows: HostRows | None = None, width: int | None = None) -> torch.Tensor:
+        """Greedy drafts [B, num_drafts] (default width - 1) for the block [anchor, MASK...] of `width` positions
+        (default block_size; at most the drafter's trained block) at starts + arange(width). The drafter always runs
+        over the whole block; only the first num_drafts drafts are read out (an executor may save the lm_head of the
+        others). With `context`, the same drafter pass first adds those features to the drafter's context (each
+        request's positions up to its start)."""
         ...
 
     def append_context(self, hidden: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
@@ -179,16 +180,17 @@ class TorchExecutor:
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] for the block after each anchor (at position `starts`), as target
         token ids (a drafter with a pruned vocabulary maps its own through d2t), after adding `context` to the
         drafter's cache in the same pass. The lm_head runs over the num_drafts positions read out only: with a
         small verify length it is most of a small drafter's pass."""
         assert self.drafter is not None
         p = self.drafter.params
-        n = self.block_size - 1 if num_drafts is None else num_drafts
-        block = block_input(anchors, p.mask_token_id, self.block_size)
-        positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
+        width = width or self.block_size
+        n = width - 1 if num_drafts is None else num_drafts
+        block = block_input(anchors, p.mask_token_id, width)
+        positions = starts[:, None] + torch.arange(width, device=self.device)
         new = () if context is None else (context.hidden, context.positions())
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, *new)
         return self.drafter.greedy_tokens(hidden[:, 1:n + 1], self.target.logits)

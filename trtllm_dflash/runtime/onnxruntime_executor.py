@@ -168,13 +168,14 @@ class OnnxRuntimeExecutor:
         self._sessions["target_step.onnx"].run_with_iobinding(binding)
         return logits, hidden
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
         whole block: the graph has one block length), after writing `context` into the drafter's caches."""
         runs = self._rows.runs_of(slots)
         with self._on_own_stream():
-            block = block_input(anchors, self.mask_token_id, self.block_size)
-            positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
+            width = width or self.block_size
+            block = block_input(anchors, self.mask_token_id, width)
+            positions = starts[:, None] + torch.arange(width, device=self.device)
             if context is None:
                 context = DraftContext.padding(starts, self._hidden_features, self._dtype)
             context_positions = context.positions()
@@ -187,7 +188,7 @@ class OnnxRuntimeExecutor:
                 for name, tensor in inputs.items():
                     _bind_input(binding, name, tensor)
                 _bind_caches(binding, self._drafter, run, write=True)
-                out = torch.empty(run.rows, self.block_size - 1, dtype=torch.int64, device=self.device)
+                out = torch.empty(run.rows, width - 1, dtype=torch.int64, device=self.device)
                 _bind_output(binding, "draft_tokens", out)
                 self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
                 drafts.append(out)

@@ -25,6 +25,7 @@ from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_er
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor
+from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
 from trtllm_dflash.runtime.costs import load_or_measure, read_acceptance, write_acceptance
@@ -99,12 +100,27 @@ class Engine:
                                        record=lambda rates: write_acceptance(root, rates))
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor, auto_block)
 
-    def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = ()) -> Decoder:
+    def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = (), block_size: BlockSize | None = None
+                ) -> Decoder:
         """A decoder that stops at the engine's EOS ids, `stop_token_ids` and requests' stop strings (found with the
-        engine's tokenizer). Decoders of one engine share its acceptance estimate (--block-size auto), so each
-        starts from what the previous ones saw."""
-        return Decoder.for_mode(self.executor, mode, [*self.config.eos_token_ids, *stop_token_ids],
-                                self.auto_block if mode == "dflash" else None, self.tokenizer)
+        engine's tokenizer). `block_size` (dflash): tokens per block, up to the executor's, or "auto" on an engine
+        loaded with it (default: what the engine was loaded with), so one loaded engine serves every policy.
+        Decoders of one engine share its acceptance estimate (--block-size auto), so each starts from what the
+        previous ones saw."""
+        eos = [*self.config.eos_token_ids, *stop_token_ids]
+        if mode == "ar":
+            policy: VerifyPolicy = PlainDecoding()
+        elif block_size == "auto" or (block_size is None and self.auto_block is not None):
+            if self.auto_block is None:
+                raise UserError("--block-size auto: this engine was loaded without it; load it with block_size 'auto'.")
+            policy = AutoBlock(self.auto_block)
+        else:
+            k = block_size or self.executor.block_size
+            if not 2 <= k <= self.executor.block_size:
+                raise UserError(f"--block-size {k}: must be between 2 and the engine's trained block_size "
+                                f"{self.executor.block_size}.")
+            policy = FixedBlock(k)
+        return Decoder(self.executor, policy, eos, self.tokenizer)
 
 
 def _check_auto(cfg: EngineConfig, backend: Backend) -> None:

@@ -246,20 +246,21 @@ class TensorRTExecutor:
             picked = found if picked is None else torch.where(here[:, None, None], found, picked)
         return picked, hidden
 
-    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None) -> torch.Tensor:
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
         writing `context` into the drafter's caches."""
         runs = self._rows.runs_of(slots)
         with self._on_own_stream():
-            block = block_input(anchors, self.mask_token_id, self.block_size)
-            positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
+            width = width or self.block_size
+            block = block_input(anchors, self.mask_token_id, width)
+            positions = starts[:, None] + torch.arange(width, device=self.device)
             if context is None:
                 context = DraftContext.padding(starts, self._features, self._dtype)
             inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
                       "context_positions": context.positions()}
             drafts = []
             for run in runs:
-                out = torch.empty((run.rows, self.block_size - 1), dtype=torch.int64, device=self.device)
+                out = torch.empty((run.rows, width - 1), dtype=torch.int64, device=self.device)
                 self._execute("drafter_draft", {name: run.take(t.to(self.device)) for name, t in inputs.items()},
                               {"draft_tokens": out}, self._drafter, run, write=True)
                 drafts.append(out)

@@ -33,6 +33,7 @@ class StepShape:
 
 class VerifyPolicy(Protocol):
     drafts: bool  # whether steps use the drafter (and prefills and plain steps keep the target's features for it)
+    width: int | None  # positions of the drafter's block (None: the executor's block_size)
     defers_context: bool  # prompts' features are held back until a speculative step needs them (AutoBlock)
     longest: int  # the most tokens a step may verify
 
@@ -52,7 +53,7 @@ class VerifyPolicy(Protocol):
 class PlainDecoding:
     """One token per step, without the drafter."""
 
-    drafts, defers_context, longest = False, False, 1
+    drafts, defers_context, longest, width = False, False, 1, None
 
     def new_request(self) -> None:
         return None
@@ -66,7 +67,8 @@ class PlainDecoding:
 
 @dataclass(frozen=True)
 class FixedBlock:
-    """A block of k tokens every step: the anchor and k - 1 drafts (k >= 2)."""
+    """A block of k tokens every step: the anchor and k - 1 drafts (k >= 2), drafted by a pass over k positions (a
+    shorter block of the trained drafter when k is less than its block size)."""
 
     k: int
     drafts = True
@@ -78,6 +80,10 @@ class FixedBlock:
 
     @property
     def longest(self) -> int:
+        return self.k
+
+    @property
+    def width(self) -> int:
         return self.k
 
     def new_request(self) -> None:
@@ -95,6 +101,7 @@ class AutoBlock:
     how long it took. Decoders of one engine share it, so each starts from what the previous ones saw."""
 
     drafts, defers_context = True, True
+    width = None  # the whole trained block: its pass costs were measured so, and the first k - 1 drafts are read
 
     def __init__(self, auto: AutoBlockSize):
         self.auto = auto
