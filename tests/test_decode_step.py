@@ -8,6 +8,7 @@ the device's queue to drain, so the budget is what a CUDA run would synchronise,
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,15 +58,15 @@ def _reads_per_step(decoder: Decoder, requests: list[Request]) -> list[tuple[int
     return steps
 
 
-@pytest.mark.xfail(strict=True, reason="the models' int(positions.max()) and sampling's nonzero() loops still read "
-                   "the device (issue 28: host-given lengths, device-side noise)")
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled-top-k-top-p"])
 @pytest.mark.parametrize("mode", ["ar", "dflash"])
-def test_one_host_read_per_decode_step(biased_engines, mode):
+def test_one_host_read_per_decode_step(biased_engines, mode, sampled):
     """Every decoding step reads the device once (its results); a step that admits requests reads once more per
     prefill group (the prompts' first tokens). Fails while any host value is read back from the device (a
     model's int(positions.max()), a per-row int(bonus[row]), a sampling loop over nonzero())."""
     ex = biased_engines[8].executor
-    steps = _reads_per_step(Decoder.for_mode(ex, mode), _requests(3))
+    requests = [replace(r, top_k=20, top_p=0.9) for r in _requests(3, temperature=1.0)] if sampled else _requests(3)
+    steps = _reads_per_step(Decoder.for_mode(ex, mode), requests)
     decode_only = [(n, where) for n, admitting, where in steps if not admitting]
     assert len(decode_only) > 5
     assert all(n == 1 for n, _ in decode_only), decode_only

@@ -282,8 +282,9 @@ class GraphKVCache:
         self.keys[layer] = tensor_scatter(self.keys[layer], k.transpose(1, 2), start)
         self.values[layer] = tensor_scatter(self.values[layer], v.transpose(1, 2), start)
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [B, length, kv_heads, hd]
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> k, v: [B, length, kv_heads, hd]; the bound rows are the batch's own (`run` is KVCache.read's)
         torch._check(length <= self.keys[layer].shape[2])
         return (self.keys[layer][:, :, :length].transpose(1, 2),
                 self.values[layer][:, :, :length].transpose(1, 2))

@@ -158,6 +158,8 @@ class DFlashDrafter(nn.Module):
         cache: KVCache,
         context: torch.Tensor | None = None,  # [B, C, n_feat * hidden] features of positions not yet in the cache
         context_positions: torch.Tensor | None = None,  # [B, C] their absolute positions
+        kv_len: int | None = None,  # context keys attended: at least max(context_len), known on the host
+        run: slice | None = None,  # the slots as one slice of consecutive slots (the cache is read as views)
     ) -> torch.Tensor:
         """One non-causal pass over the block; returns the final-normed hidden states [B, block, hidden].
 
@@ -168,7 +170,7 @@ class DFlashDrafter(nn.Module):
         are written, stay masked and are overwritten before they become visible."""
         x = self.scale_embeddings(block_embeds)
         block = x.shape[1]
-        kv_len = int(context_len.max())
+        kv_len = int(context_len.max()) if kv_len is None else kv_len
         if context is not None:
             ctx = self.hidden_norm(self.fc(context))
             C = ctx.shape[1]
@@ -188,7 +190,7 @@ class DFlashDrafter(nn.Module):
             k_new = apply_rotary(k_new, cos, sin)
             if context is not None:
                 cache.write(i, slots, context_positions, k_new[:, :C], v_new[:, :C])
-            k_ctx, v_ctx = cache.read(i, slots, kv_len)
+            k_ctx, v_ctx = cache.read(i, slots, kv_len, run)
             k = torch.cat([k_ctx, k_new[:, C:]], dim=1)
             v = torch.cat([v_ctx, v_new[:, C:]], dim=1)
             x = x + attn.output(attend(q, k, v, mask))

@@ -263,8 +263,13 @@ class KVCache:
         self.k[layer][rows, positions] = k
         self.v[layer][rows, positions] = v
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [B, length, kv_heads, hd]. index_select on the [:, :length] view copies the same rows as
-        # advanced indexing [slots, :length], 2.5x (batch 1) to 4.5x (batch 8) faster on the CPU.
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, length, kv_heads, hd] of the slots' first `length` positions. With `run` (the slots as one slice of
+        consecutive slots, known on the host), views of the cache: nothing is copied. Otherwise a copy:
+        index_select on the [:, :length] view copies the same rows as advanced indexing [slots, :length], 2.5x
+        (batch 1) to 4.5x (batch 8) faster on the CPU."""
+        if run is not None:
+            return self.k[layer][run, :length], self.v[layer][run, :length]
         return (self.k[layer][:, :length].index_select(0, slots),
                 self.v[layer][:, :length].index_select(0, slots))

@@ -64,13 +64,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
             self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask):
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask, run: slice | None = None):
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = apply_rotary(attn.query(h), cos, sin)
         k, v = attn.key_value(h)
         cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
-        k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1])
+        k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1], run)
         attended = attn.output(attend(q, k_all, v_all, mask, attn.sinks, attn.scale))
         if not self.sandwich:
             x = x + attended
@@ -149,8 +149,10 @@ class TargetModel(nn.Module):
         cache: KVCache,
         capture_layers: tuple[int, ...] = (),
         last_index: torch.Tensor | None = None,  # [B]: return logits only at this column per row
+        kv_len: int | None = None,  # keys attended: at least max(positions) + 1, known on the host (None: read it)
+        run: slice | None = None,  # the slots as one slice of consecutive slots (the caches are then read as views)
     ) -> TargetOutput:
-        kv_len = int(positions.max()) + 1
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
         if self.spec.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype first
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
@@ -163,7 +165,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             mask = sliding if self.spec.is_sliding(i) else causal
             cos, sin = rope[self.rope_keys[i]]
-            x = layer(x, cos, sin, cache, i, slots, positions, mask)
+            x = layer(x, cos, sin, cache, i, slots, positions, mask, run)
             if i in capture_layers:
                 captured[i] = x
         x = self.model.norm(x)

@@ -310,12 +310,14 @@ class Decoder:
         starts = [0] * len(active) if prompts is not None else [a.start for a in active]
         rows = [[a.slot for a in active], starts, [a.output[-1] if a.output else 0 for a in active],
                 [a.start - a.num_pending for a in active], [r.top_k for r in reqs],
-                float_bits(temperature), float_bits([r.top_p for r in reqs])]
+                float_bits(temperature), float_bits([r.top_p for r in reqs]), [r.seed for r in reqs]]
         if prompts is not None:
             rows += [[len(r.prompt_token_ids) - 1 for r in reqs], [t for p in prompts for t in p]]
-        slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, *prefill = to_device(
+        slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, seeds, *prefill = to_device(
             rows, self.executor.device)
-        sampling = Sampling(bits_float(temperature_bits), top_k, bits_float(top_p_bits), [r.seed for r in reqs])
+        truncated = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
+        sampling = Sampling(bits_float(temperature_bits), top_k, bits_float(top_p_bits), seeds,
+                            sampled=any(t > 0 for t in temperature), truncated=truncated)
         last, prompt_ids = (prefill[0], prefill[1].view(len(active), -1)) if prefill else (None, None)
         return _Staged(HostRows(tuple(rows[0]), tuple(starts)), slots, starts_d, anchors, context_starts, sampling,
                        any(t > 0 for t in temperature), last, prompt_ids)

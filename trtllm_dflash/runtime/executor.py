@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from trtllm_dflash.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, EngineConfig, rank_file
 from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.layers import KVCache
 from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
@@ -135,6 +136,13 @@ class Executor(Protocol):
         ...
 
 
+# Attended lengths are rounded up to a multiple of this: a pass attends to masked keys up to the bucket's end (the
+# masks come from positions, so its tokens do not change), and the lengths a run meets are few (shapes a CUDA graph
+# or a compiled plan can be made for). 64 keys cost a 2-core CPU nothing measurable at the demo's sizes
+# (benchmarks/kv_in_place.py).
+KV_BUCKET = 64
+
+
 class TorchExecutor:
     """Target + drafter as torch modules, with static per-slot KV caches for both."""
 
@@ -176,7 +184,8 @@ class TorchExecutor:
         """
         positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
         layers = self.drafter.params.target_layer_ids if capture else ()
-        out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index)
+        kv_len, run = self._attended(rows, token_ids.shape[1], self.target_cache)
+        out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index, kv_len, run)
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
@@ -191,8 +200,10 @@ class TorchExecutor:
         n = width - 1 if num_drafts is None else num_drafts
         block = block_input(anchors, p.mask_token_id, width)
         positions = starts[:, None] + torch.arange(width, device=self.device)
-        new = () if context is None else (context.hidden, context.positions())
-        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, *new)
+        context_hidden, context_positions = (None, None) if context is None else (context.hidden, context.positions())
+        kv_len, run = self._attended(rows, 0, self.draft_cache)  # the context keys: positions before each start
+        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, context_hidden,
+                              context_positions, kv_len, run)
         return self.drafter.greedy_tokens(hidden[:, 1:n + 1], self.target.logits)
 
     @torch.inference_mode()
@@ -204,6 +215,15 @@ class TorchExecutor:
 
     def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
         return verify_block(draft, logits, sampling, starts)
+
+    def _attended(self, rows: HostRows | None, tokens: int, cache: KVCache) -> tuple[int | None, slice | None]:
+        """The keys a pass over `tokens` per row attends to, rounded up to a multiple of KV_BUCKET (at most the cache's
+        capacity), and the slots as one run, from what the host knows; (None, None) without `rows` (the model then
+        reads the length from the positions)."""
+        if rows is None:
+            return None, None
+        exact = rows.attended(tokens)
+        return min(-(-exact // KV_BUCKET) * KV_BUCKET, cache.capacity), rows.slot_run()
 
     def release(self, slot: int) -> None:
         """Nothing to do: stale cache rows past a slot's start are masked, and overwritten when it is reused."""

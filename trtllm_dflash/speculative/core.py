@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trtllm_dflash.speculative.noise import gumbel
+
 _MASK64 = (1 << 63) - 1
 
 
@@ -45,33 +47,47 @@ def request_seed(seed: int, request_id: str) -> int:
 
 
 def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise [vocab] for one (request seed, absolute position)."""
-    gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) & _MASK64)
-    u = torch.rand(vocab_size, generator=gen, dtype=torch.float64)
-    return -torch.log(-torch.log(u.clamp_min(1e-300))).float()
+    """Standard Gumbel noise [vocab] for one (request seed, absolute position) (speculative/noise.py)."""
+    return gumbel(torch.tensor([seed]), torch.tensor([[position]]), vocab_size)[0, 0]
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How each request of a batch chooses its tokens."""
+    """How each request of a batch chooses its tokens. `sampled` / `truncated`: what the host already knows (whoever
+    builds the batch from its requests): whether any row samples, and whether any sampled row has top-k / top-p.
+    Given, the sampling functions read nothing back from the device; None: they read it from the tensors."""
 
     temperature: torch.Tensor  # [B] float32; 0: greedy (top_k and top_p then change nothing)
     top_k: torch.Tensor  # [B] int64; 0: no limit
     top_p: torch.Tensor  # [B] float32 in (0, 1]; 1: no limit
-    seeds: list[int]  # [B] request seeds (request_seed)
+    seeds: torch.Tensor  # [B] int64 request seeds (request_seed; a list of ints is taken too)
+    sampled: bool | None = None
+    truncated: bool | None = None
 
     @classmethod
-    def plain(cls, temperature: torch.Tensor, seeds: list[int]) -> "Sampling":
+    def plain(cls, temperature: torch.Tensor, seeds: list[int] | torch.Tensor) -> "Sampling":
         """Temperature only: no top-k / top-p."""
         ones = torch.ones_like(temperature, dtype=torch.float32)
-        return cls(temperature, torch.zeros_like(temperature, dtype=torch.long), ones, seeds)
+        return cls(temperature, torch.zeros_like(temperature, dtype=torch.long), ones, seeds, truncated=False)
 
     @classmethod
     def greedy(cls, batch: int, device: torch.device | str = "cpu") -> "Sampling":
         return cls.plain(torch.zeros(batch, device=device), [0] * batch)
 
     def __post_init__(self):
-        assert self.temperature.shape == self.top_k.shape == self.top_p.shape == (len(self.seeds),)
+        if not isinstance(self.seeds, torch.Tensor):
+            object.__setattr__(self, "seeds", torch.tensor(self.seeds, dtype=torch.int64,
+                                                           device=self.temperature.device))
+        assert self.temperature.shape == self.top_k.shape == self.top_p.shape == self.seeds.shape, (
+            self.temperature.shape, self.seeds.shape)
+
+    def any_sampled(self) -> bool:
+        return self.sampled if self.sampled is not None else bool((self.temperature > 0).any())
+
+    def any_truncated(self) -> bool:
+        if self.truncated is not None:
+            return self.truncated
+        return bool(((self.temperature > 0) & ((self.top_k > 0) | (self.top_p < 1))).any())
 
 
 def truncate_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -79,25 +95,24 @@ def truncate_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     truncates). Top-k keeps the k largest logits (ties with the k-th included); top-p then keeps the smallest
     prefix of the remaining tokens, by decreasing probability under softmax(logits / T), whose mass reaches p
     (a token is kept while the mass before it is < p, so the most likely token always is).
-    Example: probs [0.5, 0.3, 0.15, 0.05], top_p 0.8 -> the first two; top_k 1 -> the first only."""
-    assert logits.ndim == 3 and logits.shape[0] == len(sampling.seeds)
-    truncates = (sampling.temperature > 0) & ((sampling.top_k > 0) | (sampling.top_p < 1))
-    if not bool(truncates.any()):
+    Example: probs [0.5, 0.3, 0.15, 0.05], top_p 0.8 -> the first two; top_k 1 -> the first only.
+    Every row is computed alike (no row is picked out on the host); rows that do not truncate keep their logits."""
+    assert logits.ndim == 3 and logits.shape[0] == sampling.seeds.shape[0]
+    if not sampling.any_truncated():
         return logits
-    rows = torch.nonzero(truncates).flatten()
     vocab = logits.shape[-1]
-    top_k = torch.where(sampling.top_k[rows] > 0, sampling.top_k[rows], vocab).clamp(max=vocab)  # [R]
-    top_p = sampling.top_p[rows][:, None, None]  # [R, 1, 1]
-    scores, order = (logits[rows].float() / sampling.temperature[rows][:, None, None]).sort(
-        dim=-1, descending=True, stable=True)  # [R, T, vocab]
-    kth = scores.gather(-1, (top_k - 1)[:, None, None].expand(-1, scores.shape[1], 1))  # [R, T, 1]
+    sampled = sampling.temperature > 0
+    truncates = sampled & ((sampling.top_k > 0) | (sampling.top_p < 1))  # [B]
+    top_k = torch.where(sampling.top_k > 0, sampling.top_k, vocab).clamp(max=vocab)  # [B]
+    top_p = sampling.top_p[:, None, None]  # [B, 1, 1]
+    temperature = torch.where(sampled, sampling.temperature, 1.0)[:, None, None]  # greedy rows: any T, dropped below
+    scores, order = (logits.float() / temperature).sort(dim=-1, descending=True, stable=True)  # [B, T, vocab]
+    kth = scores.gather(-1, (top_k - 1)[:, None, None].expand(-1, scores.shape[1], 1))  # [B, T, 1]
     keep = scores >= kth  # the top k, and the tokens tied with the k-th
     probs = scores.masked_fill(~keep, -torch.inf).softmax(dim=-1)
     keep &= (mass_before(probs) < top_p_units(top_p)) | (top_p >= 1)  # top_p 1: no rounding may drop the tail
-    drop = torch.zeros_like(keep).scatter(-1, order, ~keep)  # back to vocabulary order
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(drop, -torch.inf)
-    return out
+    drop = torch.zeros_like(keep).scatter(-1, order, ~keep) & truncates[:, None, None]  # back to vocabulary order
+    return logits.masked_fill(drop, -torch.inf)
 
 
 # Top-p adds probabilities as integers in units of 2**-MASS_BITS: integer sums are exact, so the mass before a token,
@@ -130,11 +145,12 @@ def sample_tokens(
     truncated to the row's top-k / top-p set."""
     assert logits.ndim == 3 and positions.shape == logits.shape[:2]
     tokens = logits.argmax(dim=-1)
-    truncated = truncate_logits(logits, sampling)
-    for b in torch.nonzero(sampling.temperature > 0).flatten().tolist():
-        noise = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1])
-        tokens[b] = (truncated[b] / sampling.temperature[b] + noise.to(logits.device)).argmax(dim=-1)
-    return tokens
+    if not sampling.any_sampled():
+        return tokens
+    sampled = torch.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None, None]
+    noise = gumbel(sampling.seeds.to(logits.device), positions, logits.shape[-1])
+    drawn = (truncate_logits(logits, sampling) / sampled + noise).argmax(dim=-1)
+    return torch.where((sampling.temperature > 0)[:, None], drawn, tokens)
 
 
 def acceptance_inputs(logits: torch.Tensor, sampling: Sampling, positions: torch.Tensor
@@ -142,9 +158,10 @@ def acceptance_inputs(logits: torch.Tensor, sampling: Sampling, positions: torch
     """What an acceptance graph that scores argmax(logits / T + noise) (compile/accept_graph.py) needs to choose
     sample_tokens' tokens: (the truncated logits [B, T, vocab], the Gumbel noise [B, T, vocab], zeros in greedy
     rows), on the logits' device."""
-    noise = torch.zeros_like(logits)
-    for b in torch.nonzero(sampling.temperature > 0).flatten().tolist():
-        noise[b] = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1]).to(logits.device)
+    if not sampling.any_sampled():
+        return logits, torch.zeros_like(logits)
+    noise = gumbel(sampling.seeds.to(logits.device), positions, logits.shape[-1])
+    noise = noise.masked_fill(~(sampling.temperature > 0)[:, None, None], 0.0)
     return truncate_logits(logits, sampling), noise
 
 
@@ -167,19 +184,19 @@ class AcceptPlanInputs:
     def make(cls, logits: torch.Tensor, sampling: Sampling, positions: torch.Tensor) -> "AcceptPlanInputs":
         """From the verify pass's logits [B, T, V] and positions [B, T] (block_positions), on the logits' device."""
         assert logits.ndim == 3 and positions.shape == logits.shape[:2]
-        truncated = truncate_logits(logits, sampling)
-        scores = logits.float().clone()
-        sampled = torch.nonzero(sampling.temperature > 0).flatten().tolist()
-        for b in sampled:
-            noise = gumbel_rows(sampling.seeds[b], positions[b], logits.shape[-1])
-            scores[b] = truncated[b] / sampling.temperature[b] + noise.to(logits.device)  # as sample_tokens
+        scores = logits.float()
+        if sampling.any_sampled():  # the sampled rows' scores, by sample_tokens' own expression
+            divide = torch.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None, None]
+            noise = gumbel(sampling.seeds.to(logits.device), positions, logits.shape[-1])
+            drawn = truncate_logits(logits, sampling) / divide + noise
+            scores = torch.where((sampling.temperature > 0)[:, None, None], drawn, scores)
         temperature = (sampling.temperature > 0).to(device=logits.device, dtype=torch.float32)
         return cls(scores.contiguous(), temperature, torch.zeros_like(scores))
 
 
 def gumbel_rows(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[T, vocab] float32 noise of one request for the tokens at `positions` [T] (sample_tokens' noise)."""
-    return torch.stack([gumbel_noise(seed, int(p), vocab_size) for p in positions])
+    return gumbel(torch.tensor([seed], device=positions.device), positions[None], vocab_size)[0]
 
 
 def block_input(anchors: torch.Tensor, mask_token_id: int, block_size: int) -> torch.Tensor:
