@@ -131,3 +131,17 @@ def test_running_requests_keep_slot_order_and_take_the_lowest_free_slot(biased_e
     decoder.submit(Request(3, [3, 4], 40))
     decoder.step()
     assert [(a.request.id, a.slot) for a in decoder._active] == [(3, 0), (1, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_one_host_read_per_decode_step_on_onnxruntime(ort_engine_dir, sampled):
+    """The onnxruntime executor takes the batch's slots from HostRows (its cache rows are chosen on the host), so a
+    step reads the device once there too."""
+    from trtllm_dflash.runtime.runner import Engine
+
+    ex = Engine.load(ort_engine_dir("qwen3")).executor
+    requests = _requests(3, temperature=1.0 if sampled else 0.0)
+    for mode in ("ar", "dflash"):
+        steps = _reads_per_step(Decoder.for_mode(ex, mode), requests)
+        decode_only = [(n, where) for n, admitting, where in steps if not admitting]
+        assert decode_only and all(n == 1 for n, _ in decode_only), (mode, decode_only)

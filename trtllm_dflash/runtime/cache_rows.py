@@ -96,16 +96,17 @@ class CacheRows:
     def in_use(self) -> int:
         return len(self._row)
 
-    def rows_of(self, slots: torch.Tensor) -> list[int]:
-        """The cache row of each slot; a slot seen for the first time (a new request) takes the next free row."""
+    def rows_of(self, slots: torch.Tensor | Sequence[int]) -> list[int]:
+        """The cache row of each slot; a slot seen for the first time (a new request) takes the next free row. Give
+        the slots as the host knows them (HostRows.slots) where it can: a tensor is read back from its device."""
         rows = []
-        for slot in slots.tolist():
+        for slot in slots.tolist() if isinstance(slots, torch.Tensor) else slots:
             if slot not in self._row:
                 self._row[slot] = len(self._row)
             rows.append(self._row[slot])
         return rows
 
-    def runs_of(self, slots: torch.Tensor) -> list[RowRun]:
+    def runs_of(self, slots: torch.Tensor | Sequence[int]) -> list[RowRun]:
         """The batch's runs of consecutive rows (row_runs): one graph call each, none binding a row of another request."""
         return row_runs(self.rows_of(slots))
 

@@ -143,7 +143,7 @@ class OnnxRuntimeExecutor:
 
     def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
         """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
-        runs = self._rows.runs_of(slots)
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
         T = token_ids.shape[1]
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(T, device=self.device)
@@ -171,7 +171,7 @@ class OnnxRuntimeExecutor:
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
         whole block: the graph has one block length), after writing `context` into the drafter's caches."""
-        runs = self._rows.runs_of(slots)
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
         with self._on_own_stream():
             width = width or self.block_size
             block = block_input(anchors, self.mask_token_id, width)
@@ -199,7 +199,7 @@ class OnnxRuntimeExecutor:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
-            for run in self._rows.runs_of(slots):
+            for run in self._rows.runs_of(slots if rows is None else rows.slots):
                 binding = self._sessions["drafter_context.onnx"].io_binding()
                 inputs = {"target_hidden": run.take(hidden), "positions": run.take(positions)}  # alive until the run
                 for name, tensor in inputs.items():

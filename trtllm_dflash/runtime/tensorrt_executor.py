@@ -208,7 +208,7 @@ class TensorRTExecutor:
 
         T > pass_tokens (a prefill) runs in passes of pass_tokens positions; with `last_index`, only the logits at
         last_index are kept from each pass (a pass's logits [B, pass, V] are the most ever held)."""
-        runs = self._rows.runs_of(slots)
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
             last = last_index.to(self.device) if last_index is not None else None
@@ -249,7 +249,7 @@ class TensorRTExecutor:
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
         writing `context` into the drafter's caches."""
-        runs = self._rows.runs_of(slots)
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
         with self._on_own_stream():
             width = width or self.block_size
             block = block_input(anchors, self.mask_token_id, width)
@@ -272,7 +272,7 @@ class TensorRTExecutor:
         of at most pass_tokens positions."""
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
-            for run in self._rows.runs_of(slots):
+            for run in self._rows.runs_of(slots if rows is None else rows.slots):
                 run_hidden, run_positions = run.take(hidden), run.take(positions)
                 for c0 in range(0, hidden.shape[1], self._pass_tokens):
                     c1 = min(hidden.shape[1], c0 + self._pass_tokens)
