@@ -62,9 +62,9 @@ class Recorder:
         return out
 
     def append_context(self, hidden, starts, slots, rows=None):
-        rows = getattr(self._executor, "_rows", None)
-        if rows is not None:  # the rows these slots hold now (a new request has none yet)
-            self.context_rows.append(sorted(rows._row.get(s) for s in slots.tolist() if s in rows._row))
+        cache_rows = getattr(self._executor, "_rows", None)
+        if cache_rows is not None:  # the rows these slots hold now (a new request has none yet)
+            self.context_rows.append(sorted(cache_rows._row.get(s) for s in slots.tolist() if s in cache_rows._row))
         self._executor.append_context(hidden, starts, slots, rows=rows)
 
 

@@ -250,7 +250,7 @@ def test_run_ends_the_text_before_the_stop_string(engine_dir, stop_cases, tmp_pa
 
 BAD_LINES = [
     ({"top_k": -1}, "'top_k' must be an integer from 0 to 2147483647 (0: no limit), got -1"),
-    ({"top_k": 2.5}, "'top_k' must be an integer >= 0"),
+    ({"top_k": 2.5}, "'top_k' must be an integer from 0 to 2147483647"),
     ({"top_p": 0}, "'top_p' must be a number in (0, 1] (1: no limit), got 0"),
     ({"top_p": 1.5}, "'top_p' must be a number in (0, 1]"),
     ({"stop": "\n"}, "'stop' must be a list of strings, got '\\n'"),

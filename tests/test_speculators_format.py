@@ -151,7 +151,7 @@ def test_pruned_vocabulary_is_lossless_and_accepts_drafts(engines, drafters):
     engine = Engine.load(engines["pruned"])
     drafts: list[torch.Tensor] = []
     draft = engine.executor.draft
-    engine.executor.draft = lambda *args: drafts.append(draft(*args)) or drafts[-1]
+    engine.executor.draft = lambda *args, **kwargs: drafts.append(draft(*args, **kwargs)) or drafts[-1]
     greedy = held_out_requests(engine)
     dflash, ar = run(engine, "dflash", greedy), run(engine, "ar", greedy)
     assert all(dflash[r.id].output_token_ids == ar[r.id].output_token_ids for r in greedy)
