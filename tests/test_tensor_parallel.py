@@ -213,7 +213,9 @@ def test_init_world_with_cpu_and_cuda_backends_decodes_under_mpiexec(tp_pair, tm
                                str(tmp_path / f"{spec.replace(':', '-')}.jsonl")], capture_output=True, text=True, timeout=240,
                               cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = sorted((json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("REPORT ")),
+        # two ranks share mpiexec's stdout: their lines may arrive glued together, so split on the marker
+        decoder = json.JSONDecoder()
+        lines = sorted((decoder.raw_decode(x.strip())[0] for x in proc.stdout.split("REPORT ")[1:]),
                        key=lambda r: r["rank"])
         assert len(lines) == 2, proc.stdout
         return lines
