@@ -13,7 +13,8 @@ the same as drawing t ~ p and accepting iff t == d_j (the z-lab reference scheme
 token is an exact draw from the target's distribution given the committed prefix.
 
 We draw t with the Gumbel-max trick, t = argmax(logits / T + g), where the noise g is a function of
-(request seed, absolute position) only. The token at a position therefore depends only on the
+(request seed, absolute position, vocabulary index) only: a counter-based hash computed on the logits' device, the
+same on a CPU and a GPU (speculative/noise.py states the bound). The token at a position therefore depends only on the
 prefix, the seed and the position, not on how many tokens a step verified: `dflash` and `ar` sample
 the very same sequence for the same seed, and a request's output does not depend on its batch.
 
@@ -47,7 +48,8 @@ def request_seed(seed: int, request_id: str) -> int:
 
 
 def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise [vocab] for one (request seed, absolute position) (speculative/noise.py)."""
+    """Standard Gumbel noise [vocab] for one (request seed, absolute position), on the CPU (speculative/noise.py;
+    the samplers call `gumbel` on the logits' device, which gives the same values)."""
     return gumbel(torch.tensor([seed]), torch.tensor([[position]]), vocab_size)[0, 0]
 
 
@@ -72,7 +74,8 @@ class Sampling:
 
     @classmethod
     def greedy(cls, batch: int, device: torch.device | str = "cpu") -> "Sampling":
-        return cls.plain(torch.zeros(batch, device=device), [0] * batch)
+        zeros = torch.zeros(batch, device=device)
+        return cls(zeros, zeros.long(), torch.ones_like(zeros), zeros.long(), sampled=False, truncated=False)
 
     def __post_init__(self):
         if not isinstance(self.seeds, torch.Tensor):

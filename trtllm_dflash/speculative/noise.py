@@ -3,17 +3,30 @@
 Sampling draws t = argmax(logits / T + g) with standard Gumbel noise g (speculative/core.py). g must be a function of
 (seed, position, index) alone, so that a token does not depend on how many tokens a step verified or on the batch,
 and it should be computed where the logits are: drawing it on the CPU costs a GPU a copy and a synchronization per
-step. So the noise comes from a counter-based generator: two 32-bit integer hashes of (seed, position, index) give a
-53-bit uniform u in (0, 1), and g = -log(-log(u)).
+step. So the noise comes from a counter-based generator: two 32-bit murmur3 finalisers (fmix32) of (seed, position,
+index), keyed apart, give 26 bits each; k = (a << 26) | b is a 52-bit integer, u = (k + 0.5) / 2^52 lies in the open
+interval [2^-53, 1 - 2^-53] (exact in float64: k + 0.5 needs 53 bits), and g = -log(-log(u)).
 
-The hashes use only int64 additions, xors, shifts and products of a 16-bit by a 32-bit number (below 2^48), so no
-operation overflows and CPU and CUDA compute the same bits (`hash_reference` is the same function on Python ints;
-tests/test_noise.py holds them equal). The logarithms are the only inexact step: they run in float64, where torch's
-CPU kernels (SLEEF's 1.0-ulp `log`) and CUDA's `log` (1 ulp, CUDA Math API) each stay within 1 ulp of the exact
-value, so g differs between devices by at most ~2^-52 (1 + |g|) before it is rounded to float32; the float32 noise
-is then the same unless the float64 value falls that close to a float32 rounding boundary (about 1 element in 2^27,
-and a 1-ulp float32 difference can change a token only at a near-tie of ~1e-7 of a logit). tests/test_noise.py
-checks the float64 noise against mpmath at 1 ulp of g plus the inner log's propagated ulp.
+Integers. Only int64 xors, shifts, masks and products h * c' with h < 2^32 and |c'| <= 2^31 (c' = c - 2^32 for a
+constant c >= 2^31, which is the same multiplier mod 2^32), so |h * c'| < 2^63: no operation overflows, nothing relies
+on wraparound, and every device that computes int64 exactly gives the same bits. `hash_reference` is the same function
+on Python ints; tests/test_noise.py holds them equal.
+
+Logarithms (the only inexact step; float64). Each device's log is within 1 ulp: torch's CPU kernel is MKL's vdLn in
+its high-accuracy mode (torch's x86 builds with MKL; Intel documents HA functions to 1 ulp), else SLEEF's u10 kernels
+(1.0 ulp) or glibc's log (< 1 ulp; its libm-test-ulps lists 0-1 for x86_64); CUDA's double `log` has a documented
+maximum error of 1 ulp (CUDA Math API; `logf` too, not used here). Carried through g = -log(L), L = -log(u): each
+device's float64 g is within 2^-52 (1 + |g|) of the exact value (1 ulp of g, and L's relative 2^-52 becomes an
+absolute 2^-52 through the outer log). Two devices' float64 values thus differ by at most 2^-51 (1 + |g|), and their
+float32 roundings can differ only when a float32 rounding boundary lies in that window: over the Gumbel density that
+is at most ~8.5e-8 of the elements (2^-23.5; about one element in 77 rows at V = 151,936), each then 1 float32 ulp
+apart, which changes a token only if that element is the winner of a near-tie within 1 ulp. tests/test_noise.py checks
+the CPU's logs and g against mpmath at these bounds; CPU and CUDA have not been compared on a GPU here (no GPU).
+
+Cost on the CPU: the work is ~20 passes over int64 [2, B, T, V] and two float64 logs. Tensors of a whole verify block
+(16 x 151,936) leave the cache, and each pass then runs at memory speed, about 3x slower than over cache-sized pieces,
+so on the CPU the vocabulary is done in pieces of CPU_PIECE_ELEMENTS (a loop over vocabulary pieces, no host reads).
+Other devices do it in one piece (one launch per operation).
 """
 
 from __future__ import annotations
@@ -24,47 +37,81 @@ _MASK32 = 0xFFFFFFFF
 # Odd 32-bit constants: murmur3's finaliser (fmix32) and the golden ratio's (Weyl sequence steps).
 _M1, _M2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
 _STREAM_A, _STREAM_B = 0x243F6A88, 0xB7E15162  # the two hashes' keys (digits of pi and e)
+CPU_PIECE_ELEMENTS = 1 << 17  # int64 elements of [2, B, T, piece] per vocabulary piece on the CPU: 1 MiB, L2-sized
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """h * c mod 2^32 for h in [0, 2^32): h = a * 2^16 + b, so h * c = (a * c mod 2^16) * 2^16 + b * c (mod 2^32),
-    with every product below 2^48."""
-    a, b = h >> 16, h & 0xFFFF
-    return ((((a * c) & 0xFFFF) << 16) + b * c) & _MASK32
+def _signed(c: int) -> int:
+    """The multiplier congruent to c mod 2^32 in [-2^31, 2^31): h * _signed(c) fits int64 for any h < 2^32."""
+    return c - (1 << 32) if c >= 1 << 31 else c
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, _M1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _M2)
-    return h ^ (h >> 16)
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32 of every element of h (int64 in [0, 2^32)), in place."""
+    h ^= h >> 16
+    h *= _signed(_M1)
+    h &= _MASK32  # two's complement: the product mod 2^32, also for a negative product
+    h ^= h >> 13
+    h *= _signed(_M2)
+    h &= _MASK32
+    h ^= h >> 16
+    return h
 
 
 def _key(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """[B, T] 32-bit keys of (seed, position) for one stream; seeds [B] (63-bit, >= 0), positions [B, T] (>= 0)."""
     lo, hi = (seeds & _MASK32)[:, None], (seeds >> 32)[:, None]
-    h = _fmix32(lo ^ stream)
-    h = _fmix32(h ^ hi)
-    return _fmix32(h ^ (positions & _MASK32))
+    h = _fmix32_(lo ^ stream)
+    h = _fmix32_(h ^ hi)
+    return _fmix32_(h ^ (positions & _MASK32))
+
+
+def _index_hash(start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """[stop - start] the vocabulary indices' Weyl steps (index + 1) * golden mod 2^32."""
+    index = torch.arange(start + 1, stop + 1, device=device, dtype=torch.int64)
+    return (index * _signed(_GOLDEN)) & _MASK32
 
 
 def _bits(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, T, V] 32-bit hashes of each key with each vocabulary index."""
-    index = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
-    return _fmix32(key[..., None] ^ _mul32(index + 1, _GOLDEN))
+    """[..., V] 32-bit hashes of each key [...] with each vocabulary index."""
+    return _fmix32_(key[..., None] ^ _index_hash(0, vocab_size, key.device))
+
+
+def _uniform_piece(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """[B, T, stop - start] float64 uniforms of vocabulary indices start .. stop - 1; keys [2, B, T] (the streams)."""
+    h = _fmix32_(keys[..., None] ^ _index_hash(start, stop, keys.device))  # [2, B, T, piece]
+    k = h[0] >> 6
+    k <<= 26
+    k |= h[1] >> 6  # 52 bits
+    return k.double().add_(0.5).mul_(2.0**-52)  # exact: (k + 0.5) / 2^52
+
+
+def _pieces(keys: torch.Tensor, vocab_size: int) -> list[tuple[int, int]]:
+    if keys.device.type != "cpu":
+        return [(0, vocab_size)]
+    width = max(1024, CPU_PIECE_ELEMENTS // max(1, keys.numel()))
+    return [(s, min(s + width, vocab_size)) for s in range(0, vocab_size, width)]
+
+
+def _streams(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    assert seeds.ndim == 1 and positions.ndim == 2 and positions.shape[0] == seeds.shape[0], (seeds.shape,
+                                                                                              positions.shape)
+    assert seeds.dtype == positions.dtype == torch.int64, (seeds.dtype, positions.dtype)
+    return torch.stack([_key(seeds, positions, _STREAM_A), _key(seeds, positions, _STREAM_B)])  # [2, B, T]
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, T, V] float64 uniforms in the open interval (0, 1), 53 bits each, for seeds [B] and positions [B, T]."""
-    a = _bits(_key(seeds, positions, _STREAM_A), vocab_size) >> 5  # 27 bits
-    b = _bits(_key(seeds, positions, _STREAM_B), vocab_size) >> 6  # 26 bits
-    return ((a << 26) + b).double().add_(0.5).mul_(2.0**-53)  # exact: (k + 0.5) / 2^53, k < 2^53
+    """[B, T, V] float64 uniforms in the open interval (0, 1), 52 bits each, for seeds [B] and positions [B, T]."""
+    keys = _streams(seeds, positions)
+    return torch.cat([_uniform_piece(keys, s, e) for s, e in _pieces(keys, vocab_size)], dim=-1)
 
 
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise [B, T, V] float32 for seeds [B] int64 and positions [B, T] int64, on their device."""
-    return gumbel64(seeds, positions, vocab_size).float()
+    keys = _streams(seeds, positions)
+    out = torch.empty(positions.shape + (vocab_size,), dtype=torch.float32, device=positions.device)
+    for s, e in _pieces(keys, vocab_size):
+        out[..., s:e] = _uniform_piece(keys, s, e).log_().neg_().log_().neg_()
+    return out
 
 
 def gumbel64(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -89,3 +136,9 @@ def hash_reference(seed: int, position: int, index: int) -> tuple[int, int]:
         return mix(h ^ (((index + 1) * _GOLDEN) & _MASK32))
 
     return one(_STREAM_A), one(_STREAM_B)
+
+
+def uniform_reference(seed: int, position: int, index: int) -> float:
+    """`uniform` for one (seed, position, index), on Python ints and floats."""
+    a, b = hash_reference(seed, position, index)
+    return (((a >> 6) << 26 | (b >> 6)) + 0.5) / 2**52
