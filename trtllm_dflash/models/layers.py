@@ -198,11 +198,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out = torch.ops.onnx.Attention.opset23(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask[:, None])[0]
         return out.transpose(1, 2).flatten(2)
+    if q.is_cuda and q.shape[2] != k.shape[2]:
+        return attend_groups_as_rows(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2], scale=scale,
     )  # [B, heads, Tq, hd]
     return out.transpose(1, 2).flatten(2)
+
+
+def attend_groups_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scale: float | None = None) -> torch.Tensor:
+    """`attend` in the form a fused CUDA SDPA backend takes: masked GQA without enable_gqa and without copying K/V.
+
+    Why: in torch 2.11-2.13 on CUDA, flash attention refuses any attn_mask, and memory-efficient attention refuses
+    unequal query / KV head counts (its GQA support, pytorch#191085, came after 2.13: 2.13's sdp_utils_cpp.h still
+    has the two-argument check_batch_size_and_num_heads_dense); cuDNN takes masked GQA but only leads the default
+    priority order on sm90/sm100 with cuDNN > 9.15.1, so masked enable_gqa usually runs the math kernel. Expanding
+    K/V to the query heads cannot be a view (two strides in one dimension). So the g query heads that share KV head j
+    become g * Tq query rows of one head j (query head h = j * g + i reads KV head j; every row's softmax is its own):
+    K/V keep kv_heads heads and stay views of the cache, only q (Tq <= a block of tokens) and the mask are copied.
+    Equal head counts + an additive float mask [B, 1, g * Tq, Tk] + unit last-dim strides: what the memory-efficient
+    backend (sdp_utils.cpp, can_use_mem_efficient_attention) accepts; not run on a GPU here. Masked keys get the
+    dtype's lowest value, not -inf, so a row that sees no key (a CUDA graph's padding row) gives no NaN.
+
+    Shapes as `attend`'s: q [B, Tq, heads, hd]; k, v [B, Tk, kv_heads, hd]; mask [B, Tq, Tk] -> [B, Tq, heads * hd]."""
+    b, tq, heads, hd = q.shape
+    kv, tk = k.shape[2], k.shape[1]
+    g = heads // kv
+    rows = q.view(b, tq, kv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kv, g * tq, hd)  # [B, kv, g * Tq, hd]
+    bias = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), torch.finfo(q.dtype).min)
+    bias = bias[:, None, None].expand(b, 1, g, tq, tk).reshape(b, 1, g * tq, tk)
+    out = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)
+    return out.view(b, kv, g, tq, hd).permute(0, 3, 1, 2, 4).flatten(2)  # [B, Tq, heads * hd]
 
 
 def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -22,6 +22,7 @@ from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_input
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.parallel.group import TPGroup
+from trtllm_dflash.runtime.cuda_graphs import StaticPasses
 from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
 
@@ -136,10 +137,11 @@ class Executor(Protocol):
         ...
 
 
-# Attended lengths are rounded up to a multiple of this: a pass attends to masked keys up to the bucket's end (the
-# masks come from positions, so its tokens do not change), and the lengths a run meets are few (shapes a CUDA graph
-# or a compiled plan can be made for). 64 keys cost a 2-core CPU nothing measurable at the demo's sizes
-# (benchmarks/kv_in_place.py).
+# Attended lengths of eager passes are rounded up to a multiple of this: a pass attends to masked keys up to the
+# bucket's end (the masks come from positions, so its tokens do not change) and reads them as views of the cache
+# (no copy), and the lengths a run meets are few (64 keys is 1.6% of a 4k context; the CUDA graphs use coarser
+# buckets, runtime/cuda_graphs.py). Bucketed against exact lengths, views against copies, on the CPU:
+# benchmarks/kv_in_place.py.
 KV_BUCKET = 64
 
 
@@ -148,7 +150,7 @@ class TorchExecutor:
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
-                    block_size: int | None) -> "TorchExecutor":
+                    block_size: int | None, cuda_graphs: bool | None = None) -> "TorchExecutor":
         """This rank's shard of a verified engine directory, dequantized for the torch modules."""
         target_spec, drafter_spec, params = engine_specs(cfg)
         weights = load_file(str(Path(root) / rank_file(rank)), device=device)
@@ -162,19 +164,35 @@ class TorchExecutor:
         drafter = DFlashDrafter.from_state_dict(drafter_spec, params, drafter_state, tp, cfg.dflash.draft_vocab_size)
         quantize_inputs(drafter, drafter_inputs)
         # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
-        return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size)
+        return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size,
+                   cuda_graphs)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
-                 block_size: int | None = None):
+                 block_size: int | None = None, cuda_graphs: bool | None = None):
+        """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
+        shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
+        CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
+        inside a capture: not tried). True on a CPU runs the same static
+        passes eagerly (what the tests check; no faster)."""
         self.target, self.drafter = target, drafter
         # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
         self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
         self.num_slots, self.vocab_size, self.max_seq_len = num_slots, target.spec.vocab_size, max_seq_len
         # A verify pass writes block_size positions from the last committed one.
         margin = drafter.params.block_size if drafter is not None else 1
-        self.target_cache = target.new_cache(num_slots, max_seq_len + margin)
-        self.draft_cache = drafter.new_cache(num_slots, max_seq_len + margin) if drafter is not None else None
         self.device = target.lm_head.weight.device
+        if cuda_graphs and target.spec.num_experts:
+            raise ValueError("CUDA graphs: not for a target with experts (its routing has data-dependent shapes); "
+                             "run it without them.")
+        graphs = (self.device.type == "cuda" and not target.spec.num_experts and target.tp.size == 1
+                  if cuda_graphs is None else cuda_graphs)
+        # With graphs the caches have one more slot, after the requests': the padding rows' scratch.
+        cache_slots = num_slots + 1 if graphs else num_slots
+        self.target_cache = target.new_cache(cache_slots, max_seq_len + margin)
+        self.draft_cache = drafter.new_cache(cache_slots, max_seq_len + margin) if drafter is not None else None
+        self.graphs = StaticPasses(self._target_pass, self._draft_pass, num_slots, num_slots, max_seq_len + margin,
+                                   self.device, capture=self.device.type == "cuda") if graphs else None
+        self._graph_tokens = margin  # target passes of at most this many tokens per row run as graphs
 
     @torch.inference_mode()
     def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
@@ -182,11 +200,21 @@ class TorchExecutor:
 
         With `capture`, also return the outputs of the drafter's target_layer_ids [B, T, n_feat * H].
         """
+        T = token_ids.shape[1]
+        if self.graphs is not None and rows is not None and last_index is None and T <= self._graph_tokens:
+            return StepOutput(*self.graphs.target(token_ids, starts, slots, capture, rows.slots, rows.attended(T)))
+        kv_len, run = self._attended(rows, T, self.target_cache)
+        return StepOutput(*self._target_pass(token_ids, starts, slots, capture, kv_len, run, last_index))
+
+    def _target_pass(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, capture: bool,
+                     kv_len: int | None, run: slice | None, last_index: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, hidden) of one target pass attending `kv_len` keys (None: read from the positions), the caches
+        read as views of `run` (None: by index)."""
         positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
         layers = self.drafter.params.target_layer_ids if capture else ()
-        kv_len, run = self._attended(rows, token_ids.shape[1], self.target_cache)
         out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index, kv_len, run)
-        return StepOutput(out.logits, out.hidden)
+        return out.logits, out.hidden
 
     @torch.inference_mode()
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
@@ -195,16 +223,26 @@ class TorchExecutor:
         drafter's cache in the same pass. The lm_head runs over the num_drafts positions read out only: with a
         small verify length it is most of a small drafter's pass."""
         assert self.drafter is not None
-        p = self.drafter.params
         width = width or self.block_size
         n = width - 1 if num_drafts is None else num_drafts
-        block = block_input(anchors, p.mask_token_id, width)
-        positions = starts[:, None] + torch.arange(width, device=self.device)
-        context_hidden, context_positions = (None, None) if context is None else (context.hidden, context.positions())
+        context_hidden, context_starts = (None, None) if context is None else (context.hidden, context.starts)
+        if self.graphs is not None and rows is not None:
+            return self.graphs.draft(anchors, starts, slots, n, width, context_hidden, context_starts, rows.slots,
+                                     rows.attended(0))
         kv_len, run = self._attended(rows, 0, self.draft_cache)  # the context keys: positions before each start
+        return self._draft_pass(anchors, starts, slots, n, width, context_hidden, context_starts, kv_len, run)
+
+    def _draft_pass(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, num_drafts: int,
+                    width: int, context_hidden: torch.Tensor | None, context_starts: torch.Tensor | None,
+                    kv_len: int | None, run: slice | None) -> torch.Tensor:
+        """Drafts [B, num_drafts] of one drafter pass over blocks of `width`, attending `kv_len` context keys (None:
+        read from the starts), its cache read as views of `run` (None: by index)."""
+        block = block_input(anchors, self.drafter.params.mask_token_id, width)
+        positions = starts[:, None] + torch.arange(width, device=self.device)
+        context_positions = None if context_hidden is None else DraftContext(context_hidden, context_starts).positions()
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, context_hidden,
                               context_positions, kv_len, run)
-        return self.drafter.greedy_tokens(hidden[:, 1:n + 1], self.target.logits)
+        return self.drafter.greedy_tokens(hidden[:, 1:num_drafts + 1], self.target.logits)
 
     @torch.inference_mode()
     def append_context(self, hidden, starts, slots, rows=None) -> None:
