@@ -23,10 +23,11 @@ is at most ~8.5e-8 of the elements (2^-23.5; about one element in 77 rows at V =
 apart, which changes a token only if that element is the winner of a near-tie within 1 ulp. tests/test_noise.py checks
 the CPU's logs and g against mpmath at these bounds; CPU and CUDA have not been compared on a GPU here (no GPU).
 
-Cost on the CPU: the work is ~20 passes over int64 [2, B, T, V] and two float64 logs. Tensors of a whole verify block
-(16 x 151,936) leave the cache, and each pass then runs at memory speed, about 3x slower than over cache-sized pieces,
-so on the CPU the vocabulary is done in pieces of CPU_PIECE_ELEMENTS (a loop over vocabulary pieces, no host reads).
-Other devices do it in one piece (one launch per operation).
+Cost: ~20 elementwise passes over int64 [2, B, T, V] and two float64 logs. On the CPU, tensors of a whole verify
+block (16 x 151,936) leave the cache and each pass then runs at memory speed, about 3x slower than over cache-sized
+pieces, so the vocabulary is done in pieces of CPU_PIECE_ELEMENTS (a loop over vocabulary pieces, no host reads;
+benchmarks/noise_cost.py). Other devices take pieces of DEVICE_PIECE_ELEMENTS (512 MiB of int64), which bounds the
+temporary memory of a large batch (32 x 16 x 151,936 would need 1.2 GiB at once) at a few launches more.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _MASK32 = 0xFFFFFFFF
 _M1, _M2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
 _STREAM_A, _STREAM_B = 0x243F6A88, 0xB7E15162  # the two hashes' keys (digits of pi and e)
 CPU_PIECE_ELEMENTS = 1 << 17  # int64 elements of [2, B, T, piece] per vocabulary piece on the CPU: 1 MiB, L2-sized
+DEVICE_PIECE_ELEMENTS = 1 << 26  # the same elsewhere (512 MiB): a bound on temporary memory, not a cache size
 
 
 def _signed(c: int) -> int:
@@ -86,9 +88,9 @@ def _uniform_piece(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def _pieces(keys: torch.Tensor, vocab_size: int) -> list[tuple[int, int]]:
-    if keys.device.type != "cpu":
-        return [(0, vocab_size)]
-    width = max(1024, CPU_PIECE_ELEMENTS // max(1, keys.numel()))
+    """[(start, stop)] vocabulary pieces for keys [2, B, T] (host arithmetic on shapes only)."""
+    elements = CPU_PIECE_ELEMENTS if keys.device.type == "cpu" else DEVICE_PIECE_ELEMENTS
+    width = max(1024, elements // max(1, keys.numel()))
     return [(s, min(s + width, vocab_size)) for s in range(0, vocab_size, width)]
 
 
