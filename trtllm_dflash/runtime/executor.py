@@ -137,12 +137,13 @@ class Executor(Protocol):
         ...
 
 
-# Attended lengths of eager passes are rounded up to a multiple of this: a pass attends to masked keys up to the
-# bucket's end (the masks come from positions, so its tokens do not change) and reads them as views of the cache
-# (no copy), and the lengths a run meets are few (64 keys is 1.6% of a 4k context; the CUDA graphs use coarser
-# buckets, runtime/cuda_graphs.py). Bucketed against exact lengths, views against copies, on the CPU:
-# benchmarks/kv_in_place.py.
-KV_BUCKET = 64
+# Attended lengths of eager passes are rounded up to a multiple of this. A pass then attends to masked keys up to the
+# bucket's end (the masks come from positions on the device, so no value changes) and reads them as views of the
+# cache. 16, not 64: an eager pass needs no fixed shapes (the CUDA graphs have their own, coarser buckets:
+# runtime/cuda_graphs.py), and on the demo engine's CPU passes rounding 65 keys up to 128 cost 4-7% at batch 8 where
+# multiples of 16 cost nothing measurable (benchmarks/kv_in_place.py); 16 keeps the additive mask's last dimension
+# aligned as CUDA's memory-efficient SDPA wants it (it pads the mask to a multiple of 8 or 16 otherwise).
+KV_BUCKET = 16
 
 
 class TorchExecutor:
