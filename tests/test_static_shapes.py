@@ -246,3 +246,39 @@ def test_grouped_query_heads_as_rows_equal_enable_gqa():
     for scale in (None, 1.0):
         torch.testing.assert_close(attend_groups_as_rows(q, k, v, mask, scale), attend(q, k, v, mask, scale=scale),
                                    atol=1e-6, rtol=1e-5)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (never run: no GPU here)")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_masked_gqa_runs_a_fused_backend_on_cuda(dtype):
+    """With only the fused backends allowed (memory-efficient, cuDNN), `attend` on CUDA runs (SDPA raises "No
+    available kernel" if its form needs the math kernel) and equals the CPU's result."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(1)
+    q, k_cache = torch.randn(2, 16, 32, 128, generator=g), torch.randn(4, 256, 8, 128, generator=g)
+    v_cache = torch.randn(4, 256, 8, 128, generator=g)
+    positions = torch.tensor([[40 + i for i in range(16)], [100 + i for i in range(16)]])
+    mask = torch.arange(128)[None, None, :] <= positions[:, :, None]
+    expected = attend(q, k_cache[1:3, :128], v_cache[1:3, :128], mask)
+    dev = [t.to("cuda", dtype) for t in (q, k_cache, v_cache)]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        out = attend(dev[0], dev[1][1:3, :128], dev[2][1:3, :128], mask.cuda())
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@cuda
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_captured_cuda_graphs_give_the_eager_executors_tokens(engine_dir, sampled):
+    engine = Engine.load(engine_dir)
+
+    def on_cuda(cuda_graphs: bool) -> TorchExecutor:
+        return TorchExecutor.from_engine(engine_dir, engine.config, 0, SINGLE, "cuda", None, cuda_graphs=cuda_graphs)
+
+    graphed = on_cuda(True)
+    assert _tokens(engine, graphed, "dflash", sampled) == _tokens(engine, on_cuda(False), "dflash", sampled)
+    assert all(p.graph is not None for p in graphed.graphs.passes.values())
