@@ -27,7 +27,7 @@ from trtllm_dflash.speculative.noise import (
 def _cases(n: int, seed: int = 0) -> list[tuple[int, int, int]]:
     rng = random.Random(seed)
     edge = [(0, 0, 0), ((1 << 63) - 1, 2**31 - 1, 151_935), (1 << 32, 1, 1), (0xFFFFFFFF, 7, 4095),
-            ((1 << 63) - 1, (1 << 32) + 5, 0)]  # positions keep their low 32 bits
+            ((1 << 63) - 1, (1 << 32) + 5, 0), (-5, 3, 9)]  # positions keep their low 32 bits; any int64 seed
     return edge + [(rng.getrandbits(63), rng.randrange(2**20), rng.randrange(262_144)) for _ in range(n)]
 
 

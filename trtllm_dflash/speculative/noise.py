@@ -61,7 +61,7 @@ def _fmix32_(h: torch.Tensor) -> torch.Tensor:
 
 def _key(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """[B, T] 32-bit keys of (seed, position) for one stream; seeds [B] (63-bit, >= 0), positions [B, T] (>= 0)."""
-    lo, hi = (seeds & _MASK32)[:, None], (seeds >> 32)[:, None]
+    lo, hi = (seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None]  # 32 bits each, whatever the sign
     h = _fmix32_(lo ^ stream)
     h = _fmix32_(h ^ hi)
     return _fmix32_(h ^ (positions & _MASK32))
@@ -98,6 +98,7 @@ def _streams(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     assert seeds.ndim == 1 and positions.ndim == 2 and positions.shape[0] == seeds.shape[0], (seeds.shape,
                                                                                               positions.shape)
     assert seeds.dtype == positions.dtype == torch.int64, (seeds.dtype, positions.dtype)
+    assert seeds.device == positions.device, (seeds.device, positions.device)
     return torch.stack([_key(seeds, positions, _STREAM_A), _key(seeds, positions, _STREAM_B)])  # [2, B, T]
 
 
@@ -110,7 +111,7 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> to
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise [B, T, V] float32 for seeds [B] int64 and positions [B, T] int64, on their device."""
     keys = _streams(seeds, positions)
-    out = torch.empty(positions.shape + (vocab_size,), dtype=torch.float32, device=positions.device)
+    out = torch.empty(positions.shape + (vocab_size,), dtype=torch.float32, device=seeds.device)
     for s, e in _pieces(keys, vocab_size):
         out[..., s:e] = _uniform_piece(keys, s, e).log_().neg_().log_().neg_()
     return out
@@ -133,7 +134,7 @@ def hash_reference(seed: int, position: int, index: int) -> tuple[int, int]:
 
     def one(stream: int) -> int:
         h = mix((seed & _MASK32) ^ stream)
-        h = mix(h ^ (seed >> 32))
+        h = mix(h ^ ((seed >> 32) & _MASK32))
         h = mix(h ^ (position & _MASK32))
         return mix(h ^ (((index + 1) * _GOLDEN) & _MASK32))
 
