@@ -91,7 +91,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 import torch
 from vllm import LLM, SamplingParams
-spec = {"method": "dflash", "model": a["drafter"], "num_speculative_tokens": a["drafts"]} if a["mode"] == "dflash" else None
+spec = None
+if a["mode"] == "dflash":
+    spec = {"method": "dflash", "model": a["drafter"], "num_speculative_tokens": a["drafts"]}
 llm = LLM(model=a["target"], dtype="float32", max_num_seqs=8, max_model_len=2048, speculative_config=spec,
           enforce_eager=True, seed=0, enable_prefix_caching=False, disable_log_stats=False)
 params = SamplingParams(temperature=0.0, max_tokens=a["max_new"])
@@ -210,9 +212,10 @@ def set_up_gguf(llama_src: Path, python: Path, gguf: Path) -> None:
     gguf.mkdir(parents=True, exist_ok=True)
     shim = ("import runpy, sys\nsrc = sys.argv[1]\nsys.path[:0] = [src + '/gguf-py', src]\n"
             "import conversion.base as base\nbase.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-            "sys.argv = [src + '/convert_hf_to_gguf.py'] + sys.argv[2:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
-    for name, outtype, args in (("target", "f32", [str(DEMO / "target")]), ("target", "f16", [str(DEMO / "target")]),
-                                ("drafter", "f32", [str(DEMO / "drafter"), "--target-model-dir", str(DEMO / "target")])):
+            "sys.argv = [src + '/convert_hf_to_gguf.py'] + sys.argv[2:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    target, drafter = [str(DEMO / "target")], [str(DEMO / "drafter"), "--target-model-dir", str(DEMO / "target")]
+    for name, outtype, args in (("target", "f32", target), ("target", "f16", target), ("drafter", "f32", drafter)):
         out = subprocess.run([str(python), "-c", shim, str(llama_src), *args, "--outtype", outtype, "--outfile",
                               str(gguf / f"{name}-{outtype}.gguf")], capture_output=True, text=True)
         if out.returncode != 0:
@@ -427,7 +430,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {t['busy']} | {t['row']} | {t['batch']} | failed: {t['error'][:160]} | | | |")
             continue
         g = t.get("agreement")
-        same = f"{g['identical']}/{g['of']} | {100 * g['prefix_agreement']:.1f}%" if g else "n/a (none of ours ran) | n/a"
+        same = f"{g['identical']}/{g['of']} | {100 * g['prefix_agreement']:.1f}%" if g else "n/a (none of ours) | n/a"
         lines.append(f"| {t['busy']} | {t['row']} | {t['batch']} | {t['tokens_per_s']} | "
                      f"{t['acceptance_length'] or ''} | {same} |")
     for name, why in report["skipped"].items():

@@ -170,3 +170,30 @@ def test_block_size_flag(engine_dir, tmp_path, capsys):
     code, _, _ = run(engine_dir, tmp_path, [json.dumps(GOOD[0])], "--block-size", "9")
     assert code == EXIT_USER_ERROR
     assert "--block-size 9: must be between 2 and the engine's trained block_size 8." in capsys.readouterr().err
+
+
+def test_cuda_graphs_flag(engine_dir, gpt_oss_ort_engine, tmp_path, capsys):
+    """--cuda-graphs where they cannot run is one sentence before anything is loaded or written; --no-cuda-graphs is
+    the CPU's own default (same outputs)."""
+    from trtllm_dflash.engine_dir import Mapping, read_engine_config
+    from trtllm_dflash.errors import UserError
+    from trtllm_dflash.runtime.runner import _check_cuda_graphs
+
+    line = [json.dumps(GOOD[0])]
+    cases = [((), "error: --cuda-graphs needs --device cuda (CUDA graphs are a GPU feature; on the CPU the passes run "
+                  "eagerly)."),
+             (("--backend", "onnxruntime"), "error: --cuda-graphs: only the torch executor captures CUDA graphs, and "
+              "this run's backend is onnxruntime; drop --cuda-graphs or use --backend torch.")]
+    for extra, message in cases:
+        code, records, summary = run(engine_dir, tmp_path, line, "--cuda-graphs", *extra)
+        assert (code, records, summary) == (EXIT_USER_ERROR, [], None)
+        assert capsys.readouterr().err.strip() == message
+    code, records, _ = run(gpt_oss_ort_engine, tmp_path, line, "--cuda-graphs", "--backend", "torch")
+    assert (code, records) == (EXIT_USER_ERROR, [])
+    assert "--cuda-graphs: not for a target with experts" in capsys.readouterr().err
+    # tensor parallelism: reached only under mpirun, after the rank checks
+    tp2 = read_engine_config(engine_dir).model_copy(update={"mapping": Mapping(tp_size=2)})
+    with pytest.raises(UserError, match="--cuda-graphs: not yet with tensor parallelism .* tp_size 2"):
+        _check_cuda_graphs(tp2, "torch", "cuda:0")
+    default = [r["output_token_ids"] for r in run(engine_dir, tmp_path, line)[1]]
+    assert [r["output_token_ids"] for r in run(engine_dir, tmp_path, line, "--no-cuda-graphs")[1]] == default != []

@@ -42,8 +42,10 @@ class OrtGraphs:
     """The exported graphs in onnxruntime with per-slot caches [num_slots, kv_heads, max_len, head_dim] per
     layer; a call runs the rows r0 .. r0 + batch - 1 (a test helper, not an executor)."""
 
-    def __init__(self, graph_dir: Path, engine: Engine):
+    def __init__(self, graph_dir: Path, engine: Engine, extra_keys: int = 0):
+        """`extra_keys`: attend to this many masked keys past the longest row (as an executor's bucket does)."""
         ex = engine.executor
+        self.extra_keys = extra_keys
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         self.sessions = {name: ort.InferenceSession(str(graph_dir / f"{name}.onnx"), options,
@@ -75,8 +77,9 @@ class OrtGraphs:
 
     def target(self, token_ids, starts, r0):
         positions = starts[:, None] + torch.arange(token_ids.shape[1])
-        return self._run(TARGET_STEP, {"token_ids": token_ids, "positions": positions}, self.target_cache, r0,
-                         ["logits", "hidden"], write=True)
+        keys = torch.arange(int(positions.max()) + 1 + self.extra_keys)
+        return self._run(TARGET_STEP, {"token_ids": token_ids, "positions": positions, "key_positions": keys},
+                         self.target_cache, r0, ["logits", "hidden"], write=True)
 
     def append_context(self, hidden, starts, r0):
         positions = starts[:, None] + torch.arange(hidden.shape[1])
@@ -86,7 +89,8 @@ class OrtGraphs:
     def draft(self, block_ids, starts, r0, context: DraftContext):
         positions = starts[:, None] + torch.arange(block_ids.shape[1])
         inputs = {"block_ids": block_ids, "positions": positions, "context_hidden": context.hidden,
-                  "context_positions": context.positions()}
+                  "context_positions": context.positions(),
+                  "key_positions": torch.arange(int(starts.max()) + self.extra_keys)}
         return self._run(DRAFTER_DRAFT, inputs, self.draft_cache, r0, ["draft_tokens"], write=True)[0]
 
 
@@ -141,6 +145,12 @@ def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     for f in files[:3]:
         onnx.checker.check_model(str(f), full_check=True)
         ops[f.stem] = Counter(n.op_type for n in onnx.load(str(f), load_external_data=False).graph.node)
+    # No size inside a graph comes from an input's values: the attended length is key_positions' length.
+    for f in files[:3]:
+        graph = onnx.load(str(f), load_external_data=False).graph
+        assert "NonZero" not in {n.op_type for n in graph.node}, f.name
+        keys = [[d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input if i.name == "key_positions"]
+        assert keys == ([] if f.stem == DRAFTER_CONTEXT else [["keys"]]), f.name
     # ONNX's own attention, RoPE (q and k) and KV-cache write: TensorRT parses each into its native layer
     # (IAttention, IRotaryEmbeddingLayer, IKVCacheUpdateLayer), so no plugin is needed.
     assert (ops[TARGET_STEP]["Attention"], ops[TARGET_STEP]["RotaryEmbedding"], ops[TARGET_STEP]["TensorScatter"]) \
@@ -169,7 +179,9 @@ def test_onnxruntime_equals_the_torch_executor(exported):
     rows, AR steps over rows 1..2 on the caches written so far; drafter context appends and drafts in between."""
     engine, out, _ = exported
     ex = engine.executor
-    graphs = OrtGraphs(out, engine)
+    # qwen3 attends to exactly the keys it needs; the others to 7 masked keys more, as an executor's bucket may
+    # (gpt-oss's sliding-window layers too): the same values either way.
+    graphs = OrtGraphs(out, engine, extra_keys=0 if ex.target.spec.model_type == "qwen3" else 7)
     g = torch.Generator().manual_seed(0)
     vocab, block_size, mask_id = ex.vocab_size, ex.block_size, ex.drafter.params.mask_token_id
 

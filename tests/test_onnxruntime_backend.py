@@ -131,8 +131,8 @@ def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, ca
     graph = graph_dir(damaged, 0) / "drafter_draft.onnx"
     graph.write_bytes(graph.read_bytes()[:-1] + b"\x00")
     refused([run[0], str(damaged), *run[1:]], "drafter_draft.onnx: engine file does not match manifest.json")
-    # An engine of an earlier version, whose draft graph took no context rows (here: a stand-in graph without
-    # that input, listed in the manifest), is refused before any request runs.
+    # An engine of an earlier version, whose target graph read the attended length from its positions (here: a
+    # stand-in graph without key_positions, listed in the manifest), is refused before any request runs.
     import onnx
     from onnx import TensorProto, helper
 
@@ -140,14 +140,14 @@ def test_bad_inputs(qwen3_pair, qwen3_engine_dir, qwen3_ort_engine, tmp_path, ca
 
     old = tmp_path / "old"
     shutil.copytree(qwen3_ort_engine, old)
-    x = helper.make_tensor_value_info("block_ids", TensorProto.INT64, ["batch", "block"])
-    y = helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["batch", "block"])
-    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["block_ids"], ["draft_tokens"])],
-                                                  "drafter_draft", [x], [y])),
-              str(graph_dir(old, 0) / "drafter_draft.onnx"))
+    x = helper.make_tensor_value_info("token_ids", TensorProto.INT64, ["batch", "seq"])
+    y = helper.make_tensor_value_info("logits", TensorProto.INT64, ["batch", "seq"])
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Identity", ["token_ids"], ["logits"])],
+                                                  "target_step", [x], [y])),
+              str(graph_dir(old, 0) / "target_step.onnx"))
     write_manifest(old)
-    refused([run[0], str(old), *run[1:]], "drafter_draft.onnx: this drafter_draft graph was exported by an earlier "
-            "trtllm-dflash", "build the engine again")
+    refused([run[0], str(old), *run[1:]], "target_step.onnx: this graph was exported by an earlier trtllm-dflash "
+            "(it has no key_positions input)", "build the engine again")
     assert not (tmp_path / "o.jsonl").exists()
 
 

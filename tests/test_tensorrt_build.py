@@ -88,20 +88,22 @@ def copy_engine(src: Path, tmp_path: Path, fake_graphs: bool = False) -> Path:
     if fake_graphs:
         graph_dir(root, 0).mkdir(parents=True)
         for g in (*GRAPHS, ACCEPT, ACCEPT_PLUGIN):
-            # drafter_draft's placeholder has the input compile looks for (the new context rows)
-            (graph_dir(root, 0) / f"{g}.onnx").write_bytes(
-                placeholder_graph("context_hidden" if g == "drafter_draft" else "x"))
+            # the placeholders have the inputs compile looks for (the attended length, the new context rows)
+            inputs = {"target_step": ("key_positions",), "drafter_draft": ("key_positions", "context_hidden")}
+            (graph_dir(root, 0) / f"{g}.onnx").write_bytes(placeholder_graph(*inputs.get(g, ())))
         write_manifest(root)
     return root
 
 
-def placeholder_graph(input_name: str = "x") -> bytes:
-    """A one-node ONNX model that says it is rank 0 of tp_size 1, as exported graphs do."""
+def placeholder_graph(*input_names: str) -> bytes:
+    """A one-node ONNX model (a Sum of its inputs, default one named x) that says it is rank 0 of tp_size 1, as
+    exported graphs do."""
     import onnx
     from onnx import TensorProto, helper
 
-    x = helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [1])
-    model = helper.make_model(helper.make_graph([helper.make_node("Identity", [input_name], ["y"])], "g", [x],
+    names = input_names or ("x",)
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in names]
+    model = helper.make_model(helper.make_graph([helper.make_node("Sum", list(names), ["y"])], "g", inputs,
                                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]))
     onnx.helper.set_model_props(model, {"rank": "0", "tp_size": "1"})
     return model.SerializeToString()
@@ -160,13 +162,13 @@ def test_compile_refuses_with_one_sentence_and_writes_nothing(case, qwen3_engine
         graph = graph_dir(root, 0) / "target_step.onnx"
         graph.write_bytes(graph.read_bytes() + b"\0")
         words = ["target_step.onnx: engine file does not match manifest.json"]
-    else:  # exported before the draft pass took the new context rows
+    else:  # exported before the graphs took the attended length as key_positions' length
         fake_tensorrt(monkeypatch, "11.1.0.7")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         (graph_dir(root, 0) / "drafter_draft.onnx").write_bytes(placeholder_graph())
         write_manifest(root)
-        words = ["drafter_draft.onnx: this drafter_draft graph was exported by an earlier trtllm-dflash",
-                 "no context_hidden input", "trtllm-dflash build CONFIG --force"]
+        words = ["drafter_draft.onnx: this graph was exported by an earlier trtllm-dflash",
+                 "no key_positions input", "trtllm-dflash build CONFIG --force"]
     before = snapshot(root)
     refused(lambda: compile_engine(root, plugin_library=plugin), *words)
     assert snapshot(root) == before

@@ -94,7 +94,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stream is not None and not argv_text(args.stream, "--stream").strip():
         raise UserError("--stream: the prompt is empty; give the text to complete, or - to read prompts from stdin.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
-                      args.threads, args.block_size, args.device, args.resume, args.progress, args.backend)
+                      args.threads, args.block_size, args.device, args.resume, args.progress, args.backend,
+                      args.cuda_graphs)
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
@@ -455,6 +456,10 @@ def parser() -> argparse.ArgumentParser:
                    help="cuda: each rank runs on the GPU of its local rank on its node, collectives over nccl")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress on stderr (default: only when stderr is a terminal)")
+    r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=ro.cuda_graphs,
+                   help="torch executor on --device cuda: decode passes padded to batch and length buckets and replayed "
+                        "as CUDA graphs (default: on for --device cuda where the target has no experts and tp_size is "
+                        "1; never run on a GPU by this project yet)")
     _add_backend(r)
     r.set_defaults(func=cmd_run)
 

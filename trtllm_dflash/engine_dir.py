@@ -88,12 +88,15 @@ def graph_dir(root: Path, rank: int) -> Path:
     return Path(root) / GRAPHS / f"rank{rank}"
 
 
-def check_draft_graph_inputs(inputs: list[str], where: Path) -> None:
-    """Refuse a drafter_draft graph (or a plan compiled from one) exported before the draft pass took the new
-    context rows (`context_hidden`): an engine of an earlier trtllm-dflash, whose executor contract differs."""
-    if "context_hidden" not in inputs:
-        raise UserError(f"{where}: this drafter_draft graph was exported by an earlier trtllm-dflash (it has no "
-                        "context_hidden input); build the engine again with `trtllm-dflash build CONFIG --force`.")
+def check_graph_inputs(graph: str, inputs: list[str], where: Path) -> None:
+    """Refuse a target_step or drafter_draft graph (or a plan compiled from one) exported by an earlier trtllm-dflash,
+    whose executor contract differs: one without `key_positions` (the attended length as an input's length, not read
+    from the positions inside the graph), or a drafter_draft without `context_hidden` (the new context rows)."""
+    needed = {"target_step": ("key_positions",), "drafter_draft": ("key_positions", "context_hidden")}[graph]
+    missing = [name for name in needed if name not in inputs]
+    if missing:
+        raise UserError(f"{where}: this graph was exported by an earlier trtllm-dflash (it has no {missing[0]} "
+                        "input); build the engine again with `trtllm-dflash build CONFIG --force`.")
 
 
 def _sha256(path: Path) -> str:

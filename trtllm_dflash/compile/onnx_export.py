@@ -19,13 +19,18 @@ initializers with TensorRT's FP4 dynamic-quantize node (onnx_ops.py: graphs for 
 RoPE, attention and the cache writes are ONNX's own RotaryEmbedding (23), Attention (23) and TensorScatter
 (24), the ops TensorRT parses into its native rotary, attention and KV-cache-update layers
 (docs/backends.md §Facts found); the rest is plain MatMul / elementwise ops. The dimensions batch, seq, ctx,
-block and max_len are dynamic; kv_heads, head_dim, vocab and hidden are the model's.
+block, keys and max_len are dynamic; kv_heads, head_dim, vocab and hidden are the model's. Every size inside a
+graph comes from an input's shape, none from an input's values (no data-dependent shapes): the attended length is
+the length of `key_positions`, chosen by the executor (a bucket), so a TensorRT plan's shapes are known before it
+runs.
 
 ## I/O contract (dtype = the modules' dtype, float32 or bfloat16; L = layers of that model)
 
 target_step.onnx
     in   token_ids    int64  [batch, seq]
          positions    int64  [batch, seq]     start_b + arange(seq), start_b + seq <= max_len
+         key_positions int64 [keys]           arange(keys): the keys attended, max_b(start_b) + seq <= keys <= max_len
+                             (keys past a row's own positions are masked: any such keys give the same values)
          past_key_i   dtype  [batch, kv_heads, max_len, head_dim]   i = 0 .. L-1, each followed by
          past_value_i dtype  [batch, kv_heads, max_len, head_dim]   (inputs: past_key_0, past_value_0, ...)
     out  logits       float32 [batch, seq, vocab]
@@ -45,6 +50,7 @@ drafter_draft.onnx
                              (those the last step committed), written into the caches before the block attends;
                              rows at or after start_b are padding (masked, overwritten later)
          context_positions int64 [batch, ctx]  context_start_b + arange(ctx)
+         key_positions int64 [keys]           arange(keys): the context keys attended, max_b(start_b) <= keys <= max_len
          past_key_i, past_value_i    the drafter's caches, i = 0 .. drafter layers - 1
     out  draft_tokens int64  [batch, block - 1]   argmax of the target's lm_head on the drafter's hidden states
          present_key_i, present_value_i   the caches with the context rows written (the block's are not)
@@ -77,7 +83,8 @@ model: 6 layers, hidden 256, vocab 4096; max_len 2064, context start 512; median
 
 The bound step does not depend on max_len (600 / 2064 / 8256: 1.24 / 1.32 / 1.19 ms at T=1 B=1): the
 cache write is in place. It grows with the attended length (start 64 / 512 / 2000: 0.92 / 1.32 / 2.39 ms
-at B=1, 4.7 / 13.8 ms at B=8 for 512 / 2000), as the graph reads positions < max(positions) + 1 only.
+at B=1, 4.7 / 13.8 ms at B=8 for 512 / 2000), as the graph reads positions < max(positions) + 1 only (measured
+before the length became key_positions' length, which executors round up to 16 keys: the same reads).
 The drafter, same conditions: drafter_context 0.16 / 1.07 ms for 16 positions at B=1 / 8 (torch 0.53 /
 1.58); drafter_draft 2.08 / 15.3 ms for a block of 16 (torch TorchExecutor.draft 5.59 / 26.4).
 
@@ -96,8 +103,8 @@ disk: all graphs share weights.onnx.data and identical initializers (by content)
 Each onnxruntime session still loads its own copy into memory.
 
 ## Export mechanics and limits
-The models compute `int(positions.max())` (the attended length), which only dynamo's strict tracing
-captures (as a data-dependent size); under dynamo `torch.onnx.is_in_onnx_export()` reads False and the
+The models take the attended length as `kv_len`, here key_positions' symbolic length (without it they compute
+`int(positions.max())`, which only dynamo's strict tracing captures, as a data-dependent size). Under dynamo `torch.onnx.is_in_onnx_export()` reads False and the
 `torch.onnx.ops` wrappers are skipped, so models/layers.py keys its ONNX branches on
 `torch.compiler.is_exporting()` and calls the ops `torch.ops.onnx.*` themselves. TensorScatter, which
 torch.onnx.ops lacks, is a custom op with an onnxscript translation (onnx_ops.py). Exporting twice gives
@@ -151,10 +158,10 @@ class TargetStep(nn.Module):
         super().__init__()
         self.target, self.capture_layers = target, capture_layers
 
-    def forward(self, token_ids, positions, past: list[torch.Tensor]):
+    def forward(self, token_ids, positions, key_positions, past: list[torch.Tensor]):
         cache = GraphKVCache(past)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
-        out = self.target(token_ids, positions, rows, cache, self.capture_layers)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0])
         hidden = (out.hidden,) if self.capture_layers else ()
         return (out.logits, *hidden, *cache.present())
 
@@ -181,11 +188,12 @@ class DrafterDraft(nn.Module):
         super().__init__()
         self.target, self.drafter = target, drafter  # `target` as in TargetStep: the embedding keeps its name
 
-    def forward(self, block_ids, positions, context_hidden, context_positions, past: list[torch.Tensor]):
+    def forward(self, block_ids, positions, context_hidden, context_positions, key_positions,
+                past: list[torch.Tensor]):
         cache = GraphKVCache(past)
         rows = torch.arange(block_ids.shape[0], device=block_ids.device)
         hidden = self.drafter(self.target.embed(block_ids), positions, positions[:, 0], rows, cache,
-                              context_hidden, context_positions)
+                              context_hidden, context_positions, kv_len=key_positions.shape[0])
         # lm_head over the whole block, then drop row 0: any op on the [B, block - 1, ...] slice makes
         # torch.export assume block - 1 != 1, and block 2 (one draft token) is a valid run-time block size.
         return (self.target.logits(hidden).argmax(dim=-1)[:, 1:], *cache.present())
@@ -218,14 +226,15 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
     t_attn = target.model.layers[0].self_attn
     t_past = _caches(target.spec.num_layers, t_attn.num_kv_heads, t_attn.head_dim, target.lm_head.weight.dtype, b, n)
     capture = drafter.params.target_layer_ids if drafter is not None else ()
-    seq = Dim("seq", min=1)
+    seq, keys = Dim("seq", min=1), Dim("keys", min=1)
     graphs = [_Graph(
         TARGET_STEP, TargetStep(target, capture),
-        (torch.zeros(b, 5, dtype=torch.long), torch.arange(5).expand(b, 5).contiguous(), t_past),
-        ({0: batch, 1: seq}, {0: batch, 1: seq}, [cache_axes] * len(t_past)),
-        ["token_ids", "positions", *cache_names(target.spec.num_layers, "past")],
+        (torch.zeros(b, 5, dtype=torch.long), torch.arange(5).expand(b, 5).contiguous(), torch.arange(11), t_past),
+        ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: keys}, [cache_axes] * len(t_past)),
+        ["token_ids", "positions", "key_positions", *cache_names(target.spec.num_layers, "past")],
         ["logits", *(["hidden"] if capture else []), *cache_names(target.spec.num_layers, "present")],
-        {("token_ids", 0): "batch", ("token_ids", 1): "seq", **names(target.spec.num_layers)},
+        {("token_ids", 0): "batch", ("token_ids", 1): "seq", ("key_positions", 0): "keys",
+         **names(target.spec.num_layers)},
     )]
     if drafter is None:
         return graphs
@@ -249,12 +258,14 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
         DRAFTER_DRAFT, DrafterDraft(target, drafter),
         (torch.zeros(b, 7, dtype=torch.long), starts[:, None] + torch.arange(7),
          torch.zeros(b, 5, features, dtype=drafter.norm.weight.dtype), context_starts[:, None] + torch.arange(5),
-         d_past),
-        ({0: batch, 1: block}, {0: batch, 1: block}, {0: batch, 1: ctx}, {0: batch, 1: ctx},
+         torch.arange(13), d_past),
+        ({0: batch, 1: block}, {0: batch, 1: block}, {0: batch, 1: ctx}, {0: batch, 1: ctx}, {0: keys},
          [cache_axes] * len(d_past)),
-        ["block_ids", "positions", "context_hidden", "context_positions", *cache_names(d_layers, "past")],
+        ["block_ids", "positions", "context_hidden", "context_positions", "key_positions",
+         *cache_names(d_layers, "past")],
         ["draft_tokens", *cache_names(d_layers, "present")],
-        {("block_ids", 0): "batch", ("block_ids", 1): "block", ("context_hidden", 1): "ctx", **names(d_layers)},
+        {("block_ids", 0): "batch", ("block_ids", 1): "block", ("context_hidden", 1): "ctx",
+         ("key_positions", 0): "keys", **names(d_layers)},
     ))
     return graphs
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs, graph_dir, open_engine, write_manifest
+from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir, open_engine, write_manifest
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.outputs import atomic_directory
 
@@ -64,6 +64,8 @@ _ALIGN = 256  # TensorRT's alignment for tensor addresses: each cache row must s
 # Positions per row of one prefill pass (pass_tokens): Qwen3-8B's fp32 logits of a pass at batch 8 are then 1.2 GB,
 # where a 4k-token prompt in one pass needed 20 GB of logits and the plans' scratch for max_seq_len as many again.
 PASS_TOKENS = 256
+# The keys dimension's optimum (key_positions: the attended length): TensorRT tunes its attention kernels for it.
+KEYS_OPT = 1024
 
 _log = logging.getLogger(__name__)
 
@@ -134,6 +136,8 @@ def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
         "ctx": DimRange(1, block, longest),
         "block": DimRange(2, block, block),
         "max_len": DimRange.fixed(cache_length(cfg)),
+        # keys attended (key_positions: target_step, drafter_draft): a bucket chosen by the executor, up to the cache
+        "keys": DimRange(1, min(KEYS_OPT, cache_length(cfg)), cache_length(cfg)),
         # accept.onnx: K drafts of a run-time block of K + 1 tokens, over the whole vocabulary
         "drafts": DimRange(1, block - 1, block - 1),
         "drafts + 1": DimRange(2, block, block),
@@ -466,8 +470,9 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
                 exported = "rank {} of tp_size {}".format(*graph_placement(path))
                 raise UserError(f"{path}: this graph was exported for {exported}, but it is rank {rank}'s graph of an "
                                 f"engine split for tp_size {ranks}; rebuild the engine.")
-        draft = graph_dir(root, rank) / "drafter_draft.onnx"
-        check_draft_graph_inputs(graph_inputs(draft), draft)
+        for graph in ("target_step", "drafter_draft"):
+            path = graph_dir(root, rank) / f"{graph}.onnx"
+            check_graph_inputs(graph, graph_inputs(path), path)
 
     import torch
 

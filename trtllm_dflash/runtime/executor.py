@@ -146,6 +146,14 @@ class Executor(Protocol):
 KV_BUCKET = 16
 
 
+def attended_keys(rows: HostRows | None, starts: torch.Tensor | None, tokens: int, capacity: int) -> int:
+    """The keys a pass over `tokens` per row attends to (positions 0 .. max(start) + tokens - 1), rounded up to a
+    multiple of KV_BUCKET and at most the cache's `capacity`: from what the host knows (`rows`), else read from
+    `starts` (one host read). The compiled executors give it to their graphs as the length of `key_positions`."""
+    exact = rows.attended(tokens) if rows is not None else int(starts.max()) + tokens
+    return min(-(-max(exact, 1) // KV_BUCKET) * KV_BUCKET, capacity)
+
+
 class TorchExecutor:
     """Target + drafter as torch modules, with static per-slot KV caches for both."""
 
@@ -261,8 +269,7 @@ class TorchExecutor:
         reads the length from the positions)."""
         if rows is None:
             return None, None
-        exact = rows.attended(tokens)
-        return min(-(-exact // KV_BUCKET) * KV_BUCKET, cache.capacity), rows.slot_run()
+        return attended_keys(rows, None, tokens, cache.capacity), rows.slot_run()
 
     def release(self, slot: int) -> None:
         """Nothing to do: stale cache rows past a slot's start are masked, and overwritten when it is reused."""

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs, graph_dir
+from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
-from trtllm_dflash.runtime.executor import DraftContext, StepOutput, engine_specs
+from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
@@ -119,8 +119,10 @@ class OnnxRuntimeExecutor:
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
                                                      providers=providers(ort, self.device, stream))
                           for name in GRAPHS}
-        check_draft_graph_inputs([i.name for i in self._sessions["drafter_draft.onnx"].get_inputs()],
-                                 graphs / "drafter_draft.onnx")
+        for graph in ("target_step", "drafter_draft"):
+            inputs = [i.name for i in self._sessions[f"{graph}.onnx"].get_inputs()]
+            check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
+        self._cache_length = max_len
         self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, max_len,
                                          target.head_dim, dtype, self.device)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
@@ -147,18 +149,21 @@ class OnnxRuntimeExecutor:
         T = token_ids.shape[1]
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(T, device=self.device)
-            outs = [self._target_run(run, run.take(token_ids), run.take(positions)) for run in runs]
+            keys = self._key_positions(rows, starts, T)
+            outs = [self._target_run(run, run.take(token_ids), run.take(positions), keys) for run in runs]
             logits = batch_order(runs, [o[0] for o in outs])
             hidden = batch_order(runs, [o[1] for o in outs]) if capture else None
             if last_index is not None:
                 logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden)
 
-    def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor):
+    def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor,
+                    key_positions: torch.Tensor):
         T = token_ids.shape[1]
         binding = self._sessions["target_step.onnx"].io_binding()
         _bind_input(binding, "token_ids", token_ids)
         _bind_input(binding, "positions", positions)
+        _bind_input(binding, "key_positions", key_positions)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
         logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
         hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
@@ -179,6 +184,7 @@ class OnnxRuntimeExecutor:
             if context is None:
                 context = DraftContext.padding(starts, self._hidden_features, self._dtype)
             context_positions = context.positions()
+            keys = self._key_positions(rows, starts, 0)  # the context keys: positions before each start
             drafts = []
             for run in runs:
                 binding = self._sessions["drafter_draft.onnx"].io_binding()
@@ -187,6 +193,7 @@ class OnnxRuntimeExecutor:
                 inputs = {name: run.take(tensor.to(self.device)) for name, tensor in inputs.items()}  # alive until run
                 for name, tensor in inputs.items():
                     _bind_input(binding, name, tensor)
+                _bind_input(binding, "key_positions", keys)
                 _bind_caches(binding, self._drafter, run, write=True)
                 out = torch.empty(run.rows, width - 1, dtype=torch.int64, device=self.device)
                 _bind_output(binding, "draft_tokens", out)
@@ -228,6 +235,11 @@ class OnnxRuntimeExecutor:
                 binding.bind_output(name, _where(accepted)[0], _where(accepted)[1])
             self._sessions["accept.onnx"].run_with_iobinding(binding)
         return accepted, next_block[:, 0]  # next_block = [bonus, MASK, ...]
+
+    def _key_positions(self, rows, starts: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The graphs' `key_positions` input, 0 .. keys - 1: its length is the pass's attended length (a bucket,
+        executor.attended_keys), so no graph reads a size from its data."""
+        return torch.arange(attended_keys(rows, starts, tokens, self._cache_length), device=self.device)
 
     @contextmanager
     def _on_own_stream(self) -> Iterator[None]:

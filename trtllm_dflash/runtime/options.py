@@ -30,4 +30,5 @@ class RunOptions:
     resume: bool = False  # keep the output file's finished requests and run only the others
     progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
     backend: Backend | None = None  # "torch" or "onnxruntime" (None: what the engine was compiled for)
+    cuda_graphs: bool | None = None  # torch executor on CUDA: decode passes as CUDA graphs (None: on where it can)
 

@@ -24,7 +24,7 @@ from trtllm_dflash.inputs import decode_lines, loads, require_file, shown
 from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
-from trtllm_dflash.runtime.executor import TorchExecutor
+from trtllm_dflash.runtime.executor import TorchExecutor, engine_specs
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
@@ -51,13 +51,15 @@ class Engine:
     def load(cls, root: Path, device: str = "cpu", block_size: BlockSize | None = None,
              world: World | None = None, command: str = "run", backend: Backend | None = None,
              plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None,
-             threads: int | None = None) -> "Engine":
+             threads: int | None = None, cuda_graphs: bool | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
         "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
         here, or read from the cache: runtime/costs.py; `report` hears about it).
         `backend`: the executor (default: what the engine was compiled for); `plugin_library`: the TensorRT
         plugin library the plans were compiled with, if any. `threads`: CPU threads for this rank's passes (torch's
-        and onnxruntime's; default: cpu_threads' choice on the CPU, torch's own elsewhere).
+        and onnxruntime's; default: cpu_threads' choice on the CPU, torch's own elsewhere). `cuda_graphs`: the torch
+        executor's decode passes as CUDA graphs (runtime/cuda_graphs.py; None: on where the device is CUDA, the
+        target has no experts and tp_size is 1); True is refused where they cannot run.
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -81,6 +83,8 @@ class Engine:
             how = f"mpirun -n {tp} trtllm-dflash run ..." if tp > 1 else "trtllm-dflash run ... (without mpirun)"
             raise UserError(f"{root}: the engine is split for tp_size {tp} but this run has {world.size} "
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
+        if cuda_graphs:
+            _check_cuda_graphs(cfg, backend, device)
         if backend == "onnxruntime":
             from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
@@ -90,7 +94,7 @@ class Engine:
 
             executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library)
         else:
-            executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size)
+            executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs)
         auto_block = None
         if auto:
             costs, _ = load_or_measure(root, executor, backend, report=report)
@@ -121,6 +125,22 @@ class Engine:
                                 f"{self.executor.block_size}.")
             policy = FixedBlock(k)
         return Decoder(self.executor, policy, eos, self.tokenizer)
+
+
+def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None:
+    """--cuda-graphs runs where the torch executor can capture its decode passes."""
+    if backend != "torch":
+        raise UserError(f"--cuda-graphs: only the torch executor captures CUDA graphs, and this run's backend is "
+                        f"{backend}; drop --cuda-graphs or use --backend torch.")
+    if engine_specs(cfg)[0].num_experts:
+        raise UserError("--cuda-graphs: not for a target with experts (its routing has data-dependent shapes); "
+                        "drop --cuda-graphs.")
+    if cfg.mapping.tp_size > 1:
+        raise UserError(f"--cuda-graphs: not yet with tensor parallelism (this engine has tp_size "
+                        f"{cfg.mapping.tp_size}: collectives inside a capture were never tried); drop --cuda-graphs.")
+    if not str(device).startswith("cuda"):
+        raise UserError("--cuda-graphs needs --device cuda (CUDA graphs are a GPU feature; on the CPU the passes run "
+                        "eagerly).")
 
 
 def _check_auto(cfg: EngineConfig, backend: Backend) -> None:
@@ -169,7 +189,8 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
                 require_file(input_path, "input file")
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
-                             report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads)
+                             report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads,
+                             cuda_graphs=opts.cuda_graphs)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")

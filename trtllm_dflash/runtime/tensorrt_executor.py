@@ -15,11 +15,10 @@ Memory: a prefill runs in passes of at most `pass_tokens` positions per row (com
 maximum), so a pass's fp32 logits and each plan's scratch are sized for that, not for max_seq_len; the four plans
 run one after another on one stream and share one scratch buffer (USER_MANAGED contexts).
 
-Not done: CUDA graphs. The graphs read only positions < max(positions) + 1 of a cache (a size that depends on
-the data), and every call binds the cache at the address of its run's first row, so one captured graph would
-serve only one (batch, length, first row) and only if TensorRT can capture that data-dependent shape at all.
-A static attended length (the whole cache) and steps over all slots would make a capture per (T = 1, block)
-possible; that is a change of the exported graphs.
+Shapes: every size a plan uses comes from its inputs' shapes, none from their values: the attended length is the
+length of `key_positions` (0 .. keys - 1), a bucket of KV_BUCKET keys chosen on the host (executor.attended_keys)
+within the profile's `keys` range. Not done: CUDA graphs of the plans (a capture per (batch, keys bucket, first row
+bound), or steps over all slots); nothing here has run on a GPU.
 
 Tensor parallelism: rank r runs onnx/rank{r}'s plans, whose DistCollective layers (all-reduce of the row-parallel
 outputs, all-gather of the vocabulary shards) run over the NCCL communicator of the torch.distributed process
@@ -55,12 +54,12 @@ from trtllm_dflash.compile.tensorrt_build import (
     process_logger,
     require_gpu,
 )
-from trtllm_dflash.engine_dir import EngineConfig, check_draft_graph_inputs
+from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
-from trtllm_dflash.runtime.executor import DraftContext, StepOutput, engine_specs
+from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 COMMAND = "--backend tensorrt"
@@ -111,6 +110,7 @@ class TensorRTExecutor:
         self.block_size = block_size or params.block_size
         self.mask_token_id = params.mask_token_id
         self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
+        self._cache_length = cache_length
         self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, cache_length,
                                          target.head_dim, dtype, self.device)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
@@ -178,8 +178,8 @@ class TensorRTExecutor:
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
                 raise UserError(f"{path}: TensorRT could not load this plan; run `trtllm-dflash compile {root}` again.")
-            if graph == "drafter_draft":
-                check_draft_graph_inputs([engine.get_tensor_name(i) for i in range(engine.num_io_tensors)], path)
+            if graph in ("target_step", "drafter_draft"):
+                check_graph_inputs(graph, [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)], path)
             _check_plan(trt, engine, path, int(info["cache_length"]), bound_dtypes(cfg, graph, plugin), root)
             engines[graph] = engine
         # The plans run one at a time on one stream: one scratch buffer, as large as the largest plan's, serves all.
@@ -213,14 +213,17 @@ class TensorRTExecutor:
             positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
             last = last_index.to(self.device) if last_index is not None else None
             outs = [self._target_run(run, run.take(token_ids), run.take(positions),
-                                     run.take(last) if last is not None else None, capture) for run in runs]
+                                     run.take(last) if last is not None else None, capture, rows, starts)
+                    for run in runs]
             logits = batch_order(runs, [o[0] for o in outs])
             hidden = batch_order(runs, [o[1] for o in outs]) if capture else None
         return StepOutput(logits, hidden)
 
     def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None,
-                    capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One run of rows, in passes of at most pass_tokens columns: (logits [rows, T or 1, V], hidden or None)."""
+                    capture: bool, host: HostRows | None, starts: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One run of rows, in passes of at most pass_tokens columns: (logits [rows, T or 1, V], hidden or None).
+        Pass c0 .. c1 - 1 attends to the keys before max(start) + c1 (`host` / `starts`: the whole batch's)."""
         rows, T = token_ids.shape
         if last is None and T > self._pass_tokens:
             raise ValueError(f"{T} positions without last_index: a pass takes at most {self._pass_tokens}")
@@ -232,7 +235,8 @@ class TensorRTExecutor:
             logits = torch.empty((rows, c1 - c0, self.vocab_size), dtype=torch.float32, device=self.device)
             part = torch.empty((rows, c1 - c0, self._features), dtype=self._dtype, device=self.device)
             self._execute("target_step", {"token_ids": token_ids[:, c0:c1].contiguous(),
-                                          "positions": positions[:, c0:c1].contiguous()},
+                                          "positions": positions[:, c0:c1].contiguous(),
+                                          "key_positions": self._key_positions(host, starts, c1)},
                           {"logits": logits, "hidden": part}, self._target, run, write=True)
             if hidden is not None:
                 hidden[:, c0:c1] = part
@@ -258,10 +262,12 @@ class TensorRTExecutor:
                 context = DraftContext.padding(starts, self._features, self._dtype)
             inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
                       "context_positions": context.positions()}
+            keys = self._key_positions(rows, starts, 0)  # the context keys: positions before each start
             drafts = []
             for run in runs:
                 out = torch.empty((run.rows, width - 1), dtype=torch.int64, device=self.device)
-                self._execute("drafter_draft", {name: run.take(t.to(self.device)) for name, t in inputs.items()},
+                run_inputs = {name: run.take(t.to(self.device)) for name, t in inputs.items()}
+                self._execute("drafter_draft", {**run_inputs, "key_positions": keys},
                               {"draft_tokens": out}, self._drafter, run, write=True)
                 drafts.append(out)
             drafts = batch_order(runs, drafts)[:, :num_drafts]
@@ -300,6 +306,11 @@ class TensorRTExecutor:
 
     def release(self, slot: int) -> None:
         self._rows.release(slot)
+
+    def _key_positions(self, rows: HostRows | None, starts: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The plans' `key_positions` input, 0 .. keys - 1: its length is the pass's attended length (a bucket,
+        executor.attended_keys) within the profile's keys range; no plan reads a size from its data."""
+        return torch.arange(attended_keys(rows, starts, tokens, self._cache_length), device=self.device)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -408,12 +419,12 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
         return {f"{io}_{kind}_{i}": dtype for i in range(layers) for kind in ("key", "value") for io in ("past", "present")}
 
     if graph == "target_step":
-        return {"token_ids": ids, "positions": ids, "logits": torch.float32, "hidden": dtype,
+        return {"token_ids": ids, "positions": ids, "key_positions": ids, "logits": torch.float32, "hidden": dtype,
                 **caches(target.num_layers)}
     if graph == "drafter_context":
         return {"target_hidden": dtype, "positions": ids, **caches(drafter.num_layers)}
     if graph == "drafter_draft":
-        return {"block_ids": ids, "positions": ids, "context_hidden": dtype, "context_positions": ids,
+        return {"block_ids": ids, "positions": ids, "context_hidden": dtype, "context_positions": ids, "key_positions": ids,
                 "draft_tokens": ids, **caches(drafter.num_layers)}
     ints = torch.int32 if accept_plugin else torch.int64
     return {"draft_tokens": ints, "target_logits": torch.float32, "temperature": torch.float32,
