@@ -56,9 +56,13 @@ class RowRun:
     def __init__(self, first: int, batch_index: list[int]):
         self.first, self.rows = first, len(batch_index)
         self.batch_index = torch.tensor(batch_index)  # batch row of each run row
+        self.in_order = batch_index == list(range(self.rows))  # run row i is batch row i
 
     def take(self, batch: torch.Tensor) -> torch.Tensor:
-        """[B, ...] -> this run's rows [rows, ...], in row order, contiguous, on batch's device."""
+        """[B, ...] -> this run's rows [rows, ...], in row order, contiguous, on batch's device (the batch itself when
+        it is this run in order: the usual case, no copy)."""
+        if self.in_order and batch.shape[0] == self.rows:
+            return batch.contiguous()
         return batch.index_select(0, self.batch_index.to(batch.device)).contiguous()
 
 
@@ -78,6 +82,8 @@ def row_runs(rows: Sequence[int]) -> list[RowRun]:
 
 def batch_order(runs: Sequence[RowRun], outputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The runs' outputs ([run.rows, ...] each, in the order of `runs`) as one tensor in batch order [B, ...]."""
+    if len(runs) == 1 and runs[0].in_order:
+        return outputs[0]
     out = outputs[0] if len(outputs) == 1 else torch.cat(list(outputs))
     order = torch.cat([r.batch_index for r in runs])  # the batch row of each row of `out`
     position = torch.empty_like(order)

@@ -3,7 +3,9 @@
 Same contract as the torch executor (runtime/executor.py), same tokens. The KV caches are torch tensors
 [num_slots, kv_heads, max_len, head_dim] per layer that this executor owns; every graph call binds a
 cache's input and output to the same memory (IOBinding), so onnxruntime's TensorScatter writes the new
-positions in place and no cache is ever copied by a step. Which rows a call binds: runtime/cache_rows.py.
+positions in place and no cache is ever copied by a step. Which rows a call binds: runtime/cache_rows.py. The
+bindings of a graph's caches are made once per run of rows and kept (`_binding`); a call binds only its own inputs
+and outputs.
 
 On a `cuda` device (onnxruntime-gpu; written, never run: no GPU here) the sessions run on this executor's own CUDA
 stream (the CUDA execution provider's `user_compute_stream`), and so do the torch ops that make their inputs and
@@ -128,6 +130,7 @@ class OnnxRuntimeExecutor:
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
         self._rows = CacheRows((self._target, self._drafter))
+        self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
@@ -160,7 +163,7 @@ class OnnxRuntimeExecutor:
     def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor,
                     key_positions: torch.Tensor):
         T = token_ids.shape[1]
-        binding = self._sessions["target_step.onnx"].io_binding()
+        binding = self._binding("target_step.onnx", self._target, run)
         _bind_input(binding, "token_ids", token_ids)
         _bind_input(binding, "positions", positions)
         _bind_input(binding, "key_positions", key_positions)
@@ -169,7 +172,6 @@ class OnnxRuntimeExecutor:
         hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
         _bind_output(binding, "logits", logits)
         _bind_output(binding, "hidden", hidden)
-        _bind_caches(binding, self._target, run, write=True)
         self._sessions["target_step.onnx"].run_with_iobinding(binding)
         return logits, hidden
 
@@ -187,14 +189,13 @@ class OnnxRuntimeExecutor:
             keys = self._key_positions(rows, starts, 0)  # the context keys: positions before each start
             drafts = []
             for run in runs:
-                binding = self._sessions["drafter_draft.onnx"].io_binding()
+                binding = self._binding("drafter_draft.onnx", self._drafter, run)
                 inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
                           "context_positions": context_positions}
                 inputs = {name: run.take(tensor.to(self.device)) for name, tensor in inputs.items()}  # alive until run
                 for name, tensor in inputs.items():
                     _bind_input(binding, name, tensor)
                 _bind_input(binding, "key_positions", keys)
-                _bind_caches(binding, self._drafter, run, write=True)
                 out = torch.empty(run.rows, width - 1, dtype=torch.int64, device=self.device)
                 _bind_output(binding, "draft_tokens", out)
                 self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
@@ -207,11 +208,10 @@ class OnnxRuntimeExecutor:
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
             for run in self._rows.runs_of(slots if rows is None else rows.slots):
-                binding = self._sessions["drafter_context.onnx"].io_binding()
+                binding = self._binding("drafter_context.onnx", self._drafter, run)
                 inputs = {"target_hidden": run.take(hidden), "positions": run.take(positions)}  # alive until the run
                 for name, tensor in inputs.items():
                     _bind_input(binding, name, tensor)
-                _bind_caches(binding, self._drafter, run, write=True)
                 self._sessions["drafter_context.onnx"].run_with_iobinding(binding)
 
     def accept(self, draft, logits, sampling, starts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +235,19 @@ class OnnxRuntimeExecutor:
                 binding.bind_output(name, _where(accepted)[0], _where(accepted)[1])
             self._sessions["accept.onnx"].run_with_iobinding(binding)
         return accepted, next_block[:, 0]  # next_block = [bonus, MASK, ...]
+
+    def _binding(self, graph: str, caches: LayerCaches, run: RowRun):
+        """`graph`'s IOBinding with the caches of rows run.first .. run.first + run.rows - 1 bound in place (past_* and
+        present_* at the same address), made the first time these rows run and kept: binding 4 x layers caches was a
+        good part of a small pass's host time. Every call binds its other inputs and outputs again (a binding replaces
+        the one of the same name), so nothing of an earlier call is read. The caches never move: rows are moved by
+        copying (CacheRows.release), not by reallocating."""
+        key = (graph, run.first, run.rows)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = self._sessions[graph].io_binding()
+            _bind_caches(binding, caches, run, write=True)
+        return binding
 
     def _key_positions(self, rows, starts: torch.Tensor, tokens: int) -> torch.Tensor:
         """The graphs' `key_positions` input, 0 .. keys - 1: its length is the pass's attended length (a bucket,
