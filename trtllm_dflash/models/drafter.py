@@ -36,6 +36,7 @@ from trtllm_dflash.models.layers import (
     apply_rotary,
     attend,
     drop_replicated_biases,
+    exporting,
 )
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
@@ -167,10 +168,19 @@ class DFlashDrafter(nn.Module):
         same layers: each layer projects the context rows and the block rows in one K/V projection (the reference's
         k_proj(cat[target_hidden, noise])), writes the context rows' K/V and attends over the updated cache. One
         drafter pass per step instead of two. Context rows at or after a request's context_len are padding: they
-        are written, stay masked and are overwritten before they become visible."""
+        are written, stay masked and are overwritten before they become visible.
+
+        Eager, the block's own K/V are written into the cache too, at the block's positions (at or after context_len:
+        masked until the context reaches them, and overwritten by the context's K/V first), and every layer attends to
+        one read of positions 0 .. kv_len + block - 1 (at most the cache's capacity; a view where the slots are one run) instead of copying the
+        context read into a concatenation with the block: key j is visible to row b's block when
+        j < context_len_b + block (its context, then its block, in position order, as the concatenation had them).
+        Exported, the context read and the block's K/V are concatenated: a TensorRT plan's cache output must be one
+        KV-cache update of its input, so a graph writes each cache once (the context rows)."""
         x = self.scale_embeddings(block_embeds)
         block = x.shape[1]
         kv_len = int(context_len.max()) if kv_len is None else kv_len
+        in_cache = not exporting()  # the block's K/V written into the cache and read back with the context
         if context is not None:
             ctx = self.hidden_norm(self.fc(context))
             C = ctx.shape[1]
@@ -179,9 +189,14 @@ class DFlashDrafter(nn.Module):
             C = 0
             cos, sin = self.rotary(block_positions, x.dtype)
         cos_b, sin_b = cos[:, C:], sin[:, C:]
-        ctx_visible = torch.arange(kv_len, device=x.device)[None, :] < context_len[:, None]  # [B, kv_len]
-        mask = torch.cat([ctx_visible, ctx_visible.new_ones(x.shape[0], block)], dim=1)
-        mask = mask[:, None, :].expand(-1, block, -1)  # [B, block, kv_len + block]
+        if in_cache:  # keys 0 .. read - 1: each row's context, then its block, in position order (all < capacity)
+            read = min(kv_len + block, cache.capacity)
+            keys = torch.arange(read, device=x.device)
+            visible = keys[None, :] < (context_len + block)[:, None]
+        else:  # keys: the context's kv_len, then the block's
+            ctx_visible = torch.arange(kv_len, device=x.device)[None, :] < context_len[:, None]
+            visible = torch.cat([ctx_visible, ctx_visible.new_ones(x.shape[0], block)], dim=1)
+        mask = visible[:, None, :].expand(-1, block, -1)  # [B, block, keys]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -190,9 +205,12 @@ class DFlashDrafter(nn.Module):
             k_new = apply_rotary(k_new, cos, sin)
             if context is not None:
                 cache.write(i, slots, context_positions, k_new[:, :C], v_new[:, :C])
-            k_ctx, v_ctx = cache.read(i, slots, kv_len, run)
-            k = torch.cat([k_ctx, k_new[:, C:]], dim=1)
-            v = torch.cat([v_ctx, v_new[:, C:]], dim=1)
+            if in_cache:
+                cache.write(i, slots, block_positions, k_new[:, C:], v_new[:, C:])  # after the context's padding rows
+                k, v = cache.read(i, slots, read, run)
+            else:
+                k_ctx, v_ctx = cache.read(i, slots, kv_len, run)
+                k, v = torch.cat([k_ctx, k_new[:, C:]], dim=1), torch.cat([v_ctx, v_new[:, C:]], dim=1)
             x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
