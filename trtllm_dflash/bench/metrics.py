@@ -37,6 +37,7 @@ from trtllm_dflash.stats import (accepted_tokens, all_steps, draft_acceptance_ra
 class TimedRun:
     results: list[Result]  # in completion order
     wall_s: float  # first submission -> last token
+    peak_in_flight: int = 0  # the most requests decoding at once (fewer than the concurrency when KV memory ran out)
 
 
 def _median_block(blocks: list[dict | None]) -> dict | None:
@@ -119,6 +120,7 @@ def summarize_runs(mode: str, block_size: int | str | None, concurrency: int, ru
         "repeats": len(runs),
         "request_info": {
             "num_requests": len(first),
+            "peak_requests_in_flight": max(run.peak_in_flight for run in runs),
             "avg_input_length": round(sum(len(r.request.prompt_token_ids) for r in first) / len(first), 2),
             "avg_output_length": round(num_out / len(first), 2),
         },

@@ -19,3 +19,4 @@ class BenchOptions:
     repeats: int = 3  # timed runs per point; the report gives medians
     threads: int | None = None  # CPU threads (None: Engine.load's default, runtime/runner.py cpu_threads)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
+    kv_cache_memory: str | None = None  # a paged KV cache of this size (None: a static slot per request)

@@ -2,7 +2,9 @@
 
 Concurrency C is a closed loop: at most C requests are submitted and unfinished at any time, and a new
 one is submitted as soon as one finishes (trtllm-bench's `--concurrency`). C is bounded by the engine's
-KV-cache slots (`max_batch_size`), so every submitted request decodes at once and none waits in a queue.
+KV-cache slots (`max_batch_size`), so every submitted request decodes at once and none waits in a queue, unless a
+paged KV cache (`--kv-cache-memory`) runs short of blocks: then some wait, and each point reports the most requests
+that were in flight (`peak_requests_in_flight`).
 
 DFlash runs at each block size on the same engine directory, one engine load (a phase) per block size.
 AR runs in every phase, back to back with that phase's DFlash runs, in alternating order, so a slow
@@ -34,6 +36,7 @@ def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> 
     """Run `requests` keeping at most `concurrency` submitted and unfinished; submit the next as one finishes."""
     waiting = deque(requests)
     results = []
+    peak = 0
     start = time.perf_counter()
     for _ in range(min(concurrency, len(waiting))):
         decoder.submit(waiting.popleft())
@@ -44,7 +47,8 @@ def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> 
                 if waiting:
                     decoder.submit(waiting.popleft())
         assert decoder.num_active <= concurrency
-    return TimedRun(results, time.perf_counter() - start)
+        peak = max(peak, decoder.num_active)
+    return TimedRun(results, time.perf_counter() - start, peak)
 
 
 def default_concurrency(max_batch_size: int, num_requests: int) -> tuple[int, ...]:
@@ -76,7 +80,8 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     # (each a decoder of its own); with "auto" among them, the engine is loaded with it (its pass costs measured).
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
     engine = Engine.load(engine_dir, block_size="auto" if "auto" in block_sizes else None, command="bench",
-                         backend=opts.backend, report=progress, threads=opts.threads)
+                         backend=opts.backend, report=progress, threads=opts.threads,
+                         kv_cache_memory=opts.kv_cache_memory)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -142,7 +147,18 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         "points": points,
         "speedup_bound": bounds,
         "auto_step_costs": cost_profile,
+        "kv_cache": _kv_cache_report(engine),
     }
+
+
+def _kv_cache_report(engine: Engine) -> dict:
+    """The KV cache the runs had: a paged cache's blocks (total, peak in use over every run, free at the end), or
+    the static slots."""
+    tables = getattr(engine.executor, "kv_blocks", None)
+    if tables is None:
+        return {"layout": "static", "slots": engine.config.max_batch_size}
+    return {"layout": "paged", "block_tokens": tables.block_tokens, "blocks": tables.num_blocks,
+            "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free}
 
 
 def _dflash_point(b: int | str, c: int, runs: dict[tuple[Mode, int], list[TimedRun]],

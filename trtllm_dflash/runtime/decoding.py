@@ -253,8 +253,13 @@ class Decoder:
         updates = self._drop_cancelled()
         before = {id(a): len(a.output) for a in self._active}
         admitted = []
-        while self._pending and self._free:
-            request, submitted = self._pending.popleft()
+        while self._pending and self._free:  # in arrival order: one waiting for KV memory holds back those after it
+            request, submitted = self._pending[0]
+            if not self.executor.reserve(self._free[0], len(request.prompt_token_ids) + request.max_new_tokens):
+                if not self._active and not admitted:  # nothing will ever free memory for it
+                    raise RuntimeError(f"request {shown(request.id)} does not fit in the KV cache even alone")
+                break
+            self._pending.popleft()
             admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=self.policy.new_request()))
         if admitted:
             self._prefill(admitted)

@@ -23,6 +23,7 @@ from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.parallel.group import TPGroup
 from trtllm_dflash.runtime.cuda_graphs import StaticPasses
+from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, BlockTables, CacheShape, PagedKVCache, plan_blocks
 from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
 
@@ -132,6 +133,12 @@ class Executor(Protocol):
         (the target's greedy or sampled token per row, the longest matching prefix of the draft)."""
         ...
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        """Before a request of `tokens` positions (prompt + max_new_tokens) takes `slot`: whether the caches can hold
+        every position it can write, taking them if so (a paged cache's blocks); False: not now (it waits for a
+        release). Static per-slot caches always can."""
+        ...
+
     def release(self, slot: int) -> None:
         """The request in `slot` is done; the slot will be reused from position 0."""
         ...
@@ -144,6 +151,14 @@ class Executor(Protocol):
 # multiples of 16 cost nothing measurable (benchmarks/kv_in_place.py); 16 keeps the additive mask's last dimension
 # aligned as CUDA's memory-efficient SDPA wants it (it pads the mask to a multiple of 8 or 16 otherwise).
 KV_BUCKET = 16
+
+
+def cache_shape(model: TargetModel | DFlashDrafter) -> CacheShape:
+    """What one position costs in `model`'s KV caches (per-layer heads and head sizes: Gemma 4's differ)."""
+    layers = model.model.layers if isinstance(model, TargetModel) else model.layers
+    attn = [layer.self_attn for layer in layers]
+    weight = model.lm_head.weight if isinstance(model, TargetModel) else model.norm.weight
+    return CacheShape(len(attn), [a.num_kv_heads for a in attn], [a.head_dim for a in attn], weight.element_size())
 
 
 def attended_keys(rows: HostRows | None, starts: torch.Tensor | None, tokens: int, capacity: int) -> int:
@@ -159,7 +174,8 @@ class TorchExecutor:
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
-                    block_size: int | None, cuda_graphs: bool | None = None) -> "TorchExecutor":
+                    block_size: int | None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None
+                    ) -> "TorchExecutor":
         """This rank's shard of a verified engine directory, dequantized for the torch modules."""
         target_spec, drafter_spec, params = engine_specs(cfg)
         weights = load_file(str(Path(root) / rank_file(rank)), device=device)
@@ -174,15 +190,17 @@ class TorchExecutor:
         quantize_inputs(drafter, drafter_inputs)
         # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
         return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size,
-                   cuda_graphs)
+                   cuda_graphs, kv_cache_memory)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
-                 block_size: int | None = None, cuda_graphs: bool | None = None):
+                 block_size: int | None = None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
         inside a capture: not tried). True on a CPU runs the same static
-        passes eagerly (what the tests check; no faster)."""
+        passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes): a paged KV cache of that size
+        for target and drafter (runtime/kv_blocks.py: blocks reserved per request at admission) instead of a
+        max_seq_len slot per request; not with CUDA graphs."""
         self.target, self.drafter = target, drafter
         # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
         self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
@@ -195,10 +213,22 @@ class TorchExecutor:
                              "run it without them.")
         graphs = (self.device.type == "cuda" and not target.spec.num_experts and target.tp.size == 1
                   if cuda_graphs is None else cuda_graphs)
-        # With graphs the caches have one more slot, after the requests': the padding rows' scratch.
-        cache_slots = num_slots + 1 if graphs else num_slots
-        self.target_cache = target.new_cache(cache_slots, max_seq_len + margin)
-        self.draft_cache = drafter.new_cache(cache_slots, max_seq_len + margin) if drafter is not None else None
+        self._margin = margin
+        self.kv_blocks: BlockTables | None = None
+        if kv_cache_memory is not None:
+            if graphs:
+                raise ValueError("a paged KV cache does not run with CUDA graphs yet; turn them off (--no-cuda-graphs)")
+            shapes = [cache_shape(m) for m in (target, drafter) if m is not None]
+            blocks = plan_blocks(kv_cache_memory, shapes, max_seq_len + margin)
+            self.kv_blocks = BlockTables(blocks, num_slots, max_seq_len + margin, BLOCK_TOKENS, self.device)
+            dtype = target.lm_head.weight.dtype
+            self.target_cache = PagedKVCache(self.kv_blocks, shapes[0], dtype, self.device)
+            self.draft_cache = PagedKVCache(self.kv_blocks, shapes[1], dtype, self.device) if drafter else None
+        else:
+            # With graphs the caches have one more slot, after the requests': the padding rows' scratch.
+            cache_slots = num_slots + 1 if graphs else num_slots
+            self.target_cache = target.new_cache(cache_slots, max_seq_len + margin)
+            self.draft_cache = drafter.new_cache(cache_slots, max_seq_len + margin) if drafter is not None else None
         self.graphs = StaticPasses(self._target_pass, self._draft_pass, num_slots, num_slots, max_seq_len + margin,
                                    self.device, capture=self.device.type == "cuda") if graphs else None
         self._graph_tokens = margin  # target passes of at most this many tokens per row run as graphs
@@ -271,5 +301,18 @@ class TorchExecutor:
             return None, None
         return attended_keys(rows, None, tokens, cache.capacity), rows.slot_run()
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        """Paged: take the blocks of every position the request can write (its tokens and a verify block past them),
+        if that many are free. Static: always."""
+        if self.kv_blocks is None:
+            return True
+        if not self.kv_blocks.can_reserve(tokens + self._margin):
+            return False
+        self.kv_blocks.reserve(slot, tokens + self._margin)
+        return True
+
     def release(self, slot: int) -> None:
-        """Nothing to do: stale cache rows past a slot's start are masked, and overwritten when it is reused."""
+        """Paged: the slot's blocks go back to the free list. Static: nothing to do (stale cache rows past a slot's
+        start are masked, and overwritten when it is reused)."""
+        if self.kv_blocks is not None:
+            self.kv_blocks.release(slot)

@@ -267,5 +267,8 @@ class OnnxRuntimeExecutor:
             yield
         caller.wait_stream(self._stream)
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return True  # a static row per request
+
     def release(self, slot: int) -> None:
         self._rows.release(slot)

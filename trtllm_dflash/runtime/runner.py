@@ -25,6 +25,7 @@ from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_er
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor, engine_specs
+from trtllm_dflash.runtime.kv_blocks import KVBudgetError, available_memory, resolve_budget
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
@@ -51,7 +52,8 @@ class Engine:
     def load(cls, root: Path, device: str = "cpu", block_size: BlockSize | None = None,
              world: World | None = None, command: str = "run", backend: Backend | None = None,
              plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None,
-             threads: int | None = None, cuda_graphs: bool | None = None) -> "Engine":
+             threads: int | None = None, cuda_graphs: bool | None = None,
+             kv_cache_memory: str | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
         "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
         here, or read from the cache: runtime/costs.py; `report` hears about it).
@@ -59,7 +61,9 @@ class Engine:
         plugin library the plans were compiled with, if any. `threads`: CPU threads for this rank's passes (torch's
         and onnxruntime's; default: cpu_threads' choice on the CPU, torch's own elsewhere). `cuda_graphs`: the torch
         executor's decode passes as CUDA graphs (runtime/cuda_graphs.py; None: on where the device is CUDA, the
-        target has no experts and tp_size is 1); True is refused where they cannot run.
+        target has no experts and tp_size is 1); True is refused where they cannot run. `kv_cache_memory`: a paged KV
+        cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
+        executor (runtime/kv_blocks.py; default: a static max_seq_len slot per request).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -85,6 +89,10 @@ class Engine:
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
         if cuda_graphs:
             _check_cuda_graphs(cfg, backend, device)
+        kv_bytes = None
+        if kv_cache_memory is not None:
+            kv_bytes = _kv_budget(kv_cache_memory, backend, device, cuda_graphs)
+            cuda_graphs = False
         if backend == "onnxruntime":
             from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
@@ -94,7 +102,11 @@ class Engine:
 
             executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library)
         else:
-            executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs)
+            try:
+                executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
+                                                     kv_bytes)
+            except KVBudgetError as e:
+                raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
         auto_block = None
         if auto:
             costs, _ = load_or_measure(root, executor, backend, report=report)
@@ -125,6 +137,23 @@ class Engine:
                                 f"{self.executor.block_size}.")
             policy = FixedBlock(k)
         return Decoder(self.executor, policy, eos, self.tokenizer)
+
+
+def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int:
+    """--kv-cache-memory's bytes, or one sentence saying why not."""
+    if backend != "torch":
+        raise UserError(f"--kv-cache-memory: only the torch executor has a paged KV cache yet, and this run's backend "
+                        f"is {backend}; drop --kv-cache-memory or use --backend torch.")
+    if cuda_graphs:
+        raise UserError("--kv-cache-memory: a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs.")
+    if str(device).startswith("cuda"):
+        available = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        available = available_memory()
+    try:
+        return resolve_budget(text, available)
+    except ValueError as e:
+        raise UserError(f"--kv-cache-memory {text}: {e}.") from None
 
 
 def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None:
@@ -190,7 +219,7 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
                              report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads,
-                             cuda_graphs=opts.cuda_graphs)
+                             cuda_graphs=opts.cuda_graphs, kv_cache_memory=opts.kv_cache_memory)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")

@@ -304,6 +304,9 @@ class TensorRTExecutor:
                                    "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return True  # a static row per request
+
     def release(self, slot: int) -> None:
         self._rows.release(slot)
 

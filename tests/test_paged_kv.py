@@ -1,0 +1,156 @@
+"""The paged KV cache (runtime/kv_blocks.py, issue 29): the same tokens as the static slots, admission by
+reservation under a budget, blocks returned and reused, and bad budgets refused in one sentence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.runtime.decoding import Request
+from trtllm_dflash.runtime.kv_blocks import BlockTables, parse_size, resolve_budget
+from trtllm_dflash.runtime.runner import Engine
+
+
+def requests(n: int, max_new: int = 24) -> list[Request]:
+    """Prompts of different lengths; odd ids sampled, some with top-k / top-p."""
+    g = torch.Generator().manual_seed(1)
+    return [Request(i, torch.randint(3, 500, (5 + 7 * i,), generator=g).tolist(), max_new,
+                    temperature=0.9 if i % 2 else 0.0, top_k=20 if i % 4 == 1 else 0, seed=100 + i)
+            for i in range(n)]
+
+
+def outputs(engine: Engine, mode: str, reqs: list[Request]) -> list[list[int]]:
+    return [r.output_token_ids for r in sorted(engine.decoder(mode).generate(reqs), key=lambda r: r.request.id)]
+
+
+@pytest.fixture(scope="module")
+def engines(qwen3_engine_dir):
+    """The static engine and two paged ones: roomy (every slot's requests fit at once) and the smallest budget the
+    engine accepts (one request of max_seq_len 512 + the block of 8: 33 blocks of 16 positions)."""
+    static = Engine.load(qwen3_engine_dir, backend="torch")
+    per_block = 16 * sum(s.position_bytes() for s in _shapes(static))
+    roomy = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="64MiB")
+    tight = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory=str(34 * per_block))
+    return static, roomy, tight
+
+
+def _shapes(engine: Engine):
+    from trtllm_dflash.runtime.executor import cache_shape
+
+    ex = engine.executor
+    return [cache_shape(ex.target), cache_shape(ex.drafter)]
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_paged_gives_the_static_tokens(engines, mode):
+    """12 requests on 8 slots (later ones join mid-run), greedy and sampled: token for token the static cache's; on
+    the tight budget requests wait for blocks (fewer run at once) and still give the same tokens."""
+    static, roomy, tight = engines
+    reqs = requests(12)
+    expected = outputs(static, mode, reqs)
+    assert outputs(roomy, mode, reqs) == expected
+    tables = tight.executor.kv_blocks
+    assert tables.num_blocks == 33
+    long = [Request(r.id, r.prompt_token_ids, 200,
+                    temperature=r.temperature, top_k=r.top_k, seed=r.seed) for r in reqs[:6]]
+    assert outputs(tight, mode, long) == outputs(static, mode, long)
+    # prompt (5 .. 40) + 200 + 8 positions: 14 to 16 blocks each, 6 requests need 84+ of the 33 blocks: at most two
+    # run at once (the rest wait at admission: had one been admitted without its blocks, reserve would have raised)
+    assert sum(-(-(len(r.prompt_token_ids) + 200 + 8) // 16) for r in long) > 2 * 33 > tables.peak_used >= 28
+    assert tables.free == 33  # every block returned
+    assert outputs(tight, mode, reqs) == expected  # short requests: several at once again
+
+
+def test_blocks_are_reserved_per_request_and_reused():
+    tables = BlockTables(num_blocks=10, num_slots=4, max_positions=100, block_tokens=16, device="cpu")
+    assert tables.can_reserve(160) and not tables.can_reserve(161)
+    tables.reserve(2, 40)  # 3 blocks: 0, 1, 2
+    tables.reserve(0, 17)  # 2 blocks: 3, 4
+    assert tables.table[2, :3].tolist() == [0, 1, 2] and tables.table[2, 3:].tolist() == [tables.trash] * 4
+    rows = tables.rows(torch.tensor([2, 0]), torch.tensor([[0, 33], [16, 99]]))
+    assert rows.tolist() == [[0, 2 * 16 + 1], [4 * 16, tables.trash * 16 + 3]]  # past a reservation: the trash block
+    tables.release(2)
+    assert tables.free == 8 and (tables.table[2] == tables.trash).all()
+    tables.reserve(1, 48)  # the freed blocks first, lowest first
+    assert tables.table[1, :3].tolist() == [0, 1, 2] and tables.peak_used == 5
+
+
+def test_sizes_and_fractions():
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("2GiB") == 2 * 2**30 and parse_size("1.5GB") == 1.5e9
+    assert parse_size("4096") == 4096
+    assert resolve_budget("0.5", available=1000) == 500 and resolve_budget("1.0", available=1000) == 1000
+    for bad, words in (("0", "must be positive"), ("abc", "is not a size"), ("-1MiB", "is not a size"),
+                       ("1.5", "a fraction of the free memory must be in (0, 1]"), ("2KiB", "more than the 1000 B")):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+            resolve_budget(bad, available=1000)
+
+
+@pytest.mark.parametrize("value, extra, words", [
+    ("0", (), "error: --kv-cache-memory 0: '0': a KV-cache size must be positive."),
+    ("lots", (), "error: --kv-cache-memory lots: 'lots' is not a size (examples: 512MiB, 2GiB, 1.5GB, 1048576)."),
+    ("64KiB", (), "error: --kv-cache-memory 64KiB: it holds 1 KV block of 16 positions (24.0 KiB each) and one "
+                  "request of the engine's max_seq_len needs 33; give at least 816.0 KiB."),
+    ("64PiB", (), "error: --kv-cache-memory 64PiB: '64PiB' is not a size"),
+    ("9000GiB", (), "error: --kv-cache-memory 9000GiB: more than the"),
+    ("64MiB", ("--backend", "onnxruntime"), "error: --kv-cache-memory: only the torch executor has a paged KV cache "
+                                             "yet, and this run's backend is onnxruntime"),
+])
+def test_bad_budgets_are_one_sentence(qwen3_engine_dir, tmp_path, capsys, value, extra, words):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt_token_ids": [5, 6, 7]}) + "\n")
+    code = main(["run", str(qwen3_engine_dir), "--input", str(inp), "--output", str(out), "--kv-cache-memory", value,
+                 *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR and not out.exists()
+    assert err.startswith(words) and "\n" not in err and err.endswith("."), err
+
+
+def test_run_with_a_budget(qwen3_engine_dir, tmp_path, capsys):
+    """`run --kv-cache-memory` writes the static run's tokens."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": r.id, "prompt_token_ids": r.prompt_token_ids}) + "\n"
+                           for r in requests(10)))
+    got = {}
+    for name, extra in (("static", ()), ("paged", ("--kv-cache-memory", "8MiB"))):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["run", str(qwen3_engine_dir), "--input", str(inp), "--output", str(out), "--max-new-tokens", "30",
+                     *extra]) == 0, capsys.readouterr().err
+        got[name] = [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()]
+    assert got["paged"] == got["static"]
+
+
+def test_a_budget_refuses_cuda_graphs():
+    from trtllm_dflash.runtime.runner import _kv_budget
+
+    with pytest.raises(UserError, match="a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs"):
+        _kv_budget("64MiB", "torch", "cuda:0", cuda_graphs=True)
+
+
+def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
+    """bench under the tightest budget: fewer requests in flight than the concurrency asked, the blocks' peak, every
+    block free at the end, and the static run's tokens."""
+    from trtllm_dflash.bench.options import BenchOptions
+    from trtllm_dflash.bench.runner import bench
+
+    static = engines[0]
+    per_block = 16 * sum(s.position_bytes() for s in _shapes(static))
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text("".join(json.dumps({"id": i, "prompt": "def f(x):\n    return x" * (i + 1)}) + "\n"
+                               for i in range(6)))
+    opts = BenchOptions(concurrency=(4,), modes=("ar",), max_new_tokens=200, warmup=0, repeats=1,
+                        kv_cache_memory=str(34 * per_block))
+    report = bench(qwen3_engine_dir, dataset, opts)
+    assert report["kv_cache"] == {"layout": "paged", "block_tokens": 16, "blocks": 33,
+                                  "peak_blocks_used": report["kv_cache"]["peak_blocks_used"], "blocks_free_at_end": 33}
+    assert report["kv_cache"]["peak_blocks_used"] <= 33
+    point = report["points"][0]
+    assert 1 <= point["request_info"]["peak_requests_in_flight"] < 4  # 13+ blocks each: at most two of four fit
+    static_report = bench(qwen3_engine_dir, dataset, BenchOptions(concurrency=(4,), modes=("ar",), max_new_tokens=200,
+                                                                  warmup=0, repeats=1))
+    assert static_report["kv_cache"] == {"layout": "static", "slots": 8}
+    assert static_report["points"][0]["request_info"]["peak_requests_in_flight"] == 4
+    assert point["performance"]["num_output_tokens"] == static_report["points"][0]["performance"]["num_output_tokens"]

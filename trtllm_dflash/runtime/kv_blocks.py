@@ -1,0 +1,197 @@
+"""A paged KV cache for the torch executor (issue 29): fixed-size blocks of positions, per-request block tables,
+a memory budget, and admission by reservation.
+
+Layout: per layer one K and one V tensor [num_blocks * block_tokens, kv_heads, head_dim]; position p of the request
+in slot s lives at row `table[s, p // block_tokens] * block_tokens + p % block_tokens`. A request holds only the
+blocks its positions need, so a 200-token request costs 200 positions of memory, not a max_seq_len slot; freed blocks
+are reused at once.
+
+Admission by reservation: a request is admitted only when the free blocks cover every position it can ever write
+(prompt + max_new_tokens, plus the verify block a step writes past its last committed position), and those blocks
+are taken at admission. So a running request never waits for a block and nothing is ever preempted; the cost is that
+a request finishing early (EOS, a stop string) held blocks it did not use until it finished. (Growing on demand with
+preemption and recompute, and prefix reuse across requests, are not done: docs/run.md.)
+
+`PagedKVCache` has KVCache's interface (models/layers.py), so the models run on it unchanged: writes scatter into the
+rows of the slots' blocks, reads gather positions 0 .. length - 1 of each slot (a copy, where the static cache of a
+run of slots is read as views).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_TOKENS = 16  # positions per block: vLLM's and TensorRT-LLM's default tokens_per_block is 16 / 32 / 64
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size such as '512MiB', '2GiB', '1.5GB' or a plain byte count; ValueError on anything else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        match = _SIZE.match(str(text))
+        if match is None:
+            raise ValueError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1.5GB, 1048576)")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+    if size <= 0:
+        raise ValueError(f"{text!r}: a KV-cache size must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one position costs in a model's caches: every layer's K and V."""
+
+    layers: int
+    kv_heads: list[int]  # per layer
+    head_dim: list[int]  # per layer
+    element_bytes: int
+
+    def position_bytes(self) -> int:
+        return 2 * self.element_bytes * sum(h * d for h, d in zip(self.kv_heads, self.head_dim))
+
+
+def blocks_for(positions: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    return -(-positions // block_tokens)
+
+
+class BlockTables:
+    """Which blocks each slot holds, the free blocks, and the tables as a device tensor [num_slots, max_blocks] for
+    the caches' index arithmetic.
+
+    Block `num_blocks` (one past the last) is a trash block that no request holds: every table entry without a block
+    of its own points at it, so a write past a request's reservation (a shorter prompt's padding in a batched
+    prefill) lands there and never in another request's block, and a read past it (a length bucket) reads garbage
+    that the masks exclude."""
+
+    def __init__(self, num_blocks: int, num_slots: int, max_positions: int, block_tokens: int,
+                 device: torch.device | str):
+        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self.max_blocks = blocks_for(max_positions, block_tokens)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest first
+        self._held: dict[int, list[int]] = {}
+        self.trash = num_blocks
+        self.table = torch.full((num_slots, self.max_blocks), self.trash, dtype=torch.int64, device=device)
+        self.peak_used = 0
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_reserve(self, positions: int) -> bool:
+        return blocks_for(positions, self.block_tokens) <= len(self._free)
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Give `slot` (which holds nothing) the blocks of positions 0 .. positions - 1."""
+        assert slot not in self._held, slot
+        n = blocks_for(positions, self.block_tokens)
+        if n > len(self._free):
+            raise RuntimeError(f"{n} KV blocks wanted, {len(self._free)} free")  # the Decoder asked can_reserve
+        blocks = [self._free.pop() for _ in range(n)]
+        self._held[slot] = blocks
+        self.table[slot, :n] = torch.tensor(blocks, dtype=torch.int64)
+        self.peak_used = max(self.peak_used, self.used)
+
+    def release(self, slot: int) -> None:
+        """Return the slot's blocks to the free list (reused at once)."""
+        self._free.extend(self._held.pop(slot, []))
+        self._free.sort(reverse=True)
+        self.table[slot] = self.trash
+
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cache rows of positions [B, T] of slots [B]: table[slot, p // block] * block + p % block."""
+        blocks = self.table[slots[:, None], positions // self.block_tokens]
+        return blocks * self.block_tokens + positions % self.block_tokens
+
+
+class PagedKVCache:
+    """KVCache's interface over blocks (models/layers.py): one [num_blocks * block_tokens, kv_heads, head_dim] K and V
+    per layer, addressed through `tables` (shared by the target's and the drafter's caches: the same positions)."""
+
+    def __init__(self, tables: BlockTables, shape: CacheShape, dtype: torch.dtype, device: torch.device | str):
+        rows = (tables.num_blocks + 1) * tables.block_tokens  # + the trash block
+        self.tables = tables
+        self.k = [torch.zeros(rows, h, d, dtype=dtype, device=device) for h, d in zip(shape.kv_heads, shape.head_dim)]
+        self.v = [torch.zeros(rows, h, d, dtype=dtype, device=device) for h, d in zip(shape.kv_heads, shape.head_dim)]
+        self.capacity = tables.max_blocks * tables.block_tokens
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> None:
+        # slots: [B]; positions: [B, T]; k, v: [B, T, kv_heads, hd]
+        rows = self.tables.rows(slots, positions)
+        self.k[layer][rows] = k
+        self.v[layer][rows] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, length, kv_heads, hd] of the slots' positions 0 .. length - 1 (gathered: a copy)."""
+        positions = torch.arange(length, device=slots.device).expand(slots.shape[0], length)
+        rows = self.tables.rows(slots, positions)
+        return self.k[layer][rows], self.v[layer][rows]
+
+
+def format_size(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def resolve_budget(text: str, available: int) -> int:
+    """Bytes of a --kv-cache-memory value: a size ('512MiB', '2GiB', a byte count) or a fraction of the `available`
+    memory ('0.5': half of it; TensorRT-LLM's free_gpu_memory_fraction). ValueError, with the reason, when it is not
+    one, not positive, or more than is available."""
+    text = str(text).strip()
+    try:
+        fraction = float(text) if "." in text and not text[-1:].isalpha() else None
+    except ValueError:
+        fraction = None
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ValueError("a fraction of the free memory must be in (0, 1]")
+        return int(fraction * available)
+    size = parse_size(text)
+    if size > available:
+        raise ValueError(f"more than the {format_size(available)} of memory this machine has free")
+    return size
+
+
+class KVBudgetError(ValueError):
+    """A KV-cache budget too small for the engine (plan_blocks)."""
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give without swapping (/proc/meminfo's MemAvailable; else free pages)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_blocks(budget: int, shapes: list[CacheShape], max_positions: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """The blocks `budget` bytes hold for caches of `shapes` (one block = block_tokens positions of every one), less
+    the trash block; ValueError when that is fewer than one request of `max_positions` needs."""
+    per_block = block_tokens * sum(shape.position_bytes() for shape in shapes)
+    blocks = budget // per_block - 1
+    need = blocks_for(max_positions, block_tokens)
+    if blocks < need:
+        held = max(blocks, 0)
+        raise KVBudgetError(f"it holds {held} KV block{'' if held == 1 else 's'} of {block_tokens} positions "
+                            f"({format_size(per_block)} each) and one request of the engine's max_seq_len needs {need}; "
+                            f"give at least {format_size((need + 1) * per_block)}")
+    return blocks
