@@ -1,5 +1,6 @@
 """The paged KV cache (runtime/kv_blocks.py, issue 29): the same tokens as the static slots, admission by
-reservation under a budget, blocks returned and reused, and bad budgets refused in one sentence."""
+reservation under a budget, blocks returned and reused, prompt blocks shared by prefix (prefill skipped, tokens
+unchanged, evicted under pressure), and bad budgets refused in one sentence."""
 
 from __future__ import annotations
 
@@ -144,8 +145,11 @@ def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
     opts = BenchOptions(concurrency=(4,), modes=("ar",), max_new_tokens=200, warmup=0, repeats=1,
                         kv_cache_memory=str(34 * per_block))
     report = bench(qwen3_engine_dir, dataset, opts)
-    assert report["kv_cache"] == {"layout": "paged", "block_tokens": 16, "blocks": 33,
-                                  "peak_blocks_used": report["kv_cache"]["peak_blocks_used"], "blocks_free_at_end": 33}
+    kv = report["kv_cache"]
+    assert kv == {"layout": "paged", "block_tokens": 16, "blocks": 33, "peak_blocks_used": kv["peak_blocks_used"],
+                  "blocks_free_at_end": 33, "prefix_cache": True, "prefix_blocks_looked_up": kv["prefix_blocks_looked_up"],
+                  "prefix_hit_rate": kv["prefix_hit_rate"]}
+    assert kv["prefix_blocks_looked_up"] > 0 and 0 < kv["prefix_hit_rate"] < 1  # the prompts share their beginnings
     assert report["kv_cache"]["peak_blocks_used"] <= 33
     point = report["points"][0]
     assert 1 <= point["request_info"]["peak_requests_in_flight"] < 4  # 13+ blocks each: at most two of four fit
@@ -154,3 +158,73 @@ def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
     assert static_report["kv_cache"] == {"layout": "static", "slots": 8}
     assert static_report["points"][0]["request_info"]["peak_requests_in_flight"] == 4
     assert point["performance"]["num_output_tokens"] == static_report["points"][0]["performance"]["num_output_tokens"]
+
+
+class CountingPrefill:
+    """The executor, counting the target positions its prefill passes compute (passes with last_index)."""
+
+    def __init__(self, executor):
+        self._executor, self.prefill_tokens = executor, 0
+
+    def target_forward(self, token_ids, *args, last_index=None, **kwargs):
+        if last_index is not None:
+            self.prefill_tokens += token_ids.shape[0] * token_ids.shape[1]
+        return self._executor.target_forward(token_ids, *args, last_index=last_index, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
+
+
+def shared_prefix_requests(n: int, prefix: int = 100, max_new: int = 20) -> list[Request]:
+    """A system prompt of `prefix` tokens + a short user turn each; odd ids sampled."""
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(3, 500, (prefix,), generator=g).tolist()
+    return [Request(i, system + torch.randint(3, 500, (3 + i,), generator=g).tolist(), max_new,
+                    temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_prefix_hits_skip_the_prefill_and_keep_the_tokens(qwen3_engine_dir, engines, mode):
+    """After one request of a 100-token system prompt, the next ones find its 6 full blocks (96 positions) cached: their
+    prefill computes only the rest, and every request's tokens are the static cache's, greedy and sampled."""
+    static = engines[0]
+    reqs = shared_prefix_requests(6)
+    expected = outputs(static, mode, reqs)
+    engine = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB")
+    counting = CountingPrefill(engine.executor)
+    decoder = Engine(engine.config, engine.tokenizer, counting).decoder(mode)
+    first = [r.output_token_ids for r in decoder.generate(reqs[:1])]
+    assert counting.prefill_tokens == len(reqs[0].prompt_token_ids)
+    counting.prefill_tokens = 0
+    rest = [r.output_token_ids for r in sorted(decoder.generate(reqs[1:]), key=lambda r: r.request.id)]
+    assert first + rest == expected
+    uncached = [len(r.prompt_token_ids) - 96 for r in reqs[1:]]  # 7 .. 11 positions each, padded to the longest (11)
+    assert counting.prefill_tokens == max(uncached) * len(uncached)
+    tables = engine.executor.kv_blocks
+    assert tables.prefix_blocks_hit == 5 * 6 and tables.free == tables.num_blocks
+
+
+def test_no_prefix_cache_and_eviction(qwen3_engine_dir, engines):
+    """--no-prefix-cache shares nothing; under the smallest budget, published blocks nobody holds are taken back when
+    new requests need them (the least recently released first), and the tokens stay the static cache's."""
+    static = engines[0]
+    reqs = shared_prefix_requests(4)
+    off = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB", prefix_cache=False)
+    assert outputs(off, "dflash", reqs) == outputs(static, "dflash", reqs)
+    assert off.executor.kv_blocks.prefix_blocks_hit == 0 and off.executor.kv_blocks.cached == 0
+
+    per_block = 16 * sum(s.position_bytes() for s in _shapes(static))
+    tight = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory=str(34 * per_block))  # 33 blocks
+    tables = tight.executor.kv_blocks
+    assert outputs(tight, "ar", reqs[:1]) == outputs(static, "ar", reqs[:1])
+    assert tables.cached == 6 and tables.free == 33  # published, held by nobody, still reusable
+    g = torch.Generator().manual_seed(3)
+    other = [Request(10 + i, torch.randint(3, 500, (40,), generator=g).tolist(), 400) for i in range(2)]
+    assert outputs(tight, "ar", other) == outputs(static, "ar", other)  # 28 blocks each: cached ones are taken back
+    assert tables.free == 33
+    hits = tables.prefix_blocks_hit
+    assert outputs(tight, "ar", reqs[:1]) == outputs(static, "ar", reqs[:1])
+    assert 0 < tables.prefix_blocks_hit - hits < 6  # the tail blocks were taken back first: the head still hits
+    hits = tables.prefix_blocks_hit
+    assert outputs(tight, "ar", reqs[1:]) == outputs(static, "ar", reqs[1:])
+    assert tables.prefix_blocks_hit - hits == 3 * 6  # the first one published its blocks again

@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("--stream: the prompt is empty; give the text to complete, or - to read prompts from stdin.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
                       args.threads, args.block_size, args.device, args.resume, args.progress, args.backend,
-                      args.cuda_graphs, args.kv_cache_memory)
+                      args.cuda_graphs, args.kv_cache_memory, args.prefix_cache)
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
@@ -195,7 +195,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.dataset is None:
         raise UserError("bench needs --dataset (or --profile to only measure the pass costs).")
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
-                        args.warmup, args.repeats, args.threads, args.backend, args.kv_cache_memory)
+                        args.warmup, args.repeats, args.threads, args.backend, args.kv_cache_memory,
+                        args.prefix_cache)
     bench_command(args.engine_dir, args.dataset, opts, args.report_json, args.plot)
     return 0
 
@@ -272,6 +273,8 @@ KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (5
                         "free memory such as 0.5): a request takes blocks of 16 positions for its prompt + "
                         "max_new_tokens when admitted and waits while too few are free (torch executor; default: a "
                         "max_seq_len slot per request)")
+PREFIX_CACHE_HELP = ("with --kv-cache-memory: a request whose prompt starts with the full 16-position blocks of an "
+                     "earlier request's prompt shares their cache and skips their prefill (not with --block-size auto)")
 BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "
                    "that maximises expected tokens/s, from pass costs measured once and cached (default: the engine's)")
 
@@ -346,6 +349,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
                    "shared among the ranks)")
     b.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
+    b.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     _add_backend(b)
     b.set_defaults(func=cmd_bench)
 
@@ -466,6 +470,7 @@ def parser() -> argparse.ArgumentParser:
                         "as CUDA graphs (default: on for --device cuda where the target has no experts and tp_size is "
                         "1; never run on a GPU by this project yet)")
     r.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
+    r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     _add_backend(r)
     r.set_defaults(func=cmd_run)
 

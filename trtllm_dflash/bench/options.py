@@ -20,3 +20,4 @@ class BenchOptions:
     threads: int | None = None  # CPU threads (None: Engine.load's default, runtime/runner.py cpu_threads)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (None: a static slot per request)
+    prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix

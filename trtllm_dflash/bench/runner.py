@@ -81,7 +81,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
     engine = Engine.load(engine_dir, block_size="auto" if "auto" in block_sizes else None, command="bench",
                          backend=opts.backend, report=progress, threads=opts.threads,
-                         kv_cache_memory=opts.kv_cache_memory)
+                         kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
@@ -157,8 +157,11 @@ def _kv_cache_report(engine: Engine) -> dict:
     tables = getattr(engine.executor, "kv_blocks", None)
     if tables is None:
         return {"layout": "static", "slots": engine.config.max_batch_size}
+    looked_up = tables.prefix_blocks_looked_up
     return {"layout": "paged", "block_tokens": tables.block_tokens, "blocks": tables.num_blocks,
-            "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free}
+            "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free,
+            "prefix_cache": engine.executor.prefix_cache, "prefix_blocks_looked_up": looked_up,
+            "prefix_hit_rate": round(tables.prefix_blocks_hit / looked_up, 4) if looked_up else None}
 
 
 def _dflash_point(b: int | str, c: int, runs: dict[tuple[Mode, int], list[TimedRun]],

@@ -138,6 +138,7 @@ class _Active:
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     first_token_at: float | None = None
+    cached: int = 0  # prompt positions already in the caches at admission (a shared prefix): the prefill skips them
 
     def hold_context(self, features: torch.Tensor) -> None:
         """Keep target features [n, F] of the next n positions for the drafter's next context update."""
@@ -215,6 +216,10 @@ class Decoder:
         self._free = list(range(executor.num_slots))  # kept sorted: a new request takes the lowest
         self._active: list[_Active] = []  # in slot order
         self._cancelled: set[str | int] = set()  # ids to end at the next step
+        # What a request's prompt blocks hold once prefilled, for sharing them by prefix with later requests of the
+        # same kind (executor.reserve): the target's K/V; with a drafter, its context too, which a policy that
+        # defers the prompt's features to the drafter (--block-size auto) has not written yet: it shares nothing.
+        self._share = None if policy.defers_context else ("target+drafter" if policy.drafts else "target")
 
     @classmethod
     def for_mode(cls, executor: Executor, mode: Mode, stop_token_ids: Iterable[int] = (),
@@ -255,12 +260,14 @@ class Decoder:
         admitted = []
         while self._pending and self._free:  # in arrival order: one waiting for KV memory holds back those after it
             request, submitted = self._pending[0]
-            if not self.executor.reserve(self._free[0], len(request.prompt_token_ids) + request.max_new_tokens):
+            cached = self.executor.reserve(self._free[0], request.prompt_token_ids, request.max_new_tokens, self._share)
+            if cached is None:
                 if not self._active and not admitted:  # nothing will ever free memory for it
                     raise RuntimeError(f"request {shown(request.id)} does not fit in the KV cache even alone")
                 break
             self._pending.popleft()
-            admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=self.policy.new_request()))
+            admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=self.policy.new_request(),
+                                    cached=cached))
         if admitted:
             self._prefill(admitted)
             self._active = sorted(self._active + admitted, key=lambda a: a.slot)
@@ -312,12 +319,12 @@ class Decoder:
         those begin."""
         reqs = [a.request for a in active]
         temperature = [r.temperature for r in reqs]
-        starts = [0] * len(active) if prompts is not None else [a.start for a in active]
+        starts = [a.cached for a in active] if prompts is not None else [a.start for a in active]
         rows = [[a.slot for a in active], starts, [a.output[-1] if a.output else 0 for a in active],
                 [a.start - a.num_pending for a in active], [r.top_k for r in reqs],
                 float_bits(temperature), float_bits([r.top_p for r in reqs]), [r.seed for r in reqs]]
         if prompts is not None:
-            rows += [[len(r.prompt_token_ids) - 1 for r in reqs], [t for p in prompts for t in p]]
+            rows += [[len(a.request.prompt_token_ids) - a.cached - 1 for a in active], [t for p in prompts for t in p]]
         slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, seeds, *prefill = to_device(
             rows, self.executor.device)
         truncated = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
@@ -341,19 +348,22 @@ class Decoder:
         """One target pass per group of similar prompt lengths (prefill_groups): a batch is padded to its longest
         prompt, and on a CPU one pass over 32 prompts of 20 to 250 tokens would cost three times the prompts'
         own tokens."""
-        lengths = [len(a.request.prompt_token_ids) for a in admitted]
+        lengths = [len(a.request.prompt_token_ids) - a.cached for a in admitted]
         pass_tokens = PREFILL_PASS_TOKENS.get(self.executor.device.type)
         for group in prefill_groups(lengths, pass_tokens) if pass_tokens is not None else [range(len(admitted))]:
             self._prefill_group([admitted[i] for i in group])
 
     def _prefill_group(self, admitted: list[_Active]) -> None:
-        lengths = [len(a.request.prompt_token_ids) for a in admitted]
+        """One target pass over the admitted prompts' uncached positions (each from its `cached` position on, padded to
+        the longest), the drafter's context of them, each request's first token; then their prompt blocks may be
+        shared."""
+        lengths = [len(a.request.prompt_token_ids) - a.cached for a in admitted]
         longest = max(lengths)
-        batch = self._stage(admitted, [a.request.prompt_token_ids + [0] * (longest - n)
+        batch = self._stage(admitted, [a.request.prompt_token_ids[a.cached:] + [0] * (longest - n)
                                        for a, n in zip(admitted, lengths)])
         out = self.executor.target_forward(batch.prompts, batch.starts, batch.slots, capture=self.policy.drafts,
                                            last_index=batch.last, rows=batch.rows)
-        first = sample_tokens(out.logits, batch.sampling, (batch.last + 1)[:, None])[:, 0]
+        first = sample_tokens(out.logits, batch.sampling, (batch.starts + batch.last + 1)[:, None])[:, 0]
         if self.policy.drafts and self.policy.defers_context and longest <= MAX_PENDING_CONTEXT:
             for row, a in enumerate(admitted):  # until a speculative step needs them
                 a.hold_context(out.hidden[row, : lengths[row]])
@@ -362,6 +372,8 @@ class Decoder:
             self.executor.append_context(out.hidden, batch.starts, batch.slots, rows=batch.rows)
         for a, tok in zip(admitted, first.tolist()):  # the prefill's one read
             self._commit(a, [tok])
+            if self._share is not None:
+                self.executor.publish(a.slot)
 
     def _decode(self, active: list[_Active]) -> None:
         """One decoding step for every running request: the policy's k, then a plain step (k = 1) or a draft pass and

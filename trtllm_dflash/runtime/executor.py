@@ -23,7 +23,14 @@ from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.parallel.group import TPGroup
 from trtllm_dflash.runtime.cuda_graphs import StaticPasses
-from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, BlockTables, CacheShape, PagedKVCache, plan_blocks
+from trtllm_dflash.runtime.kv_blocks import (
+    BLOCK_TOKENS,
+    BlockTables,
+    CacheShape,
+    PagedKVCache,
+    plan_blocks,
+    prefix_hashes,
+)
 from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
 
@@ -133,10 +140,15 @@ class Executor(Protocol):
         (the target's greedy or sampled token per row, the longest matching prefix of the draft)."""
         ...
 
-    def reserve(self, slot: int, tokens: int) -> bool:
-        """Before a request of `tokens` positions (prompt + max_new_tokens) takes `slot`: whether the caches can hold
-        every position it can write, taking them if so (a paged cache's blocks); False: not now (it waits for a
-        release). Static per-slot caches always can."""
+    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
+        """Before a request takes `slot`: whether the caches can hold every position it can write, taking them if so (a
+        paged cache's blocks); None: not now (it waits for a release). Returns how many of the prompt's first
+        positions are already in the caches (a shared prefix whose blocks were published with the same `share`, what
+        they hold: runtime/kv_blocks.py), which its prefill skips; `share` None: no sharing. Static caches: always 0."""
+        ...
+
+    def publish(self, slot: int) -> None:
+        """The request in `slot` has prefilled its prompt: its full prompt blocks may be shared (see reserve)."""
         ...
 
     def release(self, slot: int) -> None:
@@ -174,8 +186,8 @@ class TorchExecutor:
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
-                    block_size: int | None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None
-                    ) -> "TorchExecutor":
+                    block_size: int | None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None,
+                    prefix_cache: bool = True) -> "TorchExecutor":
         """This rank's shard of a verified engine directory, dequantized for the torch modules."""
         target_spec, drafter_spec, params = engine_specs(cfg)
         weights = load_file(str(Path(root) / rank_file(rank)), device=device)
@@ -190,17 +202,19 @@ class TorchExecutor:
         quantize_inputs(drafter, drafter_inputs)
         # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
         return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size,
-                   cuda_graphs, kv_cache_memory)
+                   cuda_graphs, kv_cache_memory, prefix_cache)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
-                 block_size: int | None = None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None):
+                 block_size: int | None = None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None,
+                 prefix_cache: bool = True):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
         inside a capture: not tried). True on a CPU runs the same static
         passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks reserved per request at admission) instead of a
-        max_seq_len slot per request; not with CUDA graphs."""
+        max_seq_len slot per request; not with CUDA graphs. `prefix_cache`: with a paged cache, prompt blocks shared
+        across requests with the same prefix."""
         self.target, self.drafter = target, drafter
         # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
         self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
@@ -214,6 +228,7 @@ class TorchExecutor:
         graphs = (self.device.type == "cuda" and not target.spec.num_experts and target.tp.size == 1
                   if cuda_graphs is None else cuda_graphs)
         self._margin = margin
+        self.prefix_cache = prefix_cache
         self.kv_blocks: BlockTables | None = None
         if kv_cache_memory is not None:
             if graphs:
@@ -301,15 +316,19 @@ class TorchExecutor:
             return None, None
         return attended_keys(rows, None, tokens, cache.capacity), rows.slot_run()
 
-    def reserve(self, slot: int, tokens: int) -> bool:
+    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
         """Paged: take the blocks of every position the request can write (its tokens and a verify block past them),
-        if that many are free. Static: always."""
+        if that many are free; its prompt's first blocks (all but the last prompt token, whose logits the prefill
+        must compute) are shared with earlier requests where published. Static: always, nothing shared."""
         if self.kv_blocks is None:
-            return True
-        if not self.kv_blocks.can_reserve(tokens + self._margin):
-            return False
-        self.kv_blocks.reserve(slot, tokens + self._margin)
-        return True
+            return 0
+        share = share if self.prefix_cache else None
+        hashes = prefix_hashes(prompt[:-1], share) if share is not None else []
+        return self.kv_blocks.reserve(slot, len(prompt) + max_new_tokens + self._margin, hashes)
+
+    def publish(self, slot: int) -> None:
+        if self.kv_blocks is not None:
+            self.kv_blocks.publish(slot)
 
     def release(self, slot: int) -> None:
         """Paged: the slot's blocks go back to the free list. Static: nothing to do (stale cache rows past a slot's

@@ -1,5 +1,5 @@
 """A paged KV cache for the torch executor (issue 29): fixed-size blocks of positions, per-request block tables,
-a memory budget, and admission by reservation.
+a memory budget, admission by reservation, and prompt blocks shared across requests by prefix.
 
 Layout: per layer one K and one V tensor [num_blocks * block_tokens, kv_heads, head_dim]; position p of the request
 in slot s lives at row `table[s, p // block_tokens] * block_tokens + p % block_tokens`. A request holds only the
@@ -10,7 +10,7 @@ Admission by reservation: a request is admitted only when the free blocks cover 
 (prompt + max_new_tokens, plus the verify block a step writes past its last committed position), and those blocks
 are taken at admission. So a running request never waits for a block and nothing is ever preempted; the cost is that
 a request finishing early (EOS, a stop string) held blocks it did not use until it finished. (Growing on demand with
-preemption and recompute, and prefix reuse across requests, are not done: docs/run.md.)
+preemption and recompute is not done: docs/run.md.)
 
 `PagedKVCache` has KVCache's interface (models/layers.py), so the models run on it unchanged: writes scatter into the
 rows of the slots' blocks, reads gather positions 0 .. length - 1 of each slot (a copy, where the static cache of a
@@ -19,8 +19,10 @@ run of slots is read as views).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -63,14 +65,33 @@ def blocks_for(positions: int, block_tokens: int = BLOCK_TOKENS) -> int:
     return -(-positions // block_tokens)
 
 
+def prefix_hashes(tokens: list[int], salt: str, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
+    """One chained hash per full block of `tokens`: block j's covers tokens 0 .. (j + 1) * block_tokens - 1 and `salt`
+    (what the blocks hold: the target's K/V alone, or the drafter's context too), so equal hashes mean equal
+    prefixes with the same caches written."""
+    hashes, h = [], hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    for j in range(len(tokens) // block_tokens):
+        chunk = tokens[j * block_tokens:(j + 1) * block_tokens]
+        h = hashlib.blake2b(h + b"".join(t.to_bytes(8, "little", signed=True) for t in chunk), digest_size=16).digest()
+        hashes.append(h)
+    return hashes
+
+
 class BlockTables:
-    """Which blocks each slot holds, the free blocks, and the tables as a device tensor [num_slots, max_blocks] for
-    the caches' index arithmetic.
+    """Which blocks each slot holds, the free blocks, the prompt blocks shared by prefix, and the tables as a device
+    tensor [num_slots, max_blocks] for the caches' index arithmetic.
 
     Block `num_blocks` (one past the last) is a trash block that no request holds: every table entry without a block
     of its own points at it, so a write past a request's reservation (a shorter prompt's padding in a batched
     prefill) lands there and never in another request's block, and a read past it (a length bucket) reads garbage
-    that the masks exclude."""
+    that the masks exclude.
+
+    Prefix reuse: a request's full prompt blocks are published under their prefix_hashes once its prefill has written
+    them (`publish`); a later request whose first blocks have those hashes holds the same blocks (reference counted)
+    and skips their prefill. Its own writes all land at or after its first uncached position, so a shared block is
+    never written again. A published block that no request holds stays cached until a reservation needs it: it is
+    then unpublished and reused, the least recently released first, and of one request's blocks the last first (as
+    vLLM's allocator does), so an evicted prefix loses its tail, not the head that every hit needs."""
 
     def __init__(self, num_blocks: int, num_slots: int, max_positions: int, block_tokens: int,
                  device: torch.device | str):
@@ -78,35 +99,91 @@ class BlockTables:
         self.max_blocks = blocks_for(max_positions, block_tokens)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest first
         self._held: dict[int, list[int]] = {}
+        self._hashes: dict[int, list[bytes]] = {}  # slot -> its prompt's block hashes (published after its prefill)
+        self._refs: dict[int, int] = {}  # block -> requests holding it
+        self._by_hash: dict[bytes, int] = {}  # published blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, least recent first
         self.trash = num_blocks
         self.table = torch.full((num_slots, self.max_blocks), self.trash, dtype=torch.int64, device=device)
         self.peak_used = 0
+        self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by requests."""
+        return self.num_blocks - self.free
 
-    def can_reserve(self, positions: int) -> bool:
-        return blocks_for(positions, self.block_tokens) <= len(self._free)
+    @property
+    def cached(self) -> int:
+        """Published prefix blocks (held or idle)."""
+        return len(self._by_hash)
 
-    def reserve(self, slot: int, positions: int) -> None:
-        """Give `slot` (which holds nothing) the blocks of positions 0 .. positions - 1."""
+    def _hits(self, hashes: list[bytes]) -> list[int]:
+        hits = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_reserve(self, positions: int, hashes: list[bytes] = ()) -> bool:
+        hits = self._hits(list(hashes))
+        revived = sum(1 for b in hits if b in self._idle)
+        return blocks_for(positions, self.block_tokens) - len(hits) <= self.free - revived
+
+    def reserve(self, slot: int, positions: int, hashes: list[bytes] = ()) -> int | None:
+        """Give `slot` (which holds nothing) the blocks of positions 0 .. positions - 1: the published ones its prompt
+        hashes find first, new ones after. Returns the positions found cached, or None (nothing taken) when too few
+        blocks are free."""
         assert slot not in self._held, slot
-        n = blocks_for(positions, self.block_tokens)
-        if n > len(self._free):
-            raise RuntimeError(f"{n} KV blocks wanted, {len(self._free)} free")  # the Decoder asked can_reserve
-        blocks = [self._free.pop() for _ in range(n)]
-        self._held[slot] = blocks
-        self.table[slot, :n] = torch.tensor(blocks, dtype=torch.int64)
+        hashes = list(hashes)
+        if not self.can_reserve(positions, hashes):
+            return None
+        hits = self._hits(hashes)
+        self.prefix_blocks_looked_up += len(hashes)
+        self.prefix_blocks_hit += len(hits)
+        for b in hits:
+            self._idle.pop(b, None)
+        blocks = hits + [self._take() for _ in range(blocks_for(positions, self.block_tokens) - len(hits))]
+        for b in blocks:
+            self._refs[b] = self._refs.get(b, 0) + 1
+        self._held[slot], self._hashes[slot] = blocks, hashes
+        self.table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         self.peak_used = max(self.peak_used, self.used)
+        return len(hits) * self.block_tokens
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._idle.popitem(last=False)  # the least recently released cached block
+        del self._by_hash[self._hash_of.pop(block)]
+        return block
+
+    def publish(self, slot: int) -> None:
+        """The slot's prompt blocks are written: make them findable by their hashes (those not published already)."""
+        for h, block in zip(self._hashes.get(slot, []), self._held.get(slot, [])):
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h], self._hash_of[block] = block, h
 
     def release(self, slot: int) -> None:
-        """Return the slot's blocks to the free list (reused at once)."""
-        self._free.extend(self._held.pop(slot, []))
+        """Return the slot's blocks: unpublished ones to the free list (reused at once), published ones nobody else
+        holds to the cached pool."""
+        self._hashes.pop(slot, None)
+        for block in reversed(self._held.pop(slot, [])):  # a prefix's last blocks are the first taken back
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                if block in self._hash_of:
+                    self._idle[block] = None
+                else:
+                    self._free.append(block)
         self._free.sort(reverse=True)
         self.table[slot] = self.trash
 

@@ -267,8 +267,11 @@ class OnnxRuntimeExecutor:
             yield
         caller.wait_stream(self._stream)
 
-    def reserve(self, slot: int, tokens: int) -> bool:
-        return True  # a static row per request
+    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
+        return 0  # a static row per request, nothing shared
+
+    def publish(self, slot: int) -> None:
+        pass
 
     def release(self, slot: int) -> None:
         self._rows.release(slot)

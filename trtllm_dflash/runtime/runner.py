@@ -53,7 +53,7 @@ class Engine:
              world: World | None = None, command: str = "run", backend: Backend | None = None,
              plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None,
              threads: int | None = None, cuda_graphs: bool | None = None,
-             kv_cache_memory: str | None = None) -> "Engine":
+             kv_cache_memory: str | None = None, prefix_cache: bool = True) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
         "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
         here, or read from the cache: runtime/costs.py; `report` hears about it).
@@ -63,7 +63,8 @@ class Engine:
         executor's decode passes as CUDA graphs (runtime/cuda_graphs.py; None: on where the device is CUDA, the
         target has no experts and tp_size is 1); True is refused where they cannot run. `kv_cache_memory`: a paged KV
         cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
-        executor (runtime/kv_blocks.py; default: a static max_seq_len slot per request).
+        executor (runtime/kv_blocks.py; default: a static max_seq_len slot per request); `prefix_cache`: with it, prompt
+        blocks shared across requests by prefix.
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -104,7 +105,7 @@ class Engine:
         else:
             try:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
-                                                     kv_bytes)
+                                                     kv_bytes, prefix_cache)
             except KVBudgetError as e:
                 raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
         auto_block = None
@@ -219,7 +220,8 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
                              report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads,
-                             cuda_graphs=opts.cuda_graphs, kv_cache_memory=opts.kv_cache_memory)
+                             cuda_graphs=opts.cuda_graphs, kv_cache_memory=opts.kv_cache_memory,
+                             prefix_cache=opts.prefix_cache)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")
