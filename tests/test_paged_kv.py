@@ -74,6 +74,8 @@ def test_blocks_are_reserved_per_request_and_reused():
     assert tables.table[2, :3].tolist() == [0, 1, 2] and tables.table[2, 3:].tolist() == [tables.trash] * 4
     rows = tables.rows(torch.tensor([2, 0]), torch.tensor([[0, 33], [16, 99]]))
     assert rows.tolist() == [[0, 2 * 16 + 1], [4 * 16, tables.trash * 16 + 3]]  # past a reservation: the trash block
+    # consecutive blocks: a one-slot read is a view from the slot's first row (past its blocks: masked rows)
+    assert (tables.first_row(2, 48), tables.first_row(0, 80), tables.first_row(2, 10 ** 6)) == (0, 48, None)
     tables.release(2)
     assert tables.free == 8 and (tables.table[2] == tables.trash).all()
     tables.reserve(1, 48)  # the freed blocks first, lowest first

@@ -100,6 +100,7 @@ class BlockTables:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest first
         self._held: dict[int, list[int]] = {}
         self._hashes: dict[int, list[bytes]] = {}  # slot -> its prompt's block hashes (published after its prefill)
+        self._first: dict[int, int | None] = {}  # slot -> its first block when its blocks are consecutive, else None
         self._refs: dict[int, int] = {}  # block -> requests holding it
         self._by_hash: dict[bytes, int] = {}  # published blocks
         self._hash_of: dict[int, bytes] = {}
@@ -107,6 +108,7 @@ class BlockTables:
         self.trash = num_blocks
         self.table = torch.full((num_slots, self.max_blocks), self.trash, dtype=torch.int64, device=device)
         self.peak_used = 0
+        self.version = 0  # changes whenever a table does
         self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
 
     @property
@@ -155,7 +157,9 @@ class BlockTables:
         for b in blocks:
             self._refs[b] = self._refs.get(b, 0) + 1
         self._held[slot], self._hashes[slot] = blocks, hashes
+        self._first[slot] = blocks[0] if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
         self.table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        self.version += 1
         self.peak_used = max(self.peak_used, self.used)
         return len(hits) * self.block_tokens
 
@@ -176,6 +180,7 @@ class BlockTables:
         """Return the slot's blocks: unpublished ones to the free list (reused at once), published ones nobody else
         holds to the cached pool."""
         self._hashes.pop(slot, None)
+        self._first.pop(slot, None)
         for block in reversed(self._held.pop(slot, [])):  # a prefix's last blocks are the first taken back
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -186,6 +191,15 @@ class BlockTables:
                     self._free.append(block)
         self._free.sort(reverse=True)
         self.table[slot] = self.trash
+        self.version += 1
+
+    def first_row(self, slot: int, length: int) -> int | None:
+        """The cache row of `slot`'s position 0 when its positions 0 .. length - 1 are consecutive rows (its blocks are
+        consecutive; past its last block the rows belong to others or to no one: masked), else None."""
+        first = self._first.get(slot)
+        if first is None or (first + blocks_for(length, self.block_tokens)) > self.num_blocks + 1:
+            return None
+        return first * self.block_tokens
 
     def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The cache rows of positions [B, T] of slots [B]: table[slot, p // block] * block + p % block."""
@@ -200,6 +214,8 @@ class PagedKVCache:
     def __init__(self, tables: BlockTables, shape: CacheShape, dtype: torch.dtype, device: torch.device | str):
         rows = (tables.num_blocks + 1) * tables.block_tokens  # + the trash block
         self.tables = tables
+        # (slots, positions or length, tables.version, rows): every layer of a pass asks alike
+        self._rows: tuple = (None, None, -1, None)
         self.k = [torch.zeros(rows, h, d, dtype=dtype, device=device) for h, d in zip(shape.kv_heads, shape.head_dim)]
         self.v = [torch.zeros(rows, h, d, dtype=dtype, device=device) for h, d in zip(shape.kv_heads, shape.head_dim)]
         self.capacity = tables.max_blocks * tables.block_tokens
@@ -207,16 +223,34 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               ) -> None:
         # slots: [B]; positions: [B, T]; k, v: [B, T, kv_heads, hd]
-        rows = self.tables.rows(slots, positions)
+        rows = self._rows_of(slots, positions)
         self.k[layer][rows] = k
         self.v[layer][rows] = v
 
     def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, length, kv_heads, hd] of the slots' positions 0 .. length - 1 (gathered: a copy)."""
-        positions = torch.arange(length, device=slots.device).expand(slots.shape[0], length)
-        rows = self.tables.rows(slots, positions)
+        """K, V [B, length, kv_heads, hd] of the slots' positions 0 .. length - 1: views when the batch is one slot
+        (`run`, known on the host) whose blocks are consecutive, else gathered (a copy)."""
+        if run is not None and run.stop - run.start == 1:
+            first = self.tables.first_row(run.start, length)
+            if first is not None:
+                return self.k[layer][None, first:first + length], self.v[layer][None, first:first + length]
+        rows = self._rows_of(slots, length)
         return self.k[layer][rows], self.v[layer][rows]
+
+    def _rows_of(self, slots: torch.Tensor, where: torch.Tensor | int) -> torch.Tensor:
+        """The rows of `where` (positions [B, T], or a length: positions 0 .. length - 1) of `slots`, computed once for
+        the layers of a pass: the same tensors (kept alive here, so identity is safe) or the same length again."""
+        cached_slots, cached_where, version, rows = self._rows
+        same_where = where is cached_where or (isinstance(where, int) and isinstance(cached_where, int)
+                                               and where == cached_where)
+        if slots is cached_slots and same_where and version == self.tables.version:
+            return rows
+        positions = where if isinstance(where, torch.Tensor) else \
+            torch.arange(where, device=slots.device).expand(slots.shape[0], where)
+        rows = self.tables.rows(slots, positions)
+        self._rows = (slots, where, self.tables.version, rows)
+        return rows
 
 
 def format_size(size: int) -> str:
