@@ -98,6 +98,7 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
     ("block size", ["--block-size 17", "between 2 and the engine's trained block_size 16"]),
     ("max batch", ["--max-batch-size 9", "slots for 8 requests"]),
     ("max new tokens", ["--max-new-tokens 2048", "below the engine's max_seq_len 2048"]),
+    ("kv cache memory", ["--kv-cache-memory lots: 'lots' is not a size"]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, capsys, case, words):
     repo, engine, extra = tmp_path / "repo", str(engine_dir), []
@@ -114,7 +115,8 @@ def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, 
         engine = str(_tp2_engine(engine_dir, tmp_path))
     else:
         extra = {"block size": ["--block-size", "17"], "max batch": ["--max-batch-size", "9"],
-                 "max new tokens": ["--max-new-tokens", "2048"]}[case]
+                 "max new tokens": ["--max-new-tokens", "2048"],
+                 "kv cache memory": ["--kv-cache-memory", "lots"]}[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(["serve", engine, "--model-repo", str(repo), *extra]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
@@ -237,7 +239,9 @@ def servers(engine_dir, tmp_path_factory, request):
     """{"decoupled": Server, "plain": Server} on the demo engine, started together."""
     cli = _triton_cli()
     started = {"decoupled": Server(cli, engine_dir, tmp_path_factory.mktemp("decoupled")),
-               "plain": Server(cli, engine_dir, tmp_path_factory.mktemp("plain"), "--no-streaming")}
+               # the plain model on a paged KV cache (48 MiB: one max_seq_len request or many short ones)
+               "plain": Server(cli, engine_dir, tmp_path_factory.mktemp("plain"), "--no-streaming",
+                               "--kv-cache-memory", "48MiB")}
     try:
         request.getfixturevalue("expected")  # `run` in this process while the servers load
         for s in started.values():
@@ -353,6 +357,8 @@ def test_plain_infer_over_http_and_grpc_equals_run(servers, expected):
     import tritonclient.http as httpclient
 
     plain = servers["plain"]
+    # this model runs on a paged KV cache (serve --kv-cache-memory): the same text as `run` on the static one
+    assert json.loads((plain.log.parent / "repo" / MODEL / "1" / SERVE_CONFIG).read_text())["kv_cache_memory"] == "48MiB"
     with closing(httpclient.InferenceServerClient(f"127.0.0.1:{plain.http}")) as http, \
             closing(grpcclient.InferenceServerClient(f"127.0.0.1:{plain.grpc}")) as grpc:
         for rid, rec in expected.items():

@@ -215,7 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = ServeConfig(engine_dir=str(args.engine_dir.absolute()), mode=args.mode, block_size=args.block_size,
                       max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                      threads=args.threads, backend=args.backend)
+                      threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
+                      prefix_cache=args.prefix_cache)
     endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
 
     engine = check_launch(cfg, args.launch)
@@ -254,6 +255,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--seed", type=_seed, default=d.seed, help="when a request has no sampling_param_seed")
     s.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
                    "shared among the ranks)")
+    s.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
+    s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     _add_backend(s)
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
     s.add_argument("--host", default=e.host, help="address the endpoints bind to")
@@ -271,7 +274,7 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
 
 KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (512MiB, 2GiB, bytes, or a fraction of the "
                         "free memory such as 0.5): a request takes blocks of 16 positions for its prompt + "
-                        "max_new_tokens when admitted and waits while too few are free (torch executor; default: a "
+                        "max_new_tokens when admitted and waits while too few are free; torch executor (default: a "
                         "max_seq_len slot per request)")
 PREFIX_CACHE_HELP = ("with --kv-cache-memory: a request whose prompt starts with the full 16-position blocks of an "
                      "earlier request's prompt shares their cache and skips their prefill (not with --block-size auto)")

@@ -260,6 +260,16 @@ def format_size(size: int) -> str:
     return f"{size} B"
 
 
+def check_budget_syntax(text: str) -> None:
+    """--kv-cache-memory's form alone (the machine that runs it judges the amount): UserError in one sentence."""
+    from trtllm_dflash.errors import UserError
+
+    try:
+        resolve_budget(text, available=2**62)
+    except ValueError as e:
+        raise UserError(f"--kv-cache-memory {text}: {e}.") from None
+
+
 def resolve_budget(text: str, available: int) -> int:
     """Bytes of a --kv-cache-memory value: a size ('512MiB', '2GiB', a byte count) or a fraction of the `available`
     memory ('0.5': half of it; TensorRT-LLM's free_gpu_memory_fraction). ValueError, with the reason, when it is not

@@ -73,6 +73,8 @@ class ServeConfig(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)  # when a request has no sampling_param_seed (`serve --seed`'s range)
     threads: int | None = Field(None, ge=1, le=4096)  # torch CPU threads (None: torch's default)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
+    kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
+    prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
 
 
 def read_serve_config(path: Path) -> ServeConfig:
@@ -90,6 +92,10 @@ def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
     if cfg.max_batch_size is not None and cfg.max_batch_size > engine.max_batch_size:
         raise UserError(f"--max-batch-size {cfg.max_batch_size}: the engine has KV-cache slots for "
                         f"{engine.max_batch_size} requests (its build's max_batch_size).")
+    if cfg.kv_cache_memory is not None:
+        from trtllm_dflash.runtime.kv_blocks import check_budget_syntax  # torch: not at `--help` time
+
+        check_budget_syntax(cfg.kv_cache_memory)
     if cfg.max_new_tokens >= engine.max_seq_len:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: must be below the engine's max_seq_len "
                         f"{engine.max_seq_len} (which also holds the prompt).")

@@ -183,7 +183,8 @@ class TritonPythonModel:
             engine, stepper, self.world = join_as_rank0(cfg)
         else:
             engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size, command="serve", backend=cfg.backend,
-                                 threads=cfg.threads)
+                                 threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory,
+                                 prefix_cache=cfg.prefix_cache)
             stepper = engine.decoder(cfg.mode)
         self.tokenizer = engine.tokenizer
         self.block_size = engine.executor.block_size

@@ -1,0 +1,96 @@
+"""Prefix reuse on a shared-prefix workload (issue 29): TTFT and total time with and without it, side by side.
+
+    python benchmarks/prefix_reuse.py --engine /tmp/kv/demo --prefix-tokens 1536 --rounds 3
+
+The workload: one long system prompt (--prefix-tokens tokens of held-out code, the demo tokenizer's) followed by a
+short user turn (a held-out prompt's first 32 tokens), --num-requests requests submitted one after another at
+concurrency 1 (an agent's turns), greedy, --max-new-tokens each, dflash, torch executor, 1 thread, a paged cache of
+--kv-cache-memory. With reuse the first request prefills the whole prompt and publishes its blocks, the others prefill
+only their own turn; without (--no-prefix-cache) every request prefills everything. A fresh executor per run (no
+blocks cached from an earlier run), the two alternating by round, medians. Reported: TTFT of the first request and
+the median of the rest, total time, and whether the tokens are the same. Results: benchmarks/results/prefix_reuse.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.executor import TorchExecutor
+from trtllm_dflash.runtime.kv_blocks import parse_size
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.runtime.verify import FixedBlock
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run(engine: Engine, requests: list[Request], budget: int, reuse: bool) -> dict:
+    ex = engine.executor
+    executor = TorchExecutor(ex.target, ex.drafter, engine.config.max_batch_size, engine.config.max_seq_len,
+                             kv_cache_memory=budget, prefix_cache=reuse)
+    decoder = Decoder(executor, FixedBlock(executor.block_size), engine.config.eos_token_ids)
+    start = time.perf_counter()
+    results = [r for q in requests for r in decoder.generate([q])]
+    return {"seconds": time.perf_counter() - start, "ttft_ms": [round(r.ttft_s * 1e3, 2) for r in results],
+            "outputs": [r.output_token_ids for r in results],
+            "prefix_hit_rate": executor.kv_blocks.prefix_blocks_hit / max(1, executor.kv_blocks.prefix_blocks_looked_up)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", type=Path, default=Path("engines/demo"))
+    ap.add_argument("--prefix-tokens", type=int, default=1536)
+    ap.add_argument("--num-requests", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_reuse.json")
+    args = ap.parse_args()
+    engine = Engine.load(args.engine, backend="torch", threads=1)
+    prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
+               if line.strip()]
+    corpus = [t for p in prompts for t in engine.tokenizer(p)["input_ids"]]
+    if len(corpus) < args.prefix_tokens:
+        raise SystemExit(f"the held-out prompts have {len(corpus)} tokens, fewer than --prefix-tokens")
+    system = corpus[: args.prefix_tokens]
+    turns = [engine.tokenizer(p)["input_ids"][:32] for p in prompts[-args.num_requests:]]
+    requests = [Request(i, system + turn, args.max_new_tokens) for i, turn in enumerate(turns)]
+    budget = parse_size(args.kv_cache_memory)
+    load_before = load()
+    print(f"{len(requests)} requests: a {len(system)}-token shared prefix + 32-token turns, {args.max_new_tokens} new "
+          f"tokens each, concurrency 1; load before: {load_before}", flush=True)
+    run(engine, requests[:2], budget, True)  # warm-up
+    runs: dict[str, list[dict]] = {"reuse": [], "no reuse": []}
+    for r in range(args.rounds):
+        for name in (("reuse", "no reuse") if r % 2 == 0 else ("no reuse", "reuse")):
+            runs[name].append(run(engine, requests, budget, name == "reuse"))
+            x = runs[name][-1]
+            print(f"round {r + 1} {name}: {x['seconds']:.2f} s, TTFT first {x['ttft_ms'][0]} ms, rest median "
+                  f"{statistics.median(x['ttft_ms'][1:])} ms", flush=True)
+    table = {name: {"total_s": round(statistics.median(x["seconds"] for x in rs), 3),
+                    "ttft_first_ms": round(statistics.median(x["ttft_ms"][0] for x in rs), 2),
+                    "ttft_rest_median_ms": round(statistics.median(statistics.median(x["ttft_ms"][1:]) for x in rs), 2),
+                    "prefix_hit_rate": round(rs[0]["prefix_hit_rate"], 4)}
+             for name, rs in runs.items()}
+    same = all(x["outputs"] == runs["no reuse"][0]["outputs"] for rs in runs.values() for x in rs)
+    report = {"engine": str(args.engine), "prefix_tokens": len(system), "num_requests": len(requests),
+              "max_new_tokens": args.max_new_tokens, "kv_cache_memory": args.kv_cache_memory, "rounds": args.rounds,
+              "threads": 1, "load_before": load_before, "load_after": load(), "results": table,
+              "outputs_identical": same,
+              "ttft_no_reuse_over_reuse": round(table["no reuse"]["ttft_rest_median_ms"]
+                                                / table["reuse"]["ttft_rest_median_ms"], 2),
+              "total_no_reuse_over_reuse": round(table["no reuse"]["total_s"] / table["reuse"]["total_s"], 2)}
+    print(json.dumps(report, indent=1))
+    args.output.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
