@@ -230,3 +230,31 @@ def test_no_prefix_cache_and_eviction(qwen3_engine_dir, engines):
     hits = tables.prefix_blocks_hit
     assert outputs(tight, "ar", reqs[1:]) == outputs(static, "ar", reqs[1:])
     assert tables.prefix_blocks_hit - hits == 3 * 6  # the first one published its blocks again
+
+
+def test_the_build_config_sets_the_default(qwen3_pair, tmp_path, capsys):
+    """kv_cache_memory in the build config: the engine's default for run (paged), `--kv-cache-memory static` turns it
+    off; a bad form or another backend is refused by build in one sentence."""
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+
+    base = dict(target=qwen3_pair / "target", drafter=qwen3_pair / "drafter", dtype="float32", max_seq_len=512)
+    engine_dir = build_engine(BuildConfig(**base, output=tmp_path / "e", kv_cache_memory="8MiB"), progress=False)
+    assert Engine.load(engine_dir).executor.kv_blocks is not None
+    assert Engine.load(engine_dir, kv_cache_memory="static").executor.kv_blocks is None
+    assert Engine.load(engine_dir, kv_cache_memory="64MiB").executor.kv_blocks.num_blocks > 300
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt_token_ids": [5, 6, 7]}) + "\n")
+    outs = []
+    for extra in ((), ("--kv-cache-memory", "static")):
+        out = tmp_path / f"out{len(outs)}.jsonl"
+        assert main(["run", str(engine_dir), "--input", str(inp), "--output", str(out), *extra]) == 0
+        outs.append(json.loads(out.read_text())["output_token_ids"])
+    assert outs[0] == outs[1]
+    for bad, words in (({"kv_cache_memory": "lots"}, "build config: kv_cache_memory lots: 'lots' is not a size"),
+                       ({"kv_cache_memory": 0.5, "backend": "onnxruntime"},
+                        "build config: kv_cache_memory: only the torch executor has a paged KV cache yet, and this "
+                        "engine is built for backend onnxruntime")):
+        with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            build_engine(BuildConfig(**base, output=tmp_path / "bad", **bad), progress=False)
+        assert not (tmp_path / "bad").exists()

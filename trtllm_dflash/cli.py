@@ -274,8 +274,8 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
 
 KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (512MiB, 2GiB, bytes, or a fraction of the "
                         "free memory such as 0.5): a request takes blocks of 16 positions for its prompt + "
-                        "max_new_tokens when admitted and waits while too few are free; torch executor (default: a "
-                        "max_seq_len slot per request)")
+                        "max_new_tokens when admitted and waits while too few are free; torch executor; static: a "
+                        "max_seq_len slot per request (default: the engine's build config kv_cache_memory, else static)")
 PREFIX_CACHE_HELP = ("with --kv-cache-memory: a request whose prompt starts with the full 16-position blocks of an "
                      "earlier request's prompt shares their cache and skips their prefill (not with --block-size auto)")
 BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "

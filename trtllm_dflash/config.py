@@ -52,6 +52,9 @@ class BuildConfig(BaseModel):
     calibration_max_tokens: int = Field(256, ge=1, le=1_000_000)  # tokens per calibration prompt
     quantize_drafter: bool = False  # also quantize the drafter's linears (needs quantization nvfp4 | fp8)
     backend: Backend = "torch"  # what the engine is compiled for
+    # The KV cache `run`, `bench` and `serve` give this engine unless told otherwise (--kv-cache-memory): a paged one of
+    # this size (512MiB, 2GiB, bytes, or a fraction of the free memory such as 0.5); None: a max_seq_len slot a request
+    kv_cache_memory: str | int | float | None = None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -77,6 +77,7 @@ class EngineConfig(BaseModel):
     # What the engine was compiled for, and so what `run` uses by default. The torch weights are always
     # there (`--backend torch` runs any engine); onnxruntime and tensorrt engines also hold ONNX graphs.
     backend: Backend = "torch"
+    kv_cache_memory: str | int | float | None = None  # the paged KV cache run / bench / serve default to (None: static slots)
 
 
 def rank_file(rank: int) -> str:

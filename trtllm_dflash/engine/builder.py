@@ -168,6 +168,19 @@ def _stage(report: Callable[[str], None] | None, done: str) -> Iterator[None]:
         report(f"{done} ({time.perf_counter() - start:.1f} s)")
 
 
+def check_kv_cache_memory(cfg: BuildConfig, source: str) -> None:
+    """kv_cache_memory's form (the machine that runs the engine judges the amount), for a torch engine."""
+    from trtllm_dflash.runtime.kv_blocks import resolve_budget
+
+    if cfg.backend != "torch":
+        raise UserError(f"{source}: kv_cache_memory: only the torch executor has a paged KV cache yet, and this "
+                        f"engine is built for backend {cfg.backend}; drop kv_cache_memory or build for backend torch.")
+    try:
+        resolve_budget(cfg.kv_cache_memory, available=2**62)
+    except ValueError as e:
+        raise UserError(f"{source}: kv_cache_memory {cfg.kv_cache_memory}: {e}.") from None
+
+
 def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, config_file: Path | None = None,
                  report: Callable[[str], None] | None = None) -> Path:
     """Validate, convert, shard and write the engine; returns its directory. `config_file` (the YAML the
@@ -178,6 +191,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
     if cfg.quantize_drafter and cfg.quantization == "none":
         raise UserError(f"{source}: quantize_drafter: true needs quantization nvfp4 or fp8 (it is none).")
     check_backend(cfg, source)
+    if cfg.kv_cache_memory is not None:
+        check_kv_cache_memory(cfg, source)
     assert cfg.output is not None
     check_output_dir(cfg.output, "engine", "output directory", force=force,
                      inputs=(cfg.target, cfg.drafter, cfg.calibration, config_file))
@@ -257,6 +272,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             eos_token_ids=eos,
             build=cfg.model_dump(mode="json"),
             backend=cfg.backend,
+            kv_cache_memory=cfg.kv_cache_memory,
         )
         (tmp / CONFIG).write_text(engine_cfg.model_dump_json(indent=2) + "\n")
         if cfg.backend in ("onnxruntime", "tensorrt"):  # TensorRT plans are built from the graphs by `compile`

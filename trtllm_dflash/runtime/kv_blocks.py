@@ -264,6 +264,8 @@ def check_budget_syntax(text: str) -> None:
     """--kv-cache-memory's form alone (the machine that runs it judges the amount): UserError in one sentence."""
     from trtllm_dflash.errors import UserError
 
+    if text == "static":  # a max_seq_len slot per request (runner.STATIC_KV)
+        return
     try:
         resolve_budget(text, available=2**62)
     except ValueError as e:

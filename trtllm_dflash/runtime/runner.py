@@ -63,7 +63,8 @@ class Engine:
         executor's decode passes as CUDA graphs (runtime/cuda_graphs.py; None: on where the device is CUDA, the
         target has no experts and tp_size is 1); True is refused where they cannot run. `kv_cache_memory`: a paged KV
         cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
-        executor (runtime/kv_blocks.py; default: a static max_seq_len slot per request); `prefix_cache`: with it, prompt
+        executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
+        request; 'static': the static slots whatever the engine says); `prefix_cache`: with it, prompt
         blocks shared across requests by prefix.
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
@@ -90,6 +91,12 @@ class Engine:
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
         if cuda_graphs:
             _check_cuda_graphs(cfg, backend, device)
+        if kv_cache_memory is None and backend == "torch":  # the engine's default (its build config), if any
+            kv_cache_memory = cfg.kv_cache_memory
+        if kv_cache_memory is not None:
+            kv_cache_memory = str(kv_cache_memory)
+        if kv_cache_memory == STATIC_KV:
+            kv_cache_memory = None
         kv_bytes = None
         if kv_cache_memory is not None:
             kv_bytes = _kv_budget(kv_cache_memory, backend, device, cuda_graphs)
@@ -138,6 +145,9 @@ class Engine:
                                 f"{self.executor.block_size}.")
             policy = FixedBlock(k)
         return Decoder(self.executor, policy, eos, self.tokenizer)
+
+
+STATIC_KV = "static"  # --kv-cache-memory static: a max_seq_len slot per request, whatever the engine's default
 
 
 def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int:
