@@ -1,7 +1,8 @@
 """A paged KV cache for the torch executor (issue 29): fixed-size blocks of positions, per-request block tables,
 a memory budget, admission by reservation, and prompt blocks shared across requests by prefix.
 
-Layout: per layer one K and one V tensor [num_blocks * block_tokens, kv_heads, head_dim]; position p of the request
+Layout: per layer one K and one V tensor [(num_blocks + 1) * block_tokens, kv_heads, head_dim] (the last block is a
+trash block, BlockTables); position p of the request
 in slot s lives at row `table[s, p // block_tokens] * block_tokens + p % block_tokens`. A request holds only the
 blocks its positions need, so a 200-token request costs 200 positions of memory, not a max_seq_len slot; freed blocks
 are reused at once.
@@ -13,8 +14,8 @@ a request finishing early (EOS, a stop string) held blocks it did not use until 
 preemption and recompute is not done: docs/run.md.)
 
 `PagedKVCache` has KVCache's interface (models/layers.py), so the models run on it unchanged: writes scatter into the
-rows of the slots' blocks, reads gather positions 0 .. length - 1 of each slot (a copy, where the static cache of a
-run of slots is read as views).
+rows of the slots' blocks; reads are views for one request whose blocks are consecutive, else gather positions
+0 .. length - 1 of each slot (a copy, where the static cache of a run of slots is read as views).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_TOKENS = 16  # positions per block: vLLM's and TensorRT-LLM's default tokens_per_block is 16 / 32 / 64
+BLOCK_TOKENS = 16  # positions per block (vLLM's default block size; TensorRT-LLM's tokens_per_block defaults to 32)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -253,6 +254,9 @@ class PagedKVCache:
         return rows
 
 
+STATIC_KV = "static"  # --kv-cache-memory static: a max_seq_len slot per request, whatever the engine's default
+
+
 def format_size(size: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
@@ -264,7 +268,7 @@ def check_budget_syntax(text: str) -> None:
     """--kv-cache-memory's form alone (the machine that runs it judges the amount): UserError in one sentence."""
     from trtllm_dflash.errors import UserError
 
-    if text == "static":  # a max_seq_len slot per request (runner.STATIC_KV)
+    if text == STATIC_KV:
         return
     try:
         resolve_budget(text, available=2**62)

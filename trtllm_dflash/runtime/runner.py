@@ -25,7 +25,7 @@ from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_er
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor, engine_specs
-from trtllm_dflash.runtime.kv_blocks import KVBudgetError, available_memory, resolve_budget
+from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_memory, resolve_budget
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
@@ -145,9 +145,6 @@ class Engine:
                                 f"{self.executor.block_size}.")
             policy = FixedBlock(k)
         return Decoder(self.executor, policy, eos, self.tokenizer)
-
-
-STATIC_KV = "static"  # --kv-cache-memory static: a max_seq_len slot per request, whatever the engine's default
 
 
 def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int:
