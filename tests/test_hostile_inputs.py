@@ -313,6 +313,23 @@ def test_ctrl_c_during_build_export_and_convert_leaves_nothing(pair, engine, tmp
     assert snapshot(pair, engine, config, data) == inputs
 
 
+def test_an_interrupt_right_after_the_temporary_directory_is_made_removes_it(tmp_path, monkeypatch):
+    """The window the test above hit once under load: Ctrl-C raised as soon as mkdir of the temporary sibling returns."""
+    from trtllm_dflash.outputs import atomic_directory
+
+    real_mkdir = Path.mkdir
+
+    def mkdir_then_interrupt(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if ".building-" in self.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), atomic_directory(tmp_path / "out", "engine"):
+        pass
+    assert not [p.name for p in tmp_path.iterdir() if ".building-" in p.name or p.name == "out"]
+
+
 def test_ctrl_c_during_a_run_keeps_finished_lines_or_the_old_file(engine, tmp_path):
     # One short request, so that a line is written at once, then long ones to interrupt.
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": i, "prompt": f"def g{i}(y):",

@@ -287,9 +287,9 @@ def atomic_directory(final: Path, kind: Kind, force: bool = False) -> Iterator[P
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(final, "building")
     tmp = _temporary_sibling(final, "building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    try:  # made inside the try: a Ctrl-C just after mkdir returns must still remove it
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         write_marker(tmp, kind)
         yield tmp
         os.chmod(tmp, 0o755)  # a temporary directory's 0700 would keep other users (e.g. a container's) out
