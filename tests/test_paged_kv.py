@@ -5,6 +5,7 @@ unchanged, evicted under pressure), and bad budgets refused in one sentence."""
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 
 import pytest
 import torch
@@ -59,9 +60,9 @@ def test_paged_gives_the_static_tokens(engines, mode):
     long = [Request(r.id, r.prompt_token_ids, 200,
                     temperature=r.temperature, top_k=r.top_k, seed=r.seed) for r in reqs[:6]]
     assert outputs(tight, mode, long) == outputs(static, mode, long)
-    # prompt (5 .. 40) + 200 + 8 positions: 14 to 16 blocks each, 6 requests need 84+ of the 33 blocks: at most two
-    # run at once (the rest wait at admission: had one been admitted without its blocks, reserve would have raised)
-    assert sum(-(-(len(r.prompt_token_ids) + 200 + 8) // 16) for r in long) > 2 * 33 > tables.peak_used >= 28
+    # prompt (5 .. 40) + 200 + 8 positions: 14 to 16 blocks each, 6 requests need 84+ of the 33 blocks: they start
+    # together and the latest arrivals are preempted as the others grow (recomputed later, the same tokens)
+    assert sum(-(-(len(r.prompt_token_ids) + 200 + 8) // 16) for r in long) > 2 * 33 and tables.peak_used == 33
     assert tables.free == 33  # every block returned
     assert outputs(tight, mode, reqs) == expected  # short requests: several at once again
 
@@ -134,8 +135,8 @@ def test_a_budget_refuses_cuda_graphs():
 
 
 def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
-    """bench under the tightest budget: fewer requests in flight than the concurrency asked, the blocks' peak, every
-    block free at the end, and the static run's tokens."""
+    """bench under the tightest budget: requests preempted, the blocks' peak, every block free at the end, and the
+    static run's tokens."""
     from trtllm_dflash.bench.options import BenchOptions
     from trtllm_dflash.bench.runner import bench
 
@@ -154,11 +155,13 @@ def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
     assert kv["prefix_blocks_looked_up"] > 0 and 0 < kv["prefix_hit_rate"] < 1  # the prompts share their beginnings
     assert report["kv_cache"]["peak_blocks_used"] <= 33
     point = report["points"][0]
-    assert 1 <= point["request_info"]["peak_requests_in_flight"] < 4  # 13+ blocks each: at most two of four fit
+    # 13+ blocks each: four start, at most two of them can finish without a preemption
+    assert point["request_info"]["peak_requests_in_flight"] == 4 and point["request_info"]["preemptions_per_run"] > 0
     static_report = bench(qwen3_engine_dir, dataset, BenchOptions(concurrency=(4,), modes=("ar",), max_new_tokens=200,
                                                                   warmup=0, repeats=1))
     assert static_report["kv_cache"] == {"layout": "static", "slots": 8}
     assert static_report["points"][0]["request_info"]["peak_requests_in_flight"] == 4
+    assert static_report["points"][0]["request_info"]["preemptions_per_run"] == 0
     assert point["performance"]["num_output_tokens"] == static_report["points"][0]["performance"]["num_output_tokens"]
 
 
@@ -222,7 +225,8 @@ def test_no_prefix_cache_and_eviction(qwen3_engine_dir, engines):
     assert tables.cached == 6 and tables.free == 33  # published, held by nobody, still reusable
     g = torch.Generator().manual_seed(3)
     other = [Request(10 + i, torch.randint(3, 500, (40,), generator=g).tolist(), 400) for i in range(2)]
-    assert outputs(tight, "ar", other) == outputs(static, "ar", other)  # 28 blocks each: cached ones are taken back
+    for one in other:  # 28 blocks each, one at a time: cached ones are taken back
+        assert outputs(tight, "ar", [one]) == outputs(static, "ar", [one])
     assert tables.free == 33
     hits = tables.prefix_blocks_hit
     assert outputs(tight, "ar", reqs[:1]) == outputs(static, "ar", reqs[:1])
@@ -258,3 +262,110 @@ def test_the_build_config_sets_the_default(qwen3_pair, tmp_path, capsys):
         with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
             build_engine(BuildConfig(**base, output=tmp_path / "bad", **bad), progress=False)
         assert not (tmp_path / "bad").exists()
+
+
+def test_blocks_are_taken_as_a_request_grows():
+    tables = BlockTables(num_blocks=6, num_slots=2, max_positions=64, block_tokens=16, device="cpu")
+    tables.reserve(0, 20)  # blocks 0, 1
+    tables.reserve(1, 10)  # block 2
+    assert tables.extend(0, 32) and tables.free == 3  # already held
+    assert tables.extend(0, 40) and tables.table[0, :3].tolist() == [0, 1, 3]
+    assert tables.first_row(0, 40) is None  # no longer consecutive: read by index
+    assert not tables.extend(1, 64) and tables.table[1, 1:].tolist() == [tables.trash] * 3  # 3 more: nothing taken
+    assert tables.extend(1, 48) and tables.table[1].tolist() == [2, 4, 5, tables.trash] and tables.free == 0
+    assert not tables.extend(0, 64) and tables.peak_used == 6
+    tables.release(1)
+    assert tables.extend(0, 10 ** 6) and tables.table[0].tolist() == [0, 1, 3, 2] and tables.free == 2  # the width
+
+
+def _tight(qwen3_engine_dir, static) -> Engine:
+    """The smallest budget the engine accepts: 33 blocks, one request of max_seq_len 512 + the block of 8."""
+    per_block = 16 * sum(s.position_bytes() for s in _shapes(static))
+    return Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory=str(34 * per_block))
+
+
+def _decode_all(decoder, reqs: list[Request]) -> tuple[dict, dict]:
+    """Every request's result and the tokens its Updates streamed, by id (those submitted before too)."""
+    for r in reqs:
+        decoder.submit(r)
+    results, streamed = {}, defaultdict(list)
+    while decoder.has_work:
+        for update in decoder.step():
+            streamed[update.request.id] += update.new_token_ids
+            if update.result is not None:
+                results[update.request.id] = update.result
+    return results, streamed
+
+
+@pytest.mark.parametrize("policy", ["dflash", "ar", "auto"])
+def test_preempted_requests_are_recomputed_with_the_same_tokens(qwen3_engine_dir, engines, policy):
+    """Six requests of 200 new tokens start together on 33 blocks; as they grow the latest arrivals are preempted, wait,
+    and are recomputed from their prompt and committed tokens: every request's tokens are the static cache's (greedy
+    and sampled, with --block-size auto's deferred drafter context too), each streamed once, every block returned."""
+    from tests.test_block_size_auto import hand_costs
+    from trtllm_dflash.runtime.decoding import Decoder
+    from trtllm_dflash.runtime.verify import AutoBlock
+    from trtllm_dflash.speculative.schedule import AutoBlockSize
+
+    static = engines[0]
+    tight = _tight(qwen3_engine_dir, static)
+    reqs = [Request(r.id, r.prompt_token_ids, 200, temperature=r.temperature, top_k=r.top_k, seed=r.seed)
+            for r in requests(6)]
+    mode = "ar" if policy == "ar" else "dflash"
+    expected = dict(zip(range(6), outputs(static, mode, reqs)))
+    if policy == "auto":
+        decoder = Decoder(tight.executor, AutoBlock(AutoBlockSize(hand_costs(), block_size=8)),
+                          tight.config.eos_token_ids)
+    else:
+        decoder = tight.decoder(mode)
+    results, streamed = _decode_all(decoder, reqs)
+    assert decoder.preemptions >= 3
+    assert {i: r.output_token_ids for i, r in results.items()} == expected
+    assert dict(streamed) == expected
+    tables = tight.executor.kv_blocks
+    assert tables.free == tables.num_blocks and tables.peak_used == tables.num_blocks
+
+
+def test_a_preempted_request_finds_its_prompt_cached_and_can_be_cancelled(qwen3_engine_dir, engines):
+    """A preempted request's published prompt blocks wait in the cache: its recompute prefills only the rest. Cancelled
+    while it waits, it leaves with the tokens it had committed."""
+    static = engines[0]
+    tight = _tight(qwen3_engine_dir, static)
+    g = torch.Generator().manual_seed(5)
+    reqs = [Request(i, torch.randint(3, 500, (70,), generator=g).tolist(), 300) for i in range(3)]
+    counting = CountingPrefill(tight.executor)
+    decoder = Engine(tight.config, tight.tokenizer, counting).decoder("ar")
+    results = {}
+
+    def step():
+        results.update({u.request.id: u.result for u in decoder.step() if u.result is not None})
+
+    for r in reqs:
+        decoder.submit(r)
+    while not decoder.preemptions:
+        step()
+    waiting = decoder._pending[0]
+    assert waiting.preempted == 1 and waiting.output and waiting.slot == -1
+    counting.prefill_tokens, committed = 0, len(waiting.output)
+    hits = tight.executor.kv_blocks.prefix_blocks_hit
+    while waiting.slot == -1:
+        step()
+    assert tight.executor.kv_blocks.prefix_blocks_hit - hits == 4  # its prompt's 4 full blocks (69 positions)
+    assert counting.prefill_tokens == 70 + committed - 1 - 64  # the rest of its prompt, its tokens but the anchor
+    while decoder.has_work:
+        step()
+    assert [results[i].output_token_ids for i in range(3)] == outputs(static, "ar", reqs)
+
+    decoder, results = tight.decoder("ar"), {}
+    for r in reqs:
+        decoder.submit(r)
+    while not decoder.preemptions:
+        step()
+    victim = decoder._pending[0]
+    committed = list(victim.output)
+    decoder.cancel(victim.request.id)
+    while decoder.has_work:
+        step()
+    assert results[victim.request.id].finish_reason == "cancelled"
+    assert results[victim.request.id].output_token_ids == committed
+    assert tight.executor.kv_blocks.free == tight.executor.kv_blocks.num_blocks

@@ -38,6 +38,7 @@ class TimedRun:
     results: list[Result]  # in completion order
     wall_s: float  # first submission -> last token
     peak_in_flight: int = 0  # the most requests decoding at once (fewer than the concurrency when KV memory ran out)
+    preemptions: int = 0  # requests whose KV blocks were taken back for others (recomputed later; runtime/decoding.py)
 
 
 def _median_block(blocks: list[dict | None]) -> dict | None:
@@ -121,6 +122,7 @@ def summarize_runs(mode: str, block_size: int | str | None, concurrency: int, ru
         "request_info": {
             "num_requests": len(first),
             "peak_requests_in_flight": max(run.peak_in_flight for run in runs),
+            "preemptions_per_run": max(run.preemptions for run in runs),
             "avg_input_length": round(sum(len(r.request.prompt_token_ids) for r in first) / len(first), 2),
             "avg_output_length": round(num_out / len(first), 2),
         },

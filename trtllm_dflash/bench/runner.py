@@ -3,8 +3,9 @@
 Concurrency C is a closed loop: at most C requests are submitted and unfinished at any time, and a new
 one is submitted as soon as one finishes (trtllm-bench's `--concurrency`). C is bounded by the engine's
 KV-cache slots (`max_batch_size`), so every submitted request decodes at once and none waits in a queue, unless a
-paged KV cache (`--kv-cache-memory`) runs short of blocks: then some wait, and each point reports the most requests
-that were in flight (`peak_requests_in_flight`).
+paged KV cache (`--kv-cache-memory`) runs short of blocks: then some wait or are preempted (recomputed later), and each
+point reports the most requests that were in flight (`peak_requests_in_flight`) and the preemptions of its worst run
+(`preemptions_per_run`).
 
 DFlash runs at each block size on the same engine directory, one engine load (a phase) per block size.
 AR runs in every phase, back to back with that phase's DFlash runs, in alternating order, so a slow
@@ -36,7 +37,7 @@ def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> 
     """Run `requests` keeping at most `concurrency` submitted and unfinished; submit the next as one finishes."""
     waiting = deque(requests)
     results = []
-    peak = 0
+    peak, preemptions = 0, decoder.preemptions
     start = time.perf_counter()
     for _ in range(min(concurrency, len(waiting))):
         decoder.submit(waiting.popleft())
@@ -48,7 +49,7 @@ def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> 
                     decoder.submit(waiting.popleft())
         assert decoder.num_active <= concurrency
         peak = max(peak, decoder.num_active)
-    return TimedRun(results, time.perf_counter() - start, peak)
+    return TimedRun(results, time.perf_counter() - start, peak, decoder.preemptions - preemptions)
 
 
 def default_concurrency(max_batch_size: int, num_requests: int) -> tuple[int, ...]:

@@ -139,6 +139,9 @@ class _Active:
     stop_reason: str | None = None
     first_token_at: float | None = None
     cached: int = 0  # prompt positions already in the caches at admission (a shared prefix): the prefill skips them
+    preempted: int = 0  # times its caches were taken back for others (it was recomputed after each)
+    reported: int = 0  # output tokens already in an Update
+    arrival: int = 0  # submission order (the same on every tensor-parallel rank, unlike `submitted`)
 
     def hold_context(self, features: torch.Tensor) -> None:
         """Keep target features [n, F] of the next n positions for the drafter's next context update."""
@@ -156,6 +159,13 @@ class _Active:
     def start(self) -> int:
         """Position of the anchor = number of positions in the KV caches."""
         return len(self.request.prompt_token_ids) + len(self.output) - 1
+
+    @property
+    def known(self) -> list[int]:
+        """What a prefill puts in the caches: the prompt; for a preempted request, the prompt and its committed tokens
+        but the anchor (positions 0 .. start - 1), the prefill of its recompute."""
+        prompt = self.request.prompt_token_ids
+        return prompt + self.output[:-1] if self.output else prompt
 
     def commit(self, tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
         """Append tokens up to the first stop token / the length limit; returns those appended."""
@@ -191,6 +201,13 @@ class Decoder:
     Finished requests free their slot in the same step, so the next step admits new ones. `generate` is the batch-job
     loop over it.
 
+    KV memory (a paged cache, runtime/kv_blocks.py): requests are admitted in arrival order while the executor can
+    hold their prompts (`reserve`), leaving a block per running request for it to grow into; before every step each
+    running request takes the blocks the step can write (`extend`). When one cannot, the running request that arrived
+    last is preempted: its blocks are returned and it waits at the head of the queue; admitted again, it is recomputed
+    (one prefill of its prompt and committed tokens, the prompt's blocks often found cached) and goes on with the
+    tokens it had, the same as had it never stopped (the sampling noise is a function of the seed and the position).
+
     `cancel` ends a request at the next step: before anything is admitted, it leaves with what it has
     committed (finish_reason "cancelled") and its slot is released exactly as a finished request's.
     Requests with stop strings need the `tokenizer` (the engine's, which decodes `run`'s text).
@@ -212,7 +229,7 @@ class Decoder:
                              f"block of {executor.block_size}")
         self.executor, self.policy, self.tokenizer = executor, policy, tokenizer
         self.stop_ids = frozenset(stop_token_ids)
-        self._pending: deque[tuple[Request, float]] = deque()
+        self._pending: deque[_Active] = deque()  # waiting, in arrival order (slot -1): new requests and preempted ones
         self._free = list(range(executor.num_slots))  # kept sorted: a new request takes the lowest
         self._active: list[_Active] = []  # in slot order
         self._cancelled: set[str | int] = set()  # ids to end at the next step
@@ -220,6 +237,8 @@ class Decoder:
         # same kind (executor.reserve): the target's K/V; with a drafter, its context too, which a policy that
         # defers the prompt's features to the drafter (--block-size auto) has not written yet: it shares nothing.
         self._share = None if policy.defers_context else ("target+drafter" if policy.drafts else "target")
+        self.preemptions = 0  # over the decoder's life
+        self._arrivals = 0
 
     @classmethod
     def for_mode(cls, executor: Executor, mode: Mode, stop_token_ids: Iterable[int] = (),
@@ -240,7 +259,8 @@ class Decoder:
 
     def submit(self, request: Request) -> None:
         self.check(request)
-        self._pending.append((request, time.perf_counter()))
+        self._arrivals += 1
+        self._pending.append(_Active(request, -1, time.perf_counter(), arrival=self._arrivals))
 
     def cancel(self, request_id: str | int) -> None:
         """End the request at the next step (waiting or running); an id that is not in flight is ignored."""
@@ -256,30 +276,58 @@ class Decoder:
 
     def step(self) -> list[Update]:
         updates = self._drop_cancelled()
-        before = {id(a): len(a.output) for a in self._active}
         admitted = []
         while self._pending and self._free:  # in arrival order: one waiting for KV memory holds back those after it
-            request, submitted = self._pending[0]
-            cached = self.executor.reserve(self._free[0], request.prompt_token_ids, request.max_new_tokens, self._share)
+            a = self._pending[0]
+            # a block left free per running request: its next step may need one
+            cached = self.executor.reserve(self._free[0], a.known, self._share,
+                                           headroom=len(self._active) + len(admitted))
             if cached is None:
                 if not self._active and not admitted:  # nothing will ever free memory for it
-                    raise RuntimeError(f"request {shown(request.id)} does not fit in the KV cache even alone")
+                    raise RuntimeError(f"request {shown(a.request.id)} does not fit in the KV cache even alone")
                 break
             self._pending.popleft()
-            admitted.append(_Active(request, self._free.pop(0), submitted, acceptance=self.policy.new_request(),
-                                    cached=cached))
+            a.slot, a.cached = self._free.pop(0), cached
+            if a.acceptance is None:  # a preempted request keeps its own
+                a.acceptance = self.policy.new_request()
+            admitted.append(a)
         if admitted:
             self._prefill(admitted)
             self._active = sorted(self._active + admitted, key=lambda a: a.slot)
-        running = [a for a in self._active if a.finish_reason is None]
+        running = self._make_room([a for a in self._active if a.finish_reason is None])
         if running:
             self._decode(running)
         for a in list(self._active):
-            new = a.output[before.get(id(a), 0):]
+            new, a.reported = a.output[a.reported:], len(a.output)
             result = self._finish(a) if a.finish_reason is not None else None
             if new or result:
                 updates.append(Update(a.request, new, result))
         return updates
+
+    def _make_room(self, running: list[_Active]) -> list[_Active]:
+        """Give every running request the cache positions its next step can write, oldest first; where none are free,
+        preempt the requests that arrived last (at worst the one asking) until they are. Returns those still running."""
+        by_arrival = sorted(running, key=lambda a: a.arrival)
+        i = 0
+        while i < len(by_arrival):
+            a = by_arrival[i]
+            if self.executor.extend(a.slot, a.start):
+                i += 1
+            elif len(by_arrival) == 1:  # alone, and a request of max_seq_len fits alone (plan_blocks): a bug
+                raise RuntimeError(f"request {shown(a.request.id)} does not fit in the KV cache even alone")
+            else:
+                self._preempt(by_arrival.pop())
+        return [a for a in running if a.slot >= 0]
+
+    def _preempt(self, a: _Active) -> None:
+        """Take a running request's caches back: it waits at the head of the queue, to be recomputed (`known`)."""
+        self._active.remove(a)
+        self.executor.release(a.slot)
+        bisect.insort(self._free, a.slot)
+        a.slot, a.cached, a.pending_context, a.num_pending = -1, 0, [], 0
+        a.preempted += 1
+        self.preemptions += 1
+        self._pending.appendleft(a)
 
     def _finish(self, a: _Active) -> Result:
         """Take a finished request out of the batch and free its slot."""
@@ -296,11 +344,11 @@ class Decoder:
         updates = []
         for a in [a for a in self._active if a.request.id in ids]:
             a.finish_reason = "cancelled"
-            updates.append(Update(a.request, [], self._finish(a)))
-        for request, submitted in [p for p in self._pending if p[0].id in ids]:
-            self._pending.remove((request, submitted))
-            waiting = _Active(request, -1, submitted, finish_reason="cancelled")
-            updates.append(Update(request, [], waiting.result()))
+            updates.append(Update(a.request, a.output[a.reported:], self._finish(a)))
+        for a in [a for a in self._pending if a.request.id in ids]:  # a preempted one leaves with what it committed
+            self._pending.remove(a)
+            a.finish_reason = "cancelled"
+            updates.append(Update(a.request, a.output[a.reported:], a.result()))
         return updates
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
@@ -324,7 +372,7 @@ class Decoder:
                 [a.start - a.num_pending for a in active], [r.top_k for r in reqs],
                 float_bits(temperature), float_bits([r.top_p for r in reqs]), [r.seed for r in reqs]]
         if prompts is not None:
-            rows += [[len(a.request.prompt_token_ids) - a.cached - 1 for a in active], [t for p in prompts for t in p]]
+            rows += [[len(a.known) - a.cached - 1 for a in active], [t for p in prompts for t in p]]
         slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, seeds, *prefill = to_device(
             rows, self.executor.device)
         truncated = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
@@ -348,19 +396,18 @@ class Decoder:
         """One target pass per group of similar prompt lengths (prefill_groups): a batch is padded to its longest
         prompt, and on a CPU one pass over 32 prompts of 20 to 250 tokens would cost three times the prompts'
         own tokens."""
-        lengths = [len(a.request.prompt_token_ids) - a.cached for a in admitted]
+        lengths = [len(a.known) - a.cached for a in admitted]
         pass_tokens = PREFILL_PASS_TOKENS.get(self.executor.device.type)
         for group in prefill_groups(lengths, pass_tokens) if pass_tokens is not None else [range(len(admitted))]:
             self._prefill_group([admitted[i] for i in group])
 
     def _prefill_group(self, admitted: list[_Active]) -> None:
-        """One target pass over the admitted prompts' uncached positions (each from its `cached` position on, padded to
-        the longest), the drafter's context of them, each request's first token; then their prompt blocks may be
-        shared."""
-        lengths = [len(a.request.prompt_token_ids) - a.cached for a in admitted]
+        """One target pass over the admitted requests' uncached positions (each from its `cached` position on, padded to
+        the longest), the drafter's context of them, each new request's first token (a preempted one has its tokens);
+        then their blocks may be shared."""
+        lengths = [len(a.known) - a.cached for a in admitted]
         longest = max(lengths)
-        batch = self._stage(admitted, [a.request.prompt_token_ids[a.cached:] + [0] * (longest - n)
-                                       for a, n in zip(admitted, lengths)])
+        batch = self._stage(admitted, [a.known[a.cached:] + [0] * (longest - n) for a, n in zip(admitted, lengths)])
         out = self.executor.target_forward(batch.prompts, batch.starts, batch.slots, capture=self.policy.drafts,
                                            last_index=batch.last, rows=batch.rows)
         first = sample_tokens(out.logits, batch.sampling, (batch.starts + batch.last + 1)[:, None])[:, 0]
@@ -371,7 +418,8 @@ class Decoder:
             # Padding columns of shorter prompts land past their `start` and stay masked.
             self.executor.append_context(out.hidden, batch.starts, batch.slots, rows=batch.rows)
         for a, tok in zip(admitted, first.tolist()):  # the prefill's one read
-            self._commit(a, [tok])
+            if not a.output:
+                self._commit(a, [tok])
             if self._share is not None:
                 self.executor.publish(a.slot)
 

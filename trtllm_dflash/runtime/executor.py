@@ -140,11 +140,19 @@ class Executor(Protocol):
         (the target's greedy or sampled token per row, the longest matching prefix of the draft)."""
         ...
 
-    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
-        """Before a request takes `slot`: whether the caches can hold every position it can write, taking them if so (a
-        paged cache's blocks); None: not now (it waits for a release). Returns how many of the prompt's first
-        positions are already in the caches (a shared prefix whose blocks were published with the same `share`, what
-        they hold: runtime/kv_blocks.py), which its prefill skips; `share` None: no sharing. Static caches: always 0."""
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
+        """Before a request takes `slot` to prefill `tokens` (a prompt; a preempted request's prompt and the tokens it
+        had committed but the last): whether the caches can hold those positions and the first step's writes past them,
+        taking them if so (a paged cache's blocks, leaving `headroom` blocks free for the running requests); None: not
+        now (it waits for a release). Returns how many of the first positions are already in the caches (a shared prefix
+        whose blocks were published with the same `share`, what they hold: runtime/kv_blocks.py), which its prefill
+        skips; `share` None: no sharing. Static caches: always 0."""
+        ...
+
+    def extend(self, slot: int, start: int) -> bool:
+        """Before a step of the request in `slot` whose anchor is at `start`: whether the caches hold every position the
+        step can write (a paged cache takes the blocks it needs; False: none free, someone must be preempted).
+        Static caches: always."""
         ...
 
     def publish(self, slot: int) -> None:
@@ -212,7 +220,7 @@ class TorchExecutor:
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
         inside a capture: not tried). True on a CPU runs the same static
         passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes): a paged KV cache of that size
-        for target and drafter (runtime/kv_blocks.py: blocks reserved per request at admission) instead of a
+        for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request; not with CUDA graphs. `prefix_cache`: with a paged cache, prompt blocks shared
         across requests with the same prefix."""
         self.target, self.drafter = target, drafter
@@ -316,15 +324,19 @@ class TorchExecutor:
             return None, None
         return attended_keys(rows, None, tokens, cache.capacity), rows.slot_run()
 
-    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
-        """Paged: take the blocks of every position the request can write (its tokens and a verify block past them),
-        if that many are free; its prompt's first blocks (all but the last prompt token, whose logits the prefill
-        must compute) are shared with earlier requests where published. Static: always, nothing shared."""
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
+        """Paged: take the blocks of `tokens` and of the first step's writes past them (a verify block), if that many
+        and `headroom` more are free; the first blocks (all but the last token, whose logits a prefill may need) are
+        shared with earlier requests where published. Static: always, nothing shared."""
         if self.kv_blocks is None:
             return 0
         share = share if self.prefix_cache else None
-        hashes = prefix_hashes(prompt[:-1], share) if share is not None else []
-        return self.kv_blocks.reserve(slot, len(prompt) + max_new_tokens + self._margin, hashes)
+        hashes = prefix_hashes(tokens[:-1], share) if share is not None else []
+        return self.kv_blocks.reserve(slot, len(tokens) + self._margin, hashes, headroom)
+
+    def extend(self, slot: int, start: int) -> bool:
+        """Paged: the blocks of positions up to a verify block past `start`. Static: always there."""
+        return self.kv_blocks is None or self.kv_blocks.extend(slot, start + self._margin)
 
     def publish(self, slot: int) -> None:
         if self.kv_blocks is not None:

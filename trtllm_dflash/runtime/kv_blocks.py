@@ -7,11 +7,11 @@ in slot s lives at row `table[s, p // block_tokens] * block_tokens + p % block_t
 blocks its positions need, so a 200-token request costs 200 positions of memory, not a max_seq_len slot; freed blocks
 are reused at once.
 
-Admission by reservation: a request is admitted only when the free blocks cover every position it can ever write
-(prompt + max_new_tokens, plus the verify block a step writes past its last committed position), and those blocks
-are taken at admission. So a running request never waits for a block and nothing is ever preempted; the cost is that
-a request finishing early (EOS, a stop string) held blocks it did not use until it finished. (Growing on demand with
-preemption and recompute is not done: docs/run.md.)
+Blocks on demand: a request is admitted when the free blocks cover its prompt and the first step's writes past it
+(a verify block), and takes more as it decodes (`extend`, before each step). When a running request needs a block
+and none is free, the scheduler preempts the request that arrived last (runtime/decoding.py): its blocks return, and
+it waits at the head of the queue to be recomputed (its prompt and the tokens it had committed prefilled again, its
+prompt blocks often still cached) and go on with the same tokens.
 
 `PagedKVCache` has KVCache's interface (models/layers.py), so the models run on it unchanged: writes scatter into the
 rows of the slots' blocks; reads are views for one request whose blocks are consecutive, else gather positions
@@ -136,18 +136,18 @@ class BlockTables:
             hits.append(block)
         return hits
 
-    def can_reserve(self, positions: int, hashes: list[bytes] = ()) -> bool:
+    def can_reserve(self, positions: int, hashes: list[bytes] = (), headroom: int = 0) -> bool:
         hits = self._hits(list(hashes))
         revived = sum(1 for b in hits if b in self._idle)
-        return blocks_for(positions, self.block_tokens) - len(hits) <= self.free - revived
+        return blocks_for(positions, self.block_tokens) - len(hits) + headroom <= self.free - revived
 
-    def reserve(self, slot: int, positions: int, hashes: list[bytes] = ()) -> int | None:
+    def reserve(self, slot: int, positions: int, hashes: list[bytes] = (), headroom: int = 0) -> int | None:
         """Give `slot` (which holds nothing) the blocks of positions 0 .. positions - 1: the published ones its prompt
-        hashes find first, new ones after. Returns the positions found cached, or None (nothing taken) when too few
-        blocks are free."""
+        hashes find first, new ones after. Returns the positions found cached, or None (nothing taken) when fewer than
+        those blocks and `headroom` more are free (blocks left for the running requests to grow into)."""
         assert slot not in self._held, slot
         hashes = list(hashes)
-        if not self.can_reserve(positions, hashes):
+        if not self.can_reserve(positions, hashes, headroom):
             return None
         hits = self._hits(hashes)
         self.prefix_blocks_looked_up += len(hashes)
@@ -163,6 +163,27 @@ class BlockTables:
         self.version += 1
         self.peak_used = max(self.peak_used, self.used)
         return len(hits) * self.block_tokens
+
+    def extend(self, slot: int, positions: int) -> bool:
+        """Make `slot` hold the blocks of positions 0 .. positions - 1 (at most the table's width), taking new ones
+        after those it holds; False (nothing taken) when too few are free."""
+        held = self._held[slot]
+        need = min(blocks_for(positions, self.block_tokens), self.max_blocks) - len(held)
+        if need <= 0:
+            return True
+        if need > self.free:
+            return False
+        new = [self._take() for _ in range(need)]
+        for b in new:
+            self._refs[b] = 1
+        first = self._first[slot]
+        if first is not None and new != list(range(first + len(held), first + len(held) + need)):
+            self._first[slot] = None
+        self.table[slot, len(held):len(held) + need] = torch.tensor(new, dtype=torch.int64)
+        held += new
+        self.version += 1
+        self.peak_used = max(self.peak_used, self.used)
+        return True
 
     def _take(self) -> int:
         if self._free:

@@ -267,8 +267,11 @@ class OnnxRuntimeExecutor:
             yield
         caller.wait_stream(self._stream)
 
-    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
         return 0  # a static row per request, nothing shared
+
+    def extend(self, slot: int, start: int) -> bool:
+        return True  # its row holds max_seq_len positions
 
     def publish(self, slot: int) -> None:
         pass

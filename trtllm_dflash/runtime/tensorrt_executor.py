@@ -304,8 +304,11 @@ class TensorRTExecutor:
                                    "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
 
-    def reserve(self, slot: int, prompt: list[int], max_new_tokens: int, share: str | None = None) -> int | None:
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
         return 0  # a static row per request, nothing shared
+
+    def extend(self, slot: int, start: int) -> bool:
+        return True  # its row holds max_seq_len positions
 
     def publish(self, slot: int) -> None:
         pass
