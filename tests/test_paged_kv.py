@@ -369,3 +369,81 @@ def test_a_preempted_request_finds_its_prompt_cached_and_can_be_cancelled(qwen3_
     assert results[victim.request.id].finish_reason == "cancelled"
     assert results[victim.request.id].output_token_ids == committed
     assert tight.executor.kv_blocks.free == tight.executor.kv_blocks.num_blocks
+
+
+# --- sliding-window layers in rings (gpt-oss, Gemma 4: tiny pairs with a window of 4) ------------------------------
+
+@pytest.fixture(scope="module", params=["gpt_oss", "gemma4"])
+def windowed(request, tmp_path_factory):
+    """(engine directory, its static engine) of a random pair whose target mixes sliding-window layers (window 4) and
+    full ones."""
+    from tests.conftest import write_random_pair
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+
+    root = tmp_path_factory.mktemp(f"{request.param}_windowed")
+    write_random_pair(root, request.param, block_size=8, seed=0)
+    engine_dir = build_engine(BuildConfig(target=root / "target", drafter=root / "drafter", dtype="float32",
+                                          max_seq_len=256, max_batch_size=4, output=root / "engine"), progress=False)
+    static = Engine.load(engine_dir, backend="torch")
+    assert static.executor.target.spec.sliding_window == 4
+    return engine_dir, static
+
+
+def _windowed_budget(static: Engine, full_blocks: int) -> int:
+    """Bytes of a budget whose full layers hold `full_blocks` blocks (the rings' share on top)."""
+    from trtllm_dflash.runtime.executor import cache_shape
+    from trtllm_dflash.runtime.kv_blocks import window_pool
+
+    ex = static.executor
+    spec = ex.target.spec
+    shape = cache_shape(ex.target)
+    sliding = [i for i in range(spec.num_layers) if spec.is_sliding(i)]
+    full = shape.of_layers([i for i in range(spec.num_layers) if i not in sliding])
+    _, rings = window_pool(4, 8, 4, 256 + 8, shape.of_layers(sliding))
+    return rings + (full_blocks + 1) * 16 * (full.position_bytes() + cache_shape(ex.drafter).position_bytes())
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_windowed_layers_keep_only_their_window(windowed, mode):
+    """Requests of 150 positions: the static cache's tokens (greedy and sampled, joining mid-run), while the sliding
+    layers' tables hold at most the ring of each request (2 blocks: 3 keys before a verify block of 8, unaligned) after
+    every step, against the 10 blocks of the full layers; a shared prefix is found again through both."""
+    engine_dir, static = windowed
+    paged = Engine.load(engine_dir, backend="torch", kv_cache_memory=str(_windowed_budget(static, 24)))
+    ex = paged.executor
+    rings, full = ex.window_blocks, ex.kv_blocks
+    assert rings.window == 4 and full.num_blocks == 24
+    reqs = [Request(r.id, r.prompt_token_ids, 100, temperature=r.temperature, top_k=r.top_k, seed=r.seed)
+            for r in requests(6)]
+    expected = outputs(static, mode, reqs)
+    decoder = paged.decoder(mode)
+    results, most = {}, 0
+    for r in reqs:
+        decoder.submit(r)
+    while decoder.has_work:
+        results.update({u.request.id: u.result for u in decoder.step() if u.result is not None})
+        running = [a for a in decoder._active if a.finish_reason is None and a.output]
+        most = max([most] + [rings.held(a.slot) for a in running])
+        assert all(-(-a.start // 16) <= full.held(a.slot) <= -(-(a.start + 8) // 16) for a in running)  # no ring
+    assert [results[i].output_token_ids for i in range(6)] == expected
+    assert most == 2 and rings.free == rings.num_blocks and full.free == full.num_blocks
+    assert decoder.preemptions > 0  # 4 slots of 7-10 full blocks in 24: preempted for the full layers
+
+    shared = shared_prefix_requests(3, prefix=60)
+    hits = (full.prefix_blocks_hit, rings.prefix_blocks_hit)
+    assert outputs(paged, mode, shared[:1]) + outputs(paged, mode, shared[1:]) == outputs(static, mode, shared)
+    # 3 blocks (48 positions) of the prefix: the full layers' 3 and the rings' last one (keys 45 .. 47) each
+    assert (full.prefix_blocks_hit - hits[0], rings.prefix_blocks_hit - hits[1]) == (2 * 3, 2 * 3)
+
+
+def test_a_budget_too_small_for_the_rings_is_one_sentence(windowed, tmp_path, capsys):
+    engine_dir, static = windowed
+    budget = _windowed_budget(static, 10)  # one request of 256 + 8 positions needs 17 full blocks
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt_token_ids": [5, 6, 7]}) + "\n")
+    code = main(["run", str(engine_dir), "--input", str(inp), "--output", str(out), "--kv-cache-memory", str(budget)])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR and not out.exists() and "\n" not in err
+    assert "it holds 10 KV blocks of 16 positions" in err and "after the sliding-window layers'" in err, err
+    assert "one request of the engine's max_seq_len needs 17" in err

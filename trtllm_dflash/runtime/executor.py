@@ -30,6 +30,7 @@ from trtllm_dflash.runtime.kv_blocks import (
     PagedKVCache,
     plan_blocks,
     prefix_hashes,
+    window_pool,
 )
 from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
@@ -238,15 +239,11 @@ class TorchExecutor:
         self._margin = margin
         self.prefix_cache = prefix_cache
         self.kv_blocks: BlockTables | None = None
+        self.window_blocks: BlockTables | None = None  # a paged cache's sliding-window layers' tables (rings)
         if kv_cache_memory is not None:
             if graphs:
                 raise ValueError("a paged KV cache does not run with CUDA graphs yet; turn them off (--no-cuda-graphs)")
-            shapes = [cache_shape(m) for m in (target, drafter) if m is not None]
-            blocks = plan_blocks(kv_cache_memory, shapes, max_seq_len + margin)
-            self.kv_blocks = BlockTables(blocks, num_slots, max_seq_len + margin, BLOCK_TOKENS, self.device)
-            dtype = target.lm_head.weight.dtype
-            self.target_cache = PagedKVCache(self.kv_blocks, shapes[0], dtype, self.device)
-            self.draft_cache = PagedKVCache(self.kv_blocks, shapes[1], dtype, self.device) if drafter else None
+            self._paged(kv_cache_memory, num_slots, max_seq_len + margin)
         else:
             # With graphs the caches have one more slot, after the requests': the padding rows' scratch.
             cache_slots = num_slots + 1 if graphs else num_slots
@@ -255,6 +252,29 @@ class TorchExecutor:
         self.graphs = StaticPasses(self._target_pass, self._draft_pass, num_slots, num_slots, max_seq_len + margin,
                                    self.device, capture=self.device.type == "cuda") if graphs else None
         self._graph_tokens = margin  # target passes of at most this many tokens per row run as graphs
+
+    def _paged(self, budget: int, num_slots: int, max_positions: int) -> None:
+        """Paged caches of `budget` bytes: the target's sliding-window layers (if any) in rings of their own
+        (window_pool), every other layer of target and drafter in blocks of the rest."""
+        spec, dtype = self.target.spec, self.target.lm_head.weight.dtype
+        target, shapes = cache_shape(self.target), [cache_shape(m) for m in (self.target, self.drafter) if m is not None]
+        sliding = [i for i in range(spec.num_layers) if spec.is_sliding(i)]
+        reserved = 0
+        if sliding:
+            window_blocks, reserved = window_pool(spec.sliding_window, self._margin, num_slots, max_positions,
+                                                  target.of_layers(sliding))
+            self.window_blocks = BlockTables(window_blocks, num_slots, max_positions, BLOCK_TOKENS, self.device,
+                                             window=spec.sliding_window)
+            shapes[0] = target.of_layers([i for i in range(spec.num_layers) if i not in sliding])
+        blocks = plan_blocks(budget, shapes, max_positions, reserved=reserved)
+        self.kv_blocks = BlockTables(blocks, num_slots, max_positions, BLOCK_TOKENS, self.device)
+        layer_tables = [self.window_blocks if i in sliding else self.kv_blocks for i in range(spec.num_layers)]
+        self.target_cache = PagedKVCache(self.kv_blocks, target, dtype, self.device, layer_tables)
+        self.draft_cache = PagedKVCache(self.kv_blocks, shapes[-1], dtype, self.device) if self.drafter else None
+
+    @property
+    def _tables(self) -> list[BlockTables]:
+        return [t for t in (self.kv_blocks, self.window_blocks) if t is not None]
 
     @torch.inference_mode()
     def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
@@ -332,18 +352,25 @@ class TorchExecutor:
             return 0
         share = share if self.prefix_cache else None
         hashes = prefix_hashes(tokens[:-1], share) if share is not None else []
-        return self.kv_blocks.reserve(slot, len(tokens) + self._margin, hashes, headroom)
+        positions = len(tokens) + self._margin
+        hits = min(t.hit_count(hashes) for t in self._tables)  # the rings need the window before the first uncached
+        if not all(t.can_reserve(positions, hashes, headroom, hits) for t in self._tables):
+            return None
+        return min(t.reserve(slot, positions, hashes, headroom, hits) for t in self._tables)
 
     def extend(self, slot: int, start: int) -> bool:
-        """Paged: the blocks of positions up to a verify block past `start`. Static: always there."""
-        return self.kv_blocks is None or self.kv_blocks.extend(slot, start + self._margin)
+        """Paged: the blocks of positions up to a verify block past `start`; the rings give back the blocks before the
+        window of `start` first. Static: always there."""
+        if self.window_blocks is not None:
+            self.window_blocks.trim(slot, start - self.window_blocks.window + 1)
+        return all(t.extend(slot, start + self._margin) for t in self._tables)
 
     def publish(self, slot: int) -> None:
-        if self.kv_blocks is not None:
-            self.kv_blocks.publish(slot)
+        for t in self._tables:
+            t.publish(slot)
 
     def release(self, slot: int) -> None:
         """Paged: the slot's blocks go back to the free list. Static: nothing to do (stale cache rows past a slot's
         start are masked, and overwritten when it is reused)."""
-        if self.kv_blocks is not None:
-            self.kv_blocks.release(slot)
+        for t in self._tables:
+            t.release(slot)

@@ -20,6 +20,7 @@ rows of the slots' blocks; reads are views for one request whose blocks are cons
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import re
@@ -61,6 +62,10 @@ class CacheShape:
     def position_bytes(self) -> int:
         return 2 * self.element_bytes * sum(h * d for h, d in zip(self.kv_heads, self.head_dim))
 
+    def of_layers(self, layers: list[int]) -> "CacheShape":
+        return CacheShape(len(layers), [self.kv_heads[i] for i in layers], [self.head_dim[i] for i in layers],
+                          self.element_bytes)
+
 
 def blocks_for(positions: int, block_tokens: int = BLOCK_TOKENS) -> int:
     return -(-positions // block_tokens)
@@ -92,14 +97,19 @@ class BlockTables:
     and skips their prefill. Its own writes all land at or after its first uncached position, so a shared block is
     never written again. A published block that no request holds stays cached until a reservation needs it: it is
     then unpublished and reused, the least recently released first, and of one request's blocks the last first (as
-    vLLM's allocator does), so an evicted prefix loses its tail, not the head that every hit needs."""
+    vLLM's allocator does), so an evicted prefix loses its tail, not the head that every hit needs.
+
+    `window` (sliding-window layers, whose query at position p sees keys p - window + 1 .. p): the tables of those
+    layers alone. A request gives back the blocks that fell out of its window as it advances (`trim`), so it holds
+    about window + a verify block of positions, whatever its length: a ring of blocks. A prefix hit needs only the
+    blocks of the window before the first uncached position (`hit_count`); those before it stay unheld (trash)."""
 
     def __init__(self, num_blocks: int, num_slots: int, max_positions: int, block_tokens: int,
-                 device: torch.device | str):
-        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+                 device: torch.device | str, window: int | None = None):
+        self.num_blocks, self.block_tokens, self.window = num_blocks, block_tokens, window
         self.max_blocks = blocks_for(max_positions, block_tokens)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest first
-        self._held: dict[int, list[int]] = {}
+        self._held: dict[int, list[int | None]] = {}  # slot -> its blocks by index; None: given back (`trim`)
         self._hashes: dict[int, list[bytes]] = {}  # slot -> its prompt's block hashes (published after its prefill)
         self._first: dict[int, int | None] = {}  # slot -> its first block when its blocks are consecutive, else None
         self._refs: dict[int, int] = {}  # block -> requests holding it
@@ -127,42 +137,80 @@ class BlockTables:
         """Published prefix blocks (held or idle)."""
         return len(self._by_hash)
 
-    def _hits(self, hashes: list[bytes]) -> list[int]:
-        hits = []
-        for h in hashes:
-            block = self._by_hash.get(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+    def _kept_from(self, cached_blocks: int) -> int:
+        """The first block a request whose first `cached_blocks` blocks are cached needs: 0, or with a window the block
+        of the first key its first uncached position sees."""
+        if self.window is None:
+            return 0
+        return max(0, cached_blocks * self.block_tokens - self.window + 1) // self.block_tokens
 
-    def can_reserve(self, positions: int, hashes: list[bytes] = (), headroom: int = 0) -> bool:
-        hits = self._hits(list(hashes))
+    def hit_count(self, hashes: list[bytes], limit: int | None = None) -> int:
+        """How many of the first blocks of a prompt with block `hashes` a reservation would find cached (at most
+        `limit`): the longest published prefix, or with a window the most blocks n whose window blocks
+        _kept_from(n) .. n - 1 are all published."""
+        n = len(hashes) if limit is None else min(limit, len(hashes))
+        if self.window is None:
+            return next((j for j, h in enumerate(hashes[:n]) if h not in self._by_hash), n)
+        while n and not all(h in self._by_hash for h in hashes[self._kept_from(n):n]):
+            n -= 1
+        return n
+
+    def _plan(self, positions: int, hashes: list[bytes], limit: int | None) -> tuple[list[int], int, int]:
+        """(cached blocks taken, index of the first, new blocks) of a reservation."""
+        n = self.hit_count(hashes, limit)
+        first = self._kept_from(n)
+        return [self._by_hash[h] for h in hashes[first:n]], first, blocks_for(positions, self.block_tokens) - n
+
+    def can_reserve(self, positions: int, hashes: list[bytes] = (), headroom: int = 0, limit: int | None = None
+                    ) -> bool:
+        hits, _, new = self._plan(positions, list(hashes), limit)
         revived = sum(1 for b in hits if b in self._idle)
-        return blocks_for(positions, self.block_tokens) - len(hits) + headroom <= self.free - revived
+        return new + headroom <= self.free - revived
 
-    def reserve(self, slot: int, positions: int, hashes: list[bytes] = (), headroom: int = 0) -> int | None:
+    def reserve(self, slot: int, positions: int, hashes: list[bytes] = (), headroom: int = 0,
+                limit: int | None = None) -> int | None:
         """Give `slot` (which holds nothing) the blocks of positions 0 .. positions - 1: the published ones its prompt
-        hashes find first, new ones after. Returns the positions found cached, or None (nothing taken) when fewer than
-        those blocks and `headroom` more are free (blocks left for the running requests to grow into)."""
+        hashes find first (at most `limit`), new ones after. Returns the positions found cached, or None (nothing
+        taken) when fewer than those blocks and `headroom` more are free (blocks left for the running requests to grow
+        into)."""
         assert slot not in self._held, slot
         hashes = list(hashes)
-        if not self.can_reserve(positions, hashes, headroom):
+        if not self.can_reserve(positions, hashes, headroom, limit):
             return None
-        hits = self._hits(hashes)
+        hits, first, new = self._plan(positions, hashes, limit)
         self.prefix_blocks_looked_up += len(hashes)
-        self.prefix_blocks_hit += len(hits)
+        self.prefix_blocks_hit += first + len(hits)
         for b in hits:
             self._idle.pop(b, None)
-        blocks = hits + [self._take() for _ in range(blocks_for(positions, self.block_tokens) - len(hits))]
+        blocks = hits + [self._take() for _ in range(new)]
         for b in blocks:
             self._refs[b] = self._refs.get(b, 0) + 1
-        self._held[slot], self._hashes[slot] = blocks, hashes
-        self._first[slot] = blocks[0] if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
-        self.table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        self._held[slot], self._hashes[slot] = [None] * first + blocks, hashes
+        consecutive = first == 0 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        self._first[slot] = blocks[0] if consecutive else None
+        self.table[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         self.version += 1
         self.peak_used = max(self.peak_used, self.used)
-        return len(hits) * self.block_tokens
+        return (first + len(hits)) * self.block_tokens
+
+    def trim(self, slot: int, position: int) -> None:
+        """Give back the slot's blocks wholly before `position` (sliding-window layers: keys no query of the request
+        will see again); published ones stay cached."""
+        held = self._held[slot]
+        end = min(position // self.block_tokens, len(held))
+        gone = [j for j in range(end) if held[j] is not None]
+        if not gone:
+            return
+        for j in reversed(gone):  # as release: the later blocks of a cached prefix are the first taken back
+            self._drop(held[j])
+            held[j] = None
+        self._first[slot] = None
+        self.table[slot, :end] = self.trash
+        self.version += 1
+
+    def held(self, slot: int) -> int:
+        """Blocks the slot holds."""
+        return sum(b is not None for b in self._held.get(slot, []))
 
     def extend(self, slot: int, positions: int) -> bool:
         """Make `slot` hold the blocks of positions 0 .. positions - 1 (at most the table's width), taking new ones
@@ -195,7 +243,7 @@ class BlockTables:
     def publish(self, slot: int) -> None:
         """The slot's prompt blocks are written: make them findable by their hashes (those not published already)."""
         for h, block in zip(self._hashes.get(slot, []), self._held.get(slot, [])):
-            if h not in self._by_hash and block not in self._hash_of:
+            if block is not None and h not in self._by_hash and block not in self._hash_of:
                 self._by_hash[h], self._hash_of[block] = block, h
 
     def release(self, slot: int) -> None:
@@ -204,16 +252,20 @@ class BlockTables:
         self._hashes.pop(slot, None)
         self._first.pop(slot, None)
         for block in reversed(self._held.pop(slot, [])):  # a prefix's last blocks are the first taken back
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                del self._refs[block]
-                if block in self._hash_of:
-                    self._idle[block] = None
-                else:
-                    self._free.append(block)
-        self._free.sort(reverse=True)
+            if block is not None:
+                self._drop(block)
         self.table[slot] = self.trash
         self.version += 1
+
+    def _drop(self, block: int) -> None:
+        """One holder fewer: a block nobody holds goes to the cached pool if published, else to the free list."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            del self._refs[block]
+            if block in self._hash_of:
+                self._idle[block] = None
+            else:
+                bisect.insort(self._free, block, key=lambda b: -b)  # kept descending: pop() gives the lowest
 
     def first_row(self, slot: int, length: int) -> int | None:
         """The cache row of `slot`'s position 0 when its positions 0 .. length - 1 are consecutive rows (its blocks are
@@ -230,22 +282,28 @@ class BlockTables:
 
 
 class PagedKVCache:
-    """KVCache's interface over blocks (models/layers.py): one [num_blocks * block_tokens, kv_heads, head_dim] K and V
-    per layer, addressed through `tables` (shared by the target's and the drafter's caches: the same positions)."""
+    """KVCache's interface over blocks (models/layers.py): one [(num_blocks + 1) * block_tokens, kv_heads, head_dim] K
+    and V per layer, addressed through its layer's tables: `tables` (shared by the target's and the drafter's caches:
+    the same positions), or per layer where some layers have tables of their own (`layer_tables`: sliding-window
+    layers' rings)."""
 
-    def __init__(self, tables: BlockTables, shape: CacheShape, dtype: torch.dtype, device: torch.device | str):
-        rows = (tables.num_blocks + 1) * tables.block_tokens  # + the trash block
+    def __init__(self, tables: BlockTables, shape: CacheShape, dtype: torch.dtype, device: torch.device | str,
+                 layer_tables: list[BlockTables] | None = None):
         self.tables = tables
-        # (slots, positions or length, tables.version, rows): every layer of a pass asks alike
-        self._rows: tuple = (None, None, -1, None)
-        self.k = [torch.zeros(rows, h, d, dtype=dtype, device=device) for h, d in zip(shape.kv_heads, shape.head_dim)]
-        self.v = [torch.zeros(rows, h, d, dtype=dtype, device=device) for h, d in zip(shape.kv_heads, shape.head_dim)]
+        self.layer_tables = layer_tables or [tables] * shape.layers
+        # per tables: (slots, positions or length, tables.version, rows): every layer of a pass asks alike
+        self._rows: dict[int, tuple] = {}
+        self.k, self.v = [], []
+        for t, h, d in zip(self.layer_tables, shape.kv_heads, shape.head_dim):
+            rows = (t.num_blocks + 1) * t.block_tokens  # + the trash block
+            self.k.append(torch.zeros(rows, h, d, dtype=dtype, device=device))
+            self.v.append(torch.zeros(rows, h, d, dtype=dtype, device=device))
         self.capacity = tables.max_blocks * tables.block_tokens
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               ) -> None:
         # slots: [B]; positions: [B, T]; k, v: [B, T, kv_heads, hd]
-        rows = self._rows_of(slots, positions)
+        rows = self._rows_of(self.layer_tables[layer], slots, positions)
         self.k[layer][rows] = k
         self.v[layer][rows] = v
 
@@ -253,25 +311,27 @@ class PagedKVCache:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, length, kv_heads, hd] of the slots' positions 0 .. length - 1: views when the batch is one slot
         (`run`, known on the host) whose blocks are consecutive, else gathered (a copy)."""
+        tables = self.layer_tables[layer]
         if run is not None and run.stop - run.start == 1:
-            first = self.tables.first_row(run.start, length)
+            first = tables.first_row(run.start, length)
             if first is not None:
                 return self.k[layer][None, first:first + length], self.v[layer][None, first:first + length]
-        rows = self._rows_of(slots, length)
+        rows = self._rows_of(tables, slots, length)
         return self.k[layer][rows], self.v[layer][rows]
 
-    def _rows_of(self, slots: torch.Tensor, where: torch.Tensor | int) -> torch.Tensor:
-        """The rows of `where` (positions [B, T], or a length: positions 0 .. length - 1) of `slots`, computed once for
-        the layers of a pass: the same tensors (kept alive here, so identity is safe) or the same length again."""
-        cached_slots, cached_where, version, rows = self._rows
+    def _rows_of(self, tables: BlockTables, slots: torch.Tensor, where: torch.Tensor | int) -> torch.Tensor:
+        """The rows of `where` (positions [B, T], or a length: positions 0 .. length - 1) of `slots`, computed once per
+        tables for the layers of a pass: the same tensors (kept alive here, so identity is safe) or the same length
+        again."""
+        cached_slots, cached_where, version, rows = self._rows.get(id(tables), (None, None, -1, None))
         same_where = where is cached_where or (isinstance(where, int) and isinstance(cached_where, int)
                                                and where == cached_where)
-        if slots is cached_slots and same_where and version == self.tables.version:
+        if slots is cached_slots and same_where and version == tables.version:
             return rows
         positions = where if isinstance(where, torch.Tensor) else \
             torch.arange(where, device=slots.device).expand(slots.shape[0], where)
-        rows = self.tables.rows(slots, positions)
-        self._rows = (slots, where, self.tables.version, rows)
+        rows = tables.rows(slots, positions)
+        self._rows[id(tables)] = (slots, where, tables.version, rows)
         return rows
 
 
@@ -331,15 +391,28 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def plan_blocks(budget: int, shapes: list[CacheShape], max_positions: int, block_tokens: int = BLOCK_TOKENS) -> int:
-    """The blocks `budget` bytes hold for caches of `shapes` (one block = block_tokens positions of every one), less
-    the trash block; ValueError when that is fewer than one request of `max_positions` needs."""
+def plan_blocks(budget: int, shapes: list[CacheShape], max_positions: int, block_tokens: int = BLOCK_TOKENS,
+                reserved: int = 0) -> int:
+    """The blocks `budget` bytes, less `reserved` (the sliding-window layers' rings: window_pool), hold for caches of
+    `shapes` (one block = block_tokens positions of every one), less the trash block; KVBudgetError when that is
+    fewer than one request of `max_positions` needs."""
     per_block = block_tokens * sum(shape.position_bytes() for shape in shapes)
-    blocks = budget // per_block - 1
+    blocks = (budget - reserved) // per_block - 1
     need = blocks_for(max_positions, block_tokens)
     if blocks < need:
         held = max(blocks, 0)
+        rings = f" after the sliding-window layers' {format_size(reserved)}" if reserved else ""
         raise KVBudgetError(f"it holds {held} KV block{'' if held == 1 else 's'} of {block_tokens} positions "
-                            f"({format_size(per_block)} each) and one request of the engine's max_seq_len needs {need}; "
-                            f"give at least {format_size((need + 1) * per_block)}")
+                            f"({format_size(per_block)} each){rings} and one request of the engine's max_seq_len needs "
+                            f"{need}; give at least {format_size(reserved + (need + 1) * per_block)}")
     return blocks
+
+
+def window_pool(window: int, margin: int, num_slots: int, max_positions: int, shape: CacheShape,
+                block_tokens: int = BLOCK_TOKENS) -> tuple[int, int]:
+    """(blocks, bytes) of the sliding-window layers' own tables: every slot's ring (the blocks of window - 1 keys
+    before a verify block of `margin` and the block itself, unaligned) and one request's whole prompt, which a prefill
+    writes before its first step gives back what fell out of the window. Sized so that rings never make a request wait;
+    the rest of the budget goes to the full layers."""
+    blocks = num_slots * (blocks_for(window - 1 + margin, block_tokens) + 1) + blocks_for(max_positions, block_tokens)
+    return blocks, (blocks + 1) * block_tokens * shape.position_bytes()
