@@ -233,3 +233,66 @@ def test_one_loaded_engine_serves_every_block_size(bench_engine, tmp_path, monke
     anchors = torch.tensor([5, 9])
     short = engine.executor.draft(anchors, one.repeat(2), torch.tensor([0, 1]))
     assert torch.equal(full.draft(anchors, one.repeat(2), torch.tensor([0, 1]), width=4), short)
+
+
+def test_system_prompt_and_multi_turn(bench_engine, tmp_path, capsys):
+    """--system-prompt: every request begins with the same tokens (the chat's system message); --multi-turn: each
+    conversation's second turn is sent after its first, carrying the engine's own answer, so its prompt begins with the
+    first turn's prompt; on a paged cache the shared blocks are found (prefix hits) and the tokens are the same as
+    without the cache; run's tokens for the first turn."""
+    from trtllm_dflash.bench.datasets import Conversations, read_system_prompt
+    from trtllm_dflash.bench.runner import closed_loop
+
+    dataset_path = write_jsonl(tmp_path / "speed.jsonl", SPEED_BENCH)
+    system_path = tmp_path / "system.txt"
+    system_path.write_text("You are a careful assistant. " * 12)
+    engine = Engine.load(bench_engine)
+    system = read_system_prompt(system_path)
+    dataset = load_dataset(dataset_path)
+    reqs = to_requests(dataset, engine.tokenizer, 16, 512, system=system)
+    plain = to_requests(dataset, engine.tokenizer, 16, 512)
+    added = [len(r.prompt_token_ids) - len(p.prompt_token_ids) for r, p in zip(reqs, plain)]
+    shared = added[0]
+    assert added == [shared, shared] and shared > 48
+    assert reqs[0].prompt_token_ids[:shared] == reqs[1].prompt_token_ids[:shared]
+
+    conversations = Conversations(dataset, engine.tokenizer, 16, 512, system)
+    run = closed_loop(engine.decoder("ar"), reqs, 2, conversations.follow_up)
+    by_id = {r.request.id: r for r in run.results}
+    assert sorted(by_id, key=str) == ["q-code", "q-code#2", "q-math"]  # q-math has one turn
+    first, second = by_id["q-code"], by_id["q-code#2"]
+    assert second.request.prompt_token_ids[:len(first.request.prompt_token_ids)] == first.request.prompt_token_ids
+    answer = engine.tokenizer.decode(first.output_token_ids, skip_special_tokens=True)
+    assert "Now make it faster." in engine.tokenizer.decode(second.request.prompt_token_ids) and answer.strip() in \
+        engine.tokenizer.decode(second.request.prompt_token_ids)
+    assert conversations.categories["q-code#2"] == "coding"
+
+    report_path = tmp_path / "report.json"
+    args = ["bench", str(bench_engine), "--dataset", str(dataset_path), "--concurrency", "2", "--modes", "ar,dflash",
+            "--max-new-tokens", "16", "--warmup", "0", "--repeats", "1", "--system-prompt", str(system_path),
+            "--multi-turn", "--report-json", str(report_path)]
+    assert main(args + ["--kv-cache-memory", "8MiB"]) == 0, capsys.readouterr().err
+    report = json.loads(report_path.read_text())
+    assert report["workload"] == {"system_prompt": str(system_path), "system_prompt_tokens": shared,
+                                  "multi_turn": True, "conversations_cut_per_run": 0}
+    assert report["kv_cache"]["prefix_hit_rate"] > 0.3
+    points = {p["mode"]: p for p in report["points"]}
+    assert points["ar"]["request_info"]["num_requests"] == 3 and points["dflash"]["outputs_identical_to_ar"]
+    assert set(points["ar"]["per_category"]) == {"coding", "math"}
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--system-prompt", "{missing}"], "--system-prompt {missing}: No such file or directory."),
+    (["--system-prompt", "{empty}"], "--system-prompt {empty}: the file is empty."),
+    (["--system-prompt", "{binary}"], "--system-prompt {binary}: not UTF-8 text (byte 1)."),
+    (["--multi-turn"], "--multi-turn: needs SPEED-Bench records (with 'turns'), and {dataset} has prompt records."),
+], ids=["missing", "empty", "binary", "multi-turn-prompts"])
+def test_workload_option_errors(bench_engine, tmp_path, capsys, args, words):
+    files = {"missing": tmp_path / "nope.txt", "empty": tmp_path / "empty.txt", "binary": tmp_path / "bin.txt",
+             "dataset": write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f():"}])}
+    files["empty"].write_text("  \n")
+    files["binary"].write_bytes(b"a\xff\xfe")
+    args = [a.format(**files) for a in args]
+    code = main(["bench", str(bench_engine), "--dataset", str(files["dataset"]), *args])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR and err.strip() == "error: " + words.format(**files), err

@@ -196,7 +196,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError("bench needs --dataset (or --profile to only measure the pass costs).")
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
                         args.warmup, args.repeats, args.threads, args.backend, args.kv_cache_memory,
-                        args.prefix_cache)
+                        args.prefix_cache, args.system_prompt, args.multi_turn)
     bench_command(args.engine_dir, args.dataset, opts, args.report_json, args.plot)
     return 0
 
@@ -353,6 +353,12 @@ def _add_bench(sub) -> None:
                    "shared among the ranks)")
     b.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     b.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
+    b.add_argument("--system-prompt", type=Path, metavar="FILE",
+                   help="a shared prefix: this text file's contents begin every request (the chat's system message "
+                        "for SPEED-Bench records, text before the prompt otherwise) (default: none)")
+    b.add_argument("--multi-turn", action="store_true",
+                   help="SPEED-Bench records: run every turn of each conversation, each sent with the engine's own "
+                        "answers to the turns before it (default: the first turn only)")
     _add_backend(b)
     b.set_defaults(func=cmd_bench)
 

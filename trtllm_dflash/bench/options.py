@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from trtllm_dflash.config import Backend
 from trtllm_dflash.runtime.options import Mode
@@ -21,3 +22,5 @@ class BenchOptions:
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (None: a static slot per request)
     prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
+    system_prompt: Path | None = None  # a text file every request begins with (a shared prefix)
+    multi_turn: bool = False  # SPEED-Bench: every turn of a conversation, each after the engine's answer

@@ -155,7 +155,8 @@ def profile_command(engine_dir: Path, threads: int | None, backend: Backend | No
 def bench_command(engine_dir: Path, dataset: Path, opts: BenchOptions, report_json: Path | None,
                   plot: Path | None) -> dict:
     """`trtllm-dflash bench`: progress on stderr, markdown on stdout, optional JSON report and PNG."""
-    check_output_files({"--report-json": report_json, "--plot": plot}, inputs=(engine_dir, dataset))
+    inputs = (engine_dir, dataset) + ((opts.system_prompt,) if opts.system_prompt is not None else ())
+    check_output_files({"--report-json": report_json, "--plot": plot}, inputs=inputs)
     if plot is not None:
         from trtllm_dflash.bench.plot import require_matplotlib
 

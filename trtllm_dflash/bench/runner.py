@@ -22,19 +22,22 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from trtllm_dflash.bench.datasets import load_dataset, to_requests
+from trtllm_dflash.bench.datasets import (Conversations, Dataset, load_dataset, prompt_token_ids, read_system_prompt,
+                                          to_requests)
 from trtllm_dflash.bench.machine import machine_info
 from trtllm_dflash.bench.metrics import TimedRun, summarize_runs
 from trtllm_dflash.bench.options import BenchOptions
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.compare import step_costs
 from trtllm_dflash.runtime.costs import PassCosts
-from trtllm_dflash.runtime.decoding import Decoder, Mode, Request
+from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.runner import Engine
 
 
-def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> TimedRun:
-    """Run `requests` keeping at most `concurrency` submitted and unfinished; submit the next as one finishes."""
+def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int,
+                follow_up: Callable[[Result], Request | None] | None = None) -> TimedRun:
+    """Run `requests` keeping at most `concurrency` submitted and unfinished; submit the next as one finishes: the
+    finished one's `follow_up` if it has one (a conversation's next turn keeps its place), else the next request."""
     waiting = deque(requests)
     results = []
     peak, preemptions = 0, decoder.preemptions
@@ -45,7 +48,10 @@ def closed_loop(decoder: Decoder, requests: list[Request], concurrency: int) -> 
         for update in decoder.step():
             if update.result is not None:
                 results.append(update.result)
-                if waiting:
+                after = follow_up(update.result) if follow_up is not None else None
+                if after is not None:
+                    decoder.submit(after)
+                elif waiting:
                     decoder.submit(waiting.popleft())
         assert decoder.num_active <= concurrency
         peak = max(peak, decoder.num_active)
@@ -69,13 +75,16 @@ def _check_concurrency(concurrency: tuple[int, ...], max_batch_size: int, num_re
 
 def _same_tokens(a: TimedRun, b: TimedRun) -> bool:
     tokens = {r.request.id: r.output_token_ids for r in a.results}
-    return all(tokens[r.request.id] == r.output_token_ids for r in b.results)
+    return len(a.results) == len(b.results) and all(tokens.get(r.request.id) == r.output_token_ids for r in b.results)
 
 
 def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
           progress: Callable[[str], None] = lambda line: None) -> dict:
     """Run the whole benchmark and return the report (see benchmarks/README.md for its fields)."""
     dataset = load_dataset(dataset_path)
+    system = read_system_prompt(opts.system_prompt) if opts.system_prompt is not None else None
+    if opts.multi_turn:
+        Conversations.check(dataset)
     machine, started = machine_info(), datetime.datetime.now().isoformat(timespec="seconds")
     # Duplicates would only repeat points; AR alone needs no block size. One loaded engine serves every block size
     # (each a decoder of its own); with "auto" among them, the engine is loaded with it (its pass costs measured).
@@ -84,7 +93,12 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
                          backend=opts.backend, report=progress, threads=opts.threads,
                          kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache)
     cfg = engine.config
-    requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests)
+    requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests, system)
+    conversations = (Conversations(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, system)
+                     if opts.multi_turn else None)
+    follow_up = conversations.follow_up if conversations is not None else None
+    categories = conversations.categories if conversations is not None else dataset.categories  # grows with turns
+    timed_runs = 0
     concurrency = tuple(sorted(set(opts.concurrency or default_concurrency(cfg.max_batch_size, len(requests)))))
     _check_concurrency(concurrency, cfg.max_batch_size, len(requests))
     warmup = requests[: opts.warmup]
@@ -109,15 +123,16 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         for rep in range(opts.repeats):
             for c in concurrency:
                 for mode, _ in (configs if rep % 2 == 0 else configs[::-1]):
-                    run = closed_loop(engine.decoder(mode, block_size=b), requests, c)
+                    run = closed_loop(engine.decoder(mode, block_size=b), requests, c, follow_up)
                     runs[mode, c].append(run)
+                    timed_runs += 1
                     name = mode if mode == "ar" else f"dflash {_label(b)}"
                     progress(f"repeat {rep + 1}/{opts.repeats}: {name} C={c}: "
                              f"{run.wall_s:.2f} s")
         for c in concurrency:
             ar_all[c] += runs.get(("ar", c), [])
             if "dflash" in opts.modes:
-                points.append(_dflash_point(b, c, runs, dataset.categories,
+                points.append(_dflash_point(b, c, runs, categories,
                                             engine.executor.block_size if b == "auto" else b))
                 progress(_progress_line(points[-1]))
         if "dflash" in opts.modes and b != "auto":
@@ -125,7 +140,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         if costs is not None:
             cost_profile = {"context_len": context_len, "step_ms": _step_costs_ms(costs, concurrency, context_len)}
     if "ar" in opts.modes:
-        ar_points = [summarize_runs("ar", None, c, ar_all[c], dataset.categories) for c in concurrency]
+        ar_points = [summarize_runs("ar", None, c, ar_all[c], categories) for c in concurrency]
         for p in ar_points:
             progress(_progress_line(p))
         points = ar_points + points
@@ -136,6 +151,14 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         "dataset": str(dataset_path),
         "dataset_format": dataset.format,
         "num_requests": len(requests),
+        "workload": {  # what the requests share (docs/bench.md "Shared-prefix workloads")
+            "system_prompt": None if opts.system_prompt is None else str(opts.system_prompt),
+            "system_prompt_tokens": None if system is None else _system_tokens(engine, dataset, system),
+            "multi_turn": opts.multi_turn,
+            # conversations that ended before their last turn, which would not have fit max_seq_len (per run)
+            "conversations_cut_per_run": (None if conversations is None else
+                                          round(conversations.cut / max(timed_runs, 1), 2)),
+        },
         "max_new_tokens": opts.max_new_tokens,
         "temperature": 0.0,
         "warmup": opts.warmup,
@@ -152,17 +175,28 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     }
 
 
+def _system_tokens(engine: Engine, dataset: Dataset, system: str) -> int:
+    """The tokens the system prompt adds to a request (the first prompt with it less the first without)."""
+    first = dataset.prompts[0]
+    return (len(prompt_token_ids(dataset, first, engine.tokenizer, system)) -
+            len(prompt_token_ids(dataset, first, engine.tokenizer)))
+
+
 def _kv_cache_report(engine: Engine) -> dict:
-    """The KV cache the runs had: a paged cache's blocks (total, peak in use over every run, free at the end), or
-    the static slots."""
+    """The KV cache the runs had: a paged cache's blocks (total, peak in use over every run, free at the end, prefix
+    lookups; the sliding-window layers' rings apart), or the static slots."""
     tables = getattr(engine.executor, "kv_blocks", None)
     if tables is None:
         return {"layout": "static", "slots": engine.config.max_batch_size}
     looked_up = tables.prefix_blocks_looked_up
-    return {"layout": "paged", "block_tokens": tables.block_tokens, "blocks": tables.num_blocks,
-            "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free,
-            "prefix_cache": engine.executor.prefix_cache, "prefix_blocks_looked_up": looked_up,
-            "prefix_hit_rate": round(tables.prefix_blocks_hit / looked_up, 4) if looked_up else None}
+    report = {"layout": "paged", "block_tokens": tables.block_tokens, "blocks": tables.num_blocks,
+              "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free,
+              "prefix_cache": engine.executor.prefix_cache, "prefix_blocks_looked_up": looked_up,
+              "prefix_hit_rate": round(tables.prefix_blocks_hit / looked_up, 4) if looked_up else None}
+    rings = getattr(engine.executor, "window_blocks", None)
+    if rings is not None:  # the sliding-window layers' own blocks
+        report |= {"window_blocks": rings.num_blocks, "window_peak_blocks_used": rings.peak_used}
+    return report
 
 
 def _dflash_point(b: int | str, c: int, runs: dict[tuple[Mode, int], list[TimedRun]],

@@ -1,5 +1,6 @@
 """A paged KV cache for the torch executor (issue 29): fixed-size blocks of positions, per-request block tables,
-a memory budget, admission by reservation, and prompt blocks shared across requests by prefix.
+a memory budget, blocks taken as requests grow (preemption when none is free), prompt blocks shared across requests
+by prefix, and sliding-window layers in rings of blocks.
 
 Layout: per layer one K and one V tensor [(num_blocks + 1) * block_tokens, kv_heads, head_dim] (the last block is a
 trash block, BlockTables); position p of the request
