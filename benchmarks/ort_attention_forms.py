@@ -1,0 +1,168 @@
+"""Which attention forms onnxruntime can run for a paged (or in-place) KV cache on this CPU, and what a paged read costs
+(issues 28 and 29): the facts behind keeping the compiled graphs on static rows for now.
+
+    python benchmarks/ort_attention_forms.py --rounds 200
+
+1. In-place forms onnxruntime ships (contrib ops), tried on the CPU execution provider: `PagedAttention` (block tables)
+   and `GroupQueryAttention` with its cache bound as both past and present (reads the cache in place, with per-row
+   lengths), at batch 2 with a verify block of 3 tokens, checked against a float64 reference where it runs.
+2. One layer's attention at the demo target's shape (4 query heads, 2 KV heads, head_dim 64, fp32) in the two forms an
+   ONNX graph can express with standard ops: static rows (what our graphs do: Slice of the rows' first `keys`
+   positions, then Attention) and paged (Gather of each request's rows through its block table, then Attention), at
+   batch 1 / 8, 1 / 16 tokens per row, 304 / 1008 attended keys; medians of --rounds calls each, the two forms
+   alternating, 1 thread. Both copy the attended keys before the Attention node reads them; the question is by how
+   much the paged gather differs.
+Results: benchmarks/results/ort_attention_forms.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16  # the demo target's attention; our blocks of 16 positions
+F32, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def session(nodes, inputs, outputs, threads: int = 1, dtype: int = F32) -> ort.InferenceSession:
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(o, dtype, None) for o in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = threads
+    options.log_severity_level = 4  # a refused contrib op is recorded, not logged
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def value(name: str, dtype: int, shape: list) -> object:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def contrib_ops() -> dict:
+    """Whether each in-place contrib op runs DFlash's verify pass (several rows, several new tokens each) here."""
+    facts = {"onnxruntime": ort.__version__}
+    paged = helper.make_node("PagedAttention", ["q", "k", "v", "kc", "vc", "cu", "past", "bt"], ["o"],
+                             domain="com.microsoft", num_heads=HEADS, kv_num_heads=KV_HEADS)
+    half = TensorProto.FLOAT16  # its only types (float and the others are refused at load)
+    try:
+        session([paged], [value("q", half, ["N", HEADS * HEAD_DIM]), value("k", half, ["N", KV_HEADS * HEAD_DIM]),
+                          value("v", half, ["N", KV_HEADS * HEAD_DIM]), value("kc", half, ["NB", BLOCK, KV_HEADS, HEAD_DIM]),
+                          value("vc", half, ["NB", BLOCK, KV_HEADS, HEAD_DIM]), value("cu", TensorProto.INT32, ["B1"]),
+                          value("past", TensorProto.INT32, ["B"]), value("bt", TensorProto.INT32, ["B", "M"])], ["o"],
+                dtype=half)
+        facts["PagedAttention"] = "a CPU kernel"
+    except Exception as e:  # noqa: BLE001 - the message is the fact recorded
+        facts["PagedAttention"] = f"refused: {str(e).splitlines()[0][:200]}"
+
+    batch, tokens, length = 2, 3, 64
+    gqa = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "pk_out", "pv_out"],
+                           domain="com.microsoft", num_heads=HEADS, kv_num_heads=KV_HEADS)
+    s = session([gqa], [value("q", F32, ["B", "T", HEADS * HEAD_DIM]), value("k", F32, ["B", "T", KV_HEADS * HEAD_DIM]),
+                        value("v", F32, ["B", "T", KV_HEADS * HEAD_DIM]), value("pk", F32, ["B", KV_HEADS, "L", HEAD_DIM]),
+                        value("pv", F32, ["B", KV_HEADS, "L", HEAD_DIM]), value("seqlens", TensorProto.INT32, ["B"]),
+                        value("total", TensorProto.INT32, [])], ["o", "pk_out", "pv_out"])
+    rng = np.random.default_rng(0)
+    starts = np.array([5, 9])
+    q = rng.standard_normal((batch, tokens, HEADS * HEAD_DIM), dtype=np.float32)
+    k, v = (rng.standard_normal((batch, tokens, KV_HEADS * HEAD_DIM), dtype=np.float32) for _ in range(2))
+    caches = [ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, KV_HEADS, length, HEAD_DIM), dtype=np.float32))
+              for _ in range(2)]
+    io = s.io_binding()
+    for name, array in (("q", q), ("k", k), ("v", v), ("seqlens", (starts + tokens - 1).astype(np.int32)),
+                        ("total", np.array(int((starts + tokens).max()), dtype=np.int32))):
+        io.bind_cpu_input(name, array)
+    for name, cache in zip(("pk", "pv"), caches):  # past and present one buffer: read and written in place
+        io.bind_ortvalue_input(name, cache)
+        io.bind_ortvalue_output(name + "_out", cache)
+    io.bind_output("o")
+    try:
+        s.run_with_iobinding(io)
+        facts["GroupQueryAttention"] = "runs batch 2 x 3 new tokens with the cache in place"
+    except Exception as e:  # noqa: BLE001
+        facts["GroupQueryAttention"] = f"refused at batch {batch} x {tokens} new tokens: {str(e).splitlines()[0][-120:]}"
+    return facts
+
+
+def forms(batch: int, tokens: int, keys: int, slots: int, threads: int):
+    """(static session + feeds, paged session + feeds) of one layer's attention over `keys` positions per row."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((batch, HEADS, tokens, HEAD_DIM), dtype=np.float32)
+    mask = np.ones((batch, 1, tokens, keys), dtype=bool)
+    length = 2064  # the demo engine's max_seq_len + a block
+    attend = [helper.make_node("Attention", ["q", "k", "v", "mask"], ["o"])]
+    common = [value("q", F32, ["B", HEADS, "T", HEAD_DIM]), value("mask", TensorProto.BOOL, ["B", 1, "T", "K"])]
+
+    # static rows: the batch's rows of a [slots, kv, length, hd] cache, their first `keys` positions
+    static = session([helper.make_node("Slice", ["cache_k", "zero", "keys", "axis"], ["k"]),
+                      helper.make_node("Slice", ["cache_v", "zero", "keys", "axis"], ["v"])] + attend,
+                     common + [value("cache_k", F32, ["B", KV_HEADS, "L", HEAD_DIM]),
+                               value("cache_v", F32, ["B", KV_HEADS, "L", HEAD_DIM]),
+                               value("zero", I64, [1]), value("keys", I64, [1]), value("axis", I64, [1])], ["o"], threads)
+    cache = rng.standard_normal((slots, KV_HEADS, length, HEAD_DIM), dtype=np.float32)
+    static_feeds = {"q": q, "mask": mask, "cache_k": cache[:batch], "cache_v": cache[:batch],
+                    "zero": np.array([0]), "keys": np.array([keys]), "axis": np.array([2])}
+
+    # paged: rows [B, keys] of a [blocks * 16, kv, hd] cache through each request's block table (blocks scattered)
+    blocks = slots * length // BLOCK
+    paged = session([helper.make_node("Gather", ["pool_k", "rows"], ["gk"], axis=0),
+                     helper.make_node("Gather", ["pool_v", "rows"], ["gv"], axis=0),
+                     helper.make_node("Transpose", ["gk"], ["k"], perm=[0, 2, 1, 3]),
+                     helper.make_node("Transpose", ["gv"], ["v"], perm=[0, 2, 1, 3])] + attend,
+                    common + [value("pool_k", F32, ["R", KV_HEADS, HEAD_DIM]), value("pool_v", F32, ["R", KV_HEADS, HEAD_DIM]),
+                              value("rows", I64, ["B", "K"])], ["o"], threads)
+    pool = rng.standard_normal((blocks * BLOCK, KV_HEADS, HEAD_DIM), dtype=np.float32)
+    table = rng.permutation(blocks)[: batch * -(-keys // BLOCK)].reshape(batch, -1)
+    positions = np.arange(keys)
+    rows = table[:, positions // BLOCK] * BLOCK + positions % BLOCK
+    paged_feeds = {"q": q, "mask": mask, "pool_k": pool, "pool_v": pool, "rows": rows}
+    return (static, static_feeds), (paged, paged_feeds)
+
+
+def timed(run, rounds: int) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "ort_attention_forms.json")
+    args = ap.parse_args()
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    facts = contrib_ops()
+    print(json.dumps(facts, indent=1), flush=True)
+    rows = []
+    for batch in (1, 8):
+        for tokens in (1, 16):
+            for keys in (304, 1008):
+                (s, sf), (p, pf) = forms(batch, tokens, keys, slots=8, threads=1)
+                o_static, o_paged = s.run(None, sf)[0], p.run(None, pf)[0]
+                assert o_static.shape == o_paged.shape
+                times: dict[str, list[float]] = {"static": [], "paged": []}
+                for _ in range(4):  # the two forms alternating, in chunks
+                    times["static"] += timed(lambda: s.run(None, sf), args.rounds // 4)
+                    times["paged"] += timed(lambda: p.run(None, pf), args.rounds // 4)
+                ms = {k: round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
+                row = {"batch": batch, "tokens": tokens, "keys": keys, "static_ms": ms["static"],
+                       "paged_ms": ms["paged"], "paged_over_static": round(ms["paged"] / ms["static"], 2)}
+                rows.append(row)
+                print(row, flush=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": load,
+              "load_after": " ".join(Path("/proc/loadavg").read_text().split()[:3]), "threads": 1,
+              "rounds": args.rounds, "contrib_ops": facts, "one_layer_attention": rows}
+    args.output.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
