@@ -79,7 +79,7 @@ def test_outputs_and_summary(engine_dir, tmp_path, capsys, mode):
     assert by_id["plain"]["num_prompt_tokens"] == len(tok("def fibonacci(n):")["input_ids"])
     assert set(summary) == {"mode", "num_requests", "num_output_tokens", "wall_time_s", "output_tokens_per_s",
                             "mean_acceptance_length", "acceptance_rate_per_position", "num_failed",
-                            "ttft_ms", "tpot_ms", "request_latency_ms", "num_skipped_resumed"}
+                            "ttft_ms", "tpot_ms", "request_latency_ms", "num_skipped_resumed", "num_preemptions"}
     for key in ("ttft_ms", "request_latency_ms"):
         block = summary[key]
         assert block["minimum"] <= block["p50"] <= block["p90"] <= block["p99"] <= block["maximum"]

@@ -368,3 +368,30 @@ def test_run_puts_a_rank_on_the_gpu_of_its_local_rank(monkeypatch):
     assert _device(RunOptions(device="cuda"), World(3, 4, None, 1)) == "cuda:1"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert _device(RunOptions(device="cuda"), World(2, 8, None, 1)) == "cuda:1"
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_paged_cache_under_mpiexec_equals_one_process(tp_pair, tmp_path):
+    """A paged KV cache on both ranks of a 2-way split, so small that requests are preempted: every rank takes the same
+    blocks and preempts the same requests (the decisions come from identical tables), and the tokens are one static
+    process's."""
+    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 5 + i + 9 * (i + 1))), "max_new_tokens": 100,
+              "temperature": 0.8 if i % 2 else 0.0} for i in range(4)]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    one = build(tmp_path, tp_pair, "tp1", max_seq_len=256)
+    two = build(tmp_path, tp_pair, "tp2", tp_size=2, max_seq_len=256)
+    ref, out, summary = tmp_path / "ref.jsonl", tmp_path / "out.jsonl", tmp_path / "summary.json"
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
+    from trtllm_dflash.runtime.executor import cache_shape
+    from trtllm_dflash.runtime.runner import Engine
+
+    engine = Engine.load(one)  # a rank of the 2-way split holds half the KV heads: half a block's bytes
+    per_block = 8 * sum(cache_shape(m).position_bytes() for m in (engine.executor.target, engine.executor.drafter))
+    need = -(-(256 + 8) // 16)  # one request of max_seq_len + a verify block (17 blocks): the least; 4 need 36
+    proc = mpirun(2, str(two), "--input", str(prompts), "--output", str(out), "--summary", str(summary),
+                  "--kv-cache-memory", str((need + 2) * per_block))
+    assert proc.returncode == 0, proc.stderr
+    assert outputs(out) == outputs(ref)
+    assert json.loads(summary.read_text())["num_preemptions"] > 0 and "preemption" in proc.stderr

@@ -361,11 +361,15 @@ def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summ
     summary = summarize(mode, results, wall, engine.executor.block_size)
     summary["num_failed"] = len(errors)
     summary["num_skipped_resumed"] = len(requests) - len(todo)
+    preemptions = getattr(driver, "decoder", driver).preemptions
+    summary["num_preemptions"] = preemptions  # requests whose KV blocks were taken back (runtime/decoding.py)
     if summary_path is not None:
         write_text_atomic(Path(summary_path), json.dumps(summary, indent=2) + "\n")
+    short = (f"; {preemptions} preemption{'' if preemptions == 1 else 's'} (requests recomputed when the KV cache ran "
+             f"out of blocks: a larger --kv-cache-memory avoids them)") if preemptions else ""
     print(f"{mode}: {summary['num_requests']} requests, {summary['num_output_tokens']} output tokens in "
           f"{wall:.2f} s ({summary['output_tokens_per_s']} tokens/s), mean acceptance length "
-          f"{summary['mean_acceptance_length']:.2f}; results in {output_path}", file=sys.stderr)
+          f"{summary['mean_acceptance_length']:.2f}{short}; results in {output_path}", file=sys.stderr)
     return len(errors)
 
 
