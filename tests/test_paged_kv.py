@@ -447,3 +447,15 @@ def test_a_budget_too_small_for_the_rings_is_one_sentence(windowed, tmp_path, ca
     assert code == EXIT_USER_ERROR and not out.exists() and "\n" not in err
     assert "it holds 10 KV blocks of 16 positions" in err and "after the sliding-window layers'" in err, err
     assert "one request of the engine's max_seq_len needs 17" in err
+
+
+def test_a_fraction_is_of_the_memory_free_once_the_weights_are_loaded(qwen3_engine_dir, engines, monkeypatch):
+    """`--kv-cache-memory 0.5` is half of what is free after the weights are on the device (TensorRT-LLM's
+    free_gpu_memory_fraction), not before: the form is checked first, the amount read after loading."""
+    from trtllm_dflash.runtime import runner
+
+    free = iter([2**30, 2**28])  # 1 GiB free when the option is checked, 256 MiB once the weights are loaded
+    monkeypatch.setattr(runner, "available_memory", lambda: next(free))
+    engine = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="0.5")
+    per_block = 16 * sum(s.position_bytes() for s in _shapes(engines[0]))
+    assert engine.executor.kv_blocks.num_blocks == 2**27 // per_block - 1

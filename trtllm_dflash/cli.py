@@ -273,9 +273,10 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
 
 
 KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (512MiB, 2GiB, bytes, or a fraction of the "
-                        "free memory such as 0.5): a request takes blocks of 16 positions for its prompt + "
-                        "max_new_tokens when admitted and waits while too few are free; torch executor; static: a "
-                        "max_seq_len slot per request (default: the engine's build config kv_cache_memory, else static)")
+                        "memory free once the weights are loaded, such as 0.5): requests take blocks of 16 positions "
+                        "as they grow, and when none is free the latest one is preempted and recomputed later; torch "
+                        "executor; static: a max_seq_len slot per request (default: the engine's build config "
+                        "kv_cache_memory, else static)")
 PREFIX_CACHE_HELP = ("with --kv-cache-memory: a request whose prompt starts with the full 16-position blocks of an "
                      "earlier request's prompt shares their cache and skips their prefill (not with --block-size auto)")
 BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "
@@ -525,7 +526,7 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-random-pair", formatter_class=_HelpFormatter,
                        help="write a tiny random target (HF) + drafter (z-lab) pair, for pipeline smoke tests")
     m.add_argument("output", type=Path)
-    m.add_argument("--family", choices=("qwen3", "llama", "gpt_oss", "gemma4"), default="qwen3",
+    m.add_argument("--family", choices=("qwen3", "qwen3_moe", "llama", "gpt_oss", "gemma4"), default="qwen3",
                    help="target architecture")
     m.add_argument("--block-size", type=_int_in(2, 64), default=8, help="the drafter's block size")
     m.add_argument("--seed", type=_seed, default=0, help="weight seed")

@@ -59,6 +59,13 @@ def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, t
                    "layer_scalar": (1,)}
     if spec.mlp_bias:
         shapes |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
+    if spec.is_sparse(layer):  # Qwen3 MoE: a router and SwiGLU experts stored one by one
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("mlp.")}
+        e, m = spec.routed_experts, spec.moe_intermediate_size
+        shapes["mlp.gate.weight"] = (e, h)
+        for x in range(e):
+            shapes |= {f"mlp.experts.{x}.gate_proj.weight": (m, h), f"mlp.experts.{x}.up_proj.weight": (m, h),
+                       f"mlp.experts.{x}.down_proj.weight": (h, m)}
     return {f"{prefix}{name}": shape for name, shape in shapes.items()}
 
 

@@ -89,9 +89,22 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
                         f"'trtllm-dflash[onnx]' ({exc}).") from None
 
 
-def check_gemma4_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What a Gemma 4 target can be built into today: the torch executor (the exported graphs have one head_dim
-    and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in yet)."""
+def check_target_support(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
+    """What Gemma 4 and Qwen3 MoE targets can be built into today: the torch executor, unquantized. Gemma 4: the
+    exported graphs have one head_dim and the default attention scale, and ModelOpt's export of Gemma 4 is not wired
+    in. Qwen3 MoE: its experts are not in the graphs as one op yet (a graph of every expert over every token would
+    cost num_experts / top_k times the routed work), their calibration (every expert must see tokens) is not wired
+    in, and they are cut by intermediate features only (they are stored one by one)."""
+    if spec.routed_experts:
+        if cfg.quantization != "none":
+            raise UserError(f"{source}: quantization {cfg.quantization} of {spec.model_type} targets is not supported "
+                            "yet; use quantization: none.")
+        if cfg.backend != "torch":
+            raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (their "
+                            "experts are not one op in the graphs); use backend: torch for this engine.")
+        if cfg.moe_parallel != "tp":
+            raise UserError(f"{source}: moe_parallel {cfg.moe_parallel} is not supported for {spec.model_type} targets "
+                            "yet (every rank holds a slice of every expert); use moe_parallel: tp.")
     if not spec.is_gemma4:
         return
     if cfg.quantization != "none":
@@ -204,7 +217,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
                 f"{target.spec.max_position_embeddings}."
             )
-        check_gemma4_target(cfg, target.spec, source)
+        check_target_support(cfg, target.spec, source)
         check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none",
                  cfg.moe_parallel)
         check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)

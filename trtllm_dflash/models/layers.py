@@ -103,7 +103,11 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce (an expert's: summed with the others' first)."""
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class AttentionProjections(nn.Module):

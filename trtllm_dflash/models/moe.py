@@ -1,4 +1,7 @@
-"""gpt-oss's mixture-of-experts MLP, numerically as transformers' `GptOssMLP` (router + `GptOssExperts`).
+"""Mixture-of-experts MLPs: gpt-oss's (`MoEMLP`, numerically as transformers' `GptOssMLP`: router +
+`GptOssExperts`) and Qwen3 MoE's (`SparseMoE`, at the end).
+
+gpt-oss:
 
 Per token x [hidden]:
 
@@ -20,6 +23,7 @@ Quantized experts (models/quantized.py) quantize x before routing and h of every
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -162,3 +166,51 @@ class MoEMLP(nn.Module):
         if ex.adds_down_bias:
             y = y + ex.down_proj_bias[:, None]
         return (y * combine.T[:, :, None].to(y.dtype)).sum(0).to(flat.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Qwen3 MoE's sparse MLP, numerically as transformers' `Qwen3MoeSparseMoeBlock`. Per token x:
+
+        p = softmax(gate.weight @ x) in float32                  [num_experts], over every expert
+        top, idx = topk(p, k); top /= sum(top) if norm_topk_prob; weights in x's dtype
+        out = sum over the chosen e of weight_e * down_e(silu(gate_e(x)) * up_e(x))
+
+    The experts are `MLP`s of moe_intermediate_size named as stored (`experts.{e}.gate_proj` ...), so tensor
+    parallelism cuts each like a dense MLP (gate/up by intermediate features, down by rows: models/shard.py) and the
+    ranks' partial sums are all-reduced once for all experts; the router (`gate`) is replicated."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
+        super().__init__()
+        from trtllm_dflash.models.layers import MLP
+
+        self.tp, self.top_k, self.norm_topk_prob = tp, spec.num_experts_per_tok, spec.norm_topk_prob
+        self.gate = nn.Linear(spec.hidden_size, spec.routed_experts, bias=False)
+        expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size, mlp_bias=False)
+        self.experts = nn.ModuleList(MLP(expert, tp) for _ in range(spec.routed_experts))
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, hidden] -> routing weights [N, k] (flat's dtype), expert ids [N, k]."""
+        logits = self.gate(flat)
+        top, idx = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, hidden] -> [B, T, hidden]
+        return self.tp.all_reduce(self.partial(x.flatten(0, -2))).view_as(x)
+
+    def partial(self, flat: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> this rank's share of the output [N, hidden], before the all-reduce."""
+        weights, idx = self.route(flat)
+        out = torch.zeros_like(flat)
+        if exporting():  # every expert over every token, weighted 0 where not chosen (no data-dependent shapes)
+            for e, expert in enumerate(self.experts):
+                out = out + expert.partial(flat) * (weights * (idx == e)).sum(-1, keepdim=True)
+            return out
+        # Expert by expert over the tokens routed to it, in expert order, as transformers adds them.
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(idx == e)
+            if token.numel():
+                out.index_add_(0, token, (expert.partial(flat[token]) * weights[token, slot, None]).to(out.dtype))
+        return out

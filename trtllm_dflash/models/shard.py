@@ -11,6 +11,8 @@ The rules are TensorRT-LLM's (docs/tensorrt-llm.md §Tensor parallelism), applie
   columns 2i, 2i+1 stay on one rank, down_proj by rows, down_proj_bias replicated and added by rank 0) or
   by whole experts ("ep": every expert tensor by dim 0); quantized experts' block scales (`<p>_weight_scale`) are
   cut like their weights, their per-tensor scales replicated;
+- Qwen3 MoE: every expert (`mlp.experts.{e}.gate_proj` ...) cut like a dense MLP of moe_intermediate_size, the
+  router (`mlp.gate`) replicated;
 - Gemma 4: each layer split by its own head_dim and KV heads (full layers: global_head_dim,
   num_global_key_value_heads; `DecoderSpec.layer_spec`); its layer_scalar replicated like the norms;
 - replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
@@ -39,7 +41,8 @@ from trtllm_dflash.models.spec import DecoderSpec
 # Quantized linears are cut in blocks of this many inputs (NVFP4's weight_scale block).
 ROW_ALIGN = 16
 
-_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.(\w+)$")
+_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)"
+                     r"\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
 # (quantized experts, quantize/experts.py: `<p>_weight_scale` is cut like `<p>`; the scalar scales are replicated)
@@ -126,6 +129,8 @@ def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_paralle
     if leaf not in ("weight", "bias", "weight_scale"):
         return None  # per-tensor scales: replicated
     hd, inter = spec.head_dim, spec.intermediate_size
+    if ".experts." in module:  # Qwen3 MoE: each expert cut as a dense MLP of its own width
+        inter = spec.moe_intermediate_size
     if module.endswith(("o_proj", "down_proj")):
         if leaf == "bias":
             return None
@@ -181,6 +186,9 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
                             "so moe_parallel: ep cannot give every rank the same number of experts.")
     elif spec.intermediate_size % tp_size:
         raise UserError(f"{what}: intermediate_size {spec.intermediate_size} is not divisible by tp_size {tp_size}.")
+    if spec.routed_experts and spec.moe_intermediate_size % tp_size:
+        raise UserError(f"{what}: moe_intermediate_size {spec.moe_intermediate_size} is not divisible by tp_size "
+                        f"{tp_size}.")
     if quantized:
         cuts = [len(o_proj_columns(spec.layer_spec(i), tp_size, 0)) for i in range(spec.num_layers)]
         cut = next((c for c in cuts if c % ROW_ALIGN), cuts[0])  # (per layer type for Gemma 4)

@@ -4,6 +4,12 @@ Both are read from Hugging Face `config.json` dicts. Transformers' own config cl
 fields (e.g. legacy `rope_theta` / `rope_scaling` into `rope_parameters`), and its RoPE initialisers
 compute the inverse frequencies, so our RoPE equals HF's for every rope type it supports.
 
+Qwen3 MoE (`qwen3_moe`: Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, Qwen3-235B-A22B) is Qwen3 attention with a sparse MLP
+in every layer but those `mlp_only_layers` / `decoder_sparse_step` leave dense: a router without bias
+(`mlp.gate`), a softmax over all experts, the top k renormalized when `norm_topk_prob`, and experts that are SwiGLU
+MLPs of `moe_intermediate_size` stored one by one (`mlp.experts.{e}.gate_proj` ...), as the published checkpoints
+and transformers' `save_pretrained` write them (models/moe.py `SparseMoE`).
+
 Gemma 4 (`gemma4_text`, or the text part of a `gemma4` multimodal directory) is supported in its dense shape
 (the 31B): per-layer-type attention (sliding layers: head_dim / num_key_value_heads and one RoPE; full layers:
 global_head_dim / num_global_key_value_heads, V = K's projection when attention_k_eq_v, and another RoPE),
@@ -16,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import Gemma4TextConfig, GptOssConfig, LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import Gemma4TextConfig, GptOssConfig, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trtllm_dflash.errors import UserError
@@ -24,6 +30,7 @@ from trtllm_dflash.errors import UserError
 # model_type -> (HF config class, family has per-head q_norm/k_norm)
 FAMILIES: dict[str, tuple[type[PretrainedConfig], bool]] = {
     "qwen3": (Qwen3Config, True),
+    "qwen3_moe": (Qwen3MoeConfig, True),  # Qwen3 attention, sparse MLPs of routed SwiGLU experts
     "llama": (LlamaConfig, False),
     "gpt_oss": (GptOssConfig, False),  # mixture-of-experts MLP, attention sinks, sliding-window layers
     "gemma4_text": (Gemma4TextConfig, True),  # sandwich norms, per-layer-type head dims and RoPE, soft-capped logits
@@ -40,6 +47,7 @@ _HF_KEYS = (
     "tie_word_embeddings", "num_local_experts", "num_experts_per_tok", "layer_types", "sliding_window",
     "hidden_activation", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
     "final_logit_softcapping", "hidden_size_per_layer_input", "input_embedding_scale",
+    "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 )
 
 # Gemma 4 parts outside the dense text model (the 31B), each refused with its own sentence: (field, is_used, what).
@@ -104,7 +112,13 @@ class DecoderSpec:
     max_position_embeddings: int
     # Mixture of experts (gpt-oss): 0 = a dense MLP. intermediate_size is then each expert's.
     num_experts: int = 0
-    num_experts_per_tok: int = 0
+    num_experts_per_tok: int = 0  # (gpt-oss and Qwen3 MoE)
+    # Routed SwiGLU experts stored one by one (Qwen3 MoE, models/moe.py SparseMoE): 0 = none. Layers in
+    # `dense_layers` have a dense MLP of intermediate_size instead.
+    routed_experts: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top k routing weights renormalized to sum to 1
+    dense_layers: tuple[int, ...] = ()
     # Per layer "full_attention" | "sliding_attention"; None = all full. A sliding layer's query at position p
     # sees keys at positions > p - sliding_window (transformers' sliding_window_overlay).
     layer_types: tuple[str, ...] | None = None
@@ -128,6 +142,16 @@ class DecoderSpec:
     def is_gpt_oss(self) -> bool:
         """gpt-oss numerics: RMSNorm multiplies its weight in fp32, MoE MLP, attention sinks."""
         return self.model_type == "gpt_oss"
+
+    @property
+    def has_experts(self) -> bool:
+        """A mixture-of-experts target (gpt-oss's fused experts or routed ones): its routing has data-dependent
+        shapes."""
+        return bool(self.num_experts or self.routed_experts)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Layer `layer` has routed experts (Qwen3 MoE) rather than a dense MLP."""
+        return bool(self.routed_experts) and layer not in self.dense_layers
 
     @property
     def is_gemma4(self) -> bool:
@@ -165,6 +189,9 @@ class DecoderSpec:
             layer_types, window = (), None
         gemma4 = cfg.model_type == "gemma4_text"
         k_eq_v = gemma4 and bool(cfg.attention_k_eq_v)
+        routed = int(cfg.num_experts or 0) if cfg.model_type == "qwen3_moe" else 0
+        dense = tuple(i for i in range(cfg.num_hidden_layers)
+                      if i in (cfg.mlp_only_layers or []) or (i + 1) % cfg.decoder_sparse_step) if routed else ()
         return cls(
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
@@ -182,8 +209,13 @@ class DecoderSpec:
             hidden_act=cfg.hidden_activation if gemma4 else cfg.hidden_act,
             rope_parameters=dict(cfg.rope_parameters),
             max_position_embeddings=cfg.max_position_embeddings,
-            num_experts=int(getattr(cfg, "num_local_experts", 0) or 0),
-            num_experts_per_tok=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if cfg.model_type == "gpt_oss" else 0,
+            num_experts=int(getattr(cfg, "num_local_experts", 0) or 0) if cfg.model_type == "gpt_oss" else 0,
+            num_experts_per_tok=(int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+                                 if cfg.model_type == "gpt_oss" or routed else 0),
+            routed_experts=routed,
+            moe_intermediate_size=int(cfg.moe_intermediate_size) if routed else 0,
+            norm_topk_prob=bool(cfg.norm_topk_prob) if routed else False,
+            dense_layers=dense,
             layer_types=layer_types or None,
             sliding_window=window,
             attention_sinks=cfg.model_type == "gpt_oss",
@@ -216,6 +248,10 @@ class DecoderSpec:
         }
         if self.num_experts:
             fields |= {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok}
+        if self.model_type == "qwen3_moe":
+            fields |= {"num_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                       "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                       "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers)}
         if self.layer_types is not None:
             fields |= {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
                        "use_sliding_window": True}  # Qwen3Config drops sliding_window without it

@@ -1,4 +1,4 @@
-"""The target model: a Llama-3.x / Qwen3 / gpt-oss / Gemma 4 decoder with a static per-slot KV cache and
+"""The target model: a Llama-3.x / Qwen3 / Qwen3 MoE / gpt-oss / Gemma 4 decoder with a static per-slot KV cache and
 hidden-state capture.
 
 Module and parameter names mirror transformers' `LlamaForCausalLM` / `Qwen3ForCausalLM` / `GptOssForCausalLM` /
@@ -36,7 +36,7 @@ from trtllm_dflash.models.layers import (
     attend,
     drop_replicated_biases,
 )
-from trtllm_dflash.models.moe import MoEMLP, MoEParallel
+from trtllm_dflash.models.moe import MoEMLP, MoEParallel, SparseMoE
 from trtllm_dflash.models.shard import padded_vocab
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
@@ -55,7 +55,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         fp32_weight = spec.is_gpt_oss or spec.is_gemma4
         self.self_attn = AttentionProjections(spec.layer_spec(layer), tp)
-        self.mlp = MoEMLP(spec, tp, moe_parallel) if spec.num_experts else MLP(spec, tp)
+        self.mlp = (MoEMLP(spec, tp, moe_parallel) if spec.num_experts else
+                    SparseMoE(spec, tp) if spec.is_sparse(layer) else MLP(spec, tp))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
         self.sandwich = spec.is_gemma4  # Gemma 4: norms after attention and around the MLP, and a layer scalar

@@ -8,6 +8,7 @@ same tensors to an engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -195,7 +196,8 @@ class TorchExecutor:
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
-                    block_size: int | None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None,
+                    block_size: int | None, cuda_graphs: bool | None = None,
+                    kv_cache_memory: int | Callable[[], int] | None = None,
                     prefix_cache: bool = True) -> "TorchExecutor":
         """This rank's shard of a verified engine directory, dequantized for the torch modules."""
         target_spec, drafter_spec, params = engine_specs(cfg)
@@ -214,13 +216,15 @@ class TorchExecutor:
                    cuda_graphs, kv_cache_memory, prefix_cache)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
-                 block_size: int | None = None, cuda_graphs: bool | None = None, kv_cache_memory: int | None = None,
+                 block_size: int | None = None, cuda_graphs: bool | None = None,
+                 kv_cache_memory: int | Callable[[], int] | None = None,
                  prefix_cache: bool = True):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
         inside a capture: not tried). True on a CPU runs the same static
-        passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes): a paged KV cache of that size
+        passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them, called
+        once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request; not with CUDA graphs. `prefix_cache`: with a paged cache, prompt blocks shared
         across requests with the same prefix."""
@@ -231,10 +235,10 @@ class TorchExecutor:
         # A verify pass writes block_size positions from the last committed one.
         margin = drafter.params.block_size if drafter is not None else 1
         self.device = target.lm_head.weight.device
-        if cuda_graphs and target.spec.num_experts:
+        if cuda_graphs and target.spec.has_experts:
             raise ValueError("CUDA graphs: not for a target with experts (its routing has data-dependent shapes); "
                              "run it without them.")
-        graphs = (self.device.type == "cuda" and not target.spec.num_experts and target.tp.size == 1
+        graphs = (self.device.type == "cuda" and not target.spec.has_experts and target.tp.size == 1
                   if cuda_graphs is None else cuda_graphs)
         self._margin = margin
         self.prefix_cache = prefix_cache
@@ -243,7 +247,8 @@ class TorchExecutor:
         if kv_cache_memory is not None:
             if graphs:
                 raise ValueError("a paged KV cache does not run with CUDA graphs yet; turn them off (--no-cuda-graphs)")
-            self._paged(kv_cache_memory, num_slots, max_seq_len + margin)
+            budget = kv_cache_memory() if callable(kv_cache_memory) else kv_cache_memory
+            self._paged(budget, num_slots, max_seq_len + margin)
         else:
             # With graphs the caches have one more slot, after the requests': the padding rows' scratch.
             cache_slots = num_slots + 1 if graphs else num_slots

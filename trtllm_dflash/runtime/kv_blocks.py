@@ -358,15 +358,22 @@ def check_budget_syntax(text: str) -> None:
         raise UserError(f"--kv-cache-memory {text}: {e}.") from None
 
 
+def is_fraction(text: str) -> bool:
+    """A --kv-cache-memory value that is a fraction of the free memory ('0.5'), not a size."""
+    text = str(text).strip()
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return "." in text and not text[-1:].isalpha()
+
+
 def resolve_budget(text: str, available: int) -> int:
     """Bytes of a --kv-cache-memory value: a size ('512MiB', '2GiB', a byte count) or a fraction of the `available`
     memory ('0.5': half of it; TensorRT-LLM's free_gpu_memory_fraction). ValueError, with the reason, when it is not
     one, not positive, or more than is available."""
     text = str(text).strip()
-    try:
-        fraction = float(text) if "." in text and not text[-1:].isalpha() else None
-    except ValueError:
-        fraction = None
+    fraction = float(text) if is_fraction(text) else None
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise ValueError("a fraction of the free memory must be in (0, 1]")

@@ -25,7 +25,7 @@ from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_er
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor, engine_specs
-from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_memory, resolve_budget
+from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_memory, is_fraction, resolve_budget
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
@@ -147,21 +147,26 @@ class Engine:
         return Decoder(self.executor, policy, eos, self.tokenizer)
 
 
-def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int:
-    """--kv-cache-memory's bytes, or one sentence saying why not."""
+def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int | Callable[[], int]:
+    """--kv-cache-memory's bytes, or one sentence saying why not. A fraction ('0.9') is of the memory free once the
+    weights are loaded (TensorRT-LLM's free_gpu_memory_fraction): its form is checked now, and the executor calls the
+    function returned to read the free memory after loading them."""
     if backend != "torch":
         raise UserError(f"--kv-cache-memory: only the torch executor has a paged KV cache yet, and this run's backend "
                         f"is {backend}; drop --kv-cache-memory or use --backend torch.")
     if cuda_graphs:
         raise UserError("--kv-cache-memory: a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs.")
-    if str(device).startswith("cuda"):
-        available = torch.cuda.mem_get_info(torch.device(device))[0]
-    else:
-        available = available_memory()
-    try:
-        return resolve_budget(text, available)
-    except ValueError as e:
-        raise UserError(f"--kv-cache-memory {text}: {e}.") from None
+
+    def resolve() -> int:
+        available = (torch.cuda.mem_get_info(torch.device(device))[0] if str(device).startswith("cuda")
+                     else available_memory())
+        try:
+            return resolve_budget(text, available)
+        except ValueError as e:
+            raise UserError(f"--kv-cache-memory {text}: {e}.") from None
+
+    bytes_now = resolve()  # (refused now if it is not a size or a fraction, or more than is free)
+    return resolve if is_fraction(text) else bytes_now
 
 
 def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None:
@@ -169,7 +174,7 @@ def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None
     if backend != "torch":
         raise UserError(f"--cuda-graphs: only the torch executor captures CUDA graphs, and this run's backend is "
                         f"{backend}; drop --cuda-graphs or use --backend torch.")
-    if engine_specs(cfg)[0].num_experts:
+    if engine_specs(cfg)[0].has_experts:
         raise UserError("--cuda-graphs: not for a target with experts (its routing has data-dependent shapes); "
                         "drop --cuda-graphs.")
     if cfg.mapping.tp_size > 1:

@@ -21,6 +21,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from trtllm_dflash.checkpoint.formats import save_drafter
@@ -44,6 +46,20 @@ def _random_gpt_oss(common: dict, num_layers: int) -> GptOssForCausalLM:
                 p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
             elif name.endswith("gate_up_proj"):
                 p.normal_(0.0, 1.0)  # |gate_up| ~ 8: often clamped
+    return hf
+
+
+def _random_qwen3_moe(common: dict, num_layers: int) -> Qwen3MoeForCausalLM:
+    """8 experts of half the dense width (top 2, renormalized), layer 1 dense (mlp_only_layers), and a router with
+    weights large enough that tokens pick different experts (HF's initialisation routes almost uniformly)."""
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **common, rope_theta=1_000_000.0, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=common["intermediate_size"] // 2, decoder_sparse_step=1,
+        mlp_only_layers=[1] if num_layers > 1 else [], norm_topk_prob=True))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     return hf
 
 
@@ -85,6 +101,8 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
     torch.manual_seed(seed)
     if family == "qwen3":
         hf = Qwen3ForCausalLM(Qwen3Config(**common, rope_theta=1_000_000.0))
+    elif family == "qwen3_moe":
+        hf = _random_qwen3_moe(common, num_layers)
     elif family == "llama":
         rope = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
@@ -94,7 +112,7 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
     elif family == "gemma4":
         hf = _random_gemma4(common, num_layers)
     else:
-        raise ValueError(f"family must be qwen3, llama, gpt_oss or gemma4, got {family!r}")
+        raise ValueError(f"family must be qwen3, qwen3_moe, llama, gpt_oss or gemma4, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))
