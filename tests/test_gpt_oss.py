@@ -353,8 +353,15 @@ def test_exported_experts_form_equals_the_routed_loop(pair):
 @pytest.mark.slow
 def test_onnxruntime_backend_gives_the_torch_executors_tokens(gpt_oss_ort_engine):
     """The onnxruntime executor on gpt-oss graphs (sinks as ONNX Attention's extra key, the sliding window in the
-    mask, the experts in their exported form): the torch executor's tokens and acceptance, dflash and ar, greedy and
-    sampled, 7 requests through 4 slots, prompts longer than the window of 4."""
+    mask, each layer's experts one com.microsoft.MoE node): the torch executor's tokens and acceptance, dflash and
+    ar, greedy and sampled, 7 requests through 4 slots, prompts longer than the window of 4."""
+    import onnx
+
+    from trtllm_dflash.engine_dir import graph_dir
+
+    graph = onnx.load(str(graph_dir(gpt_oss_ort_engine, 0) / "target_step.onnx"), load_external_data=False)
+    assert [n.domain for n in graph.graph.node if n.op_type == "MoE"] == ["com.microsoft"] * 4  # one per layer
+    assert {p.key: p.value for p in graph.metadata_props}["experts_op"] == "com.microsoft.MoE"
     ort = Engine.load(gpt_oss_ort_engine)
     assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
     torch_engine = Engine.load(gpt_oss_ort_engine, backend="torch")
@@ -369,8 +376,32 @@ def test_onnxruntime_backend_gives_the_torch_executors_tokens(gpt_oss_ort_engine
                 for r in ort.decoder(mode).generate(reqs)} == expected, mode
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_trt_engine(pair, tmp_path_factory) -> Path:
+    """The pair built for backend tensorrt: its graphs keep the experts' dense form (TensorRT cannot parse
+    com.microsoft.MoE)."""
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+
+    return build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32", max_batch_size=4,
+                                    max_seq_len=256, backend="tensorrt",
+                                    output=tmp_path_factory.mktemp("gpt_oss_trt") / "engine"), progress=False)
+
+
+def test_compile_refuses_graphs_with_onnxruntimes_experts_op(gpt_oss_ort_engine, capsys):
+    """An engine built for onnxruntime holds com.microsoft.MoE nodes: compile says so in one sentence (before it
+    looks for TensorRT or a GPU)."""
+    from trtllm_dflash.engine_dir import graph_dir
+
+    assert main(["compile", str(gpt_oss_ort_engine)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {graph_dir(gpt_oss_ort_engine, 0) / 'target_step.onnx'}: its experts are onnxruntime's "
+                   "com.microsoft.MoE node (the engine was built with backend: onnxruntime), which TensorRT cannot "
+                   "parse; rebuild the engine with backend: tensorrt."), err
+
+
 @pytest.mark.slow
-def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(gpt_oss_ort_engine):
+def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(gpt_oss_trt_engine):
     """TensorRT-RTX (on the CPU) parses the target step into one native attention per layer (the sinks ride in its
     additive mask), the KV-cache updates, RoPE and the routers' TopK, and builds plans for SM89 and SM120."""
     rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
@@ -378,15 +409,15 @@ def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(
         GRAPHS, build_plan, cache_length, engine_shapes, layer_types, mark_attention_decomposable, parse_graph)
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
 
-    cfg = read_engine_config(gpt_oss_ort_engine)
+    cfg = read_engine_config(gpt_oss_trt_engine)
     layers = cfg.target["num_hidden_layers"]
-    path = graph_dir(gpt_oss_ort_engine, 0) / "target_step.onnx"
+    path = graph_dir(gpt_oss_trt_engine, 0) / "target_step.onnx"
     network = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network
     types_ = layer_types(network)
     assert (types_["ATTENTION_OUTPUT"], types_["KV_CACHE_UPDATE"], types_["ROTARY_EMBEDDING"], types_["TOPK"]) == (
         layers, 2 * layers, 2 * layers, layers), types_
     assert mark_attention_decomposable(rtx, network) == layers
     for graph in GRAPHS:
-        plan = build_plan(rtx, graph_dir(gpt_oss_ort_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
+        plan = build_plan(rtx, graph_dir(gpt_oss_trt_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
                           shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
         assert len(plan) > 100_000, graph

@@ -8,6 +8,7 @@ The tiny target (train/random_pair.py) has 8 experts of half the dense width (to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -114,6 +115,60 @@ def test_exported_form_equals_the_routed_loop(pair):
     torch.testing.assert_close(sum(h.partial(flat) for h in halves).view_as(x), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_the_moe_ops_torch_form_equals_both_families_experts(pair):
+    """compile/onnx_ops.py `moe` (com.microsoft.MoE in plain torch, the form the graphs' node computes; onnxruntime's
+    kernel is checked against the torch executor end to end below) with each family's arguments as the modules pass
+    them: Qwen3 MoE's gate / up rows interleaved, no limit; gpt-oss's own layout, alpha 1.702, beta 1, limit 7."""
+    from trtllm_dflash.compile.onnx_ops import moe as moe_op
+    from trtllm_dflash.models import moe
+
+    ckpt = load_target(pair / "target")
+    spec, prefix = ckpt.spec, "model.layers.0.mlp."
+    block = SparseMoE(spec)
+    block.load_state_dict({n.removeprefix(prefix): ckpt.tensors.get(n).float() for n in ckpt.tensors.names()
+                           if n.startswith(prefix)})
+    flat = torch.randn(11, spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1) for e in block.experts])
+    fc2 = torch.stack([e.down_proj.weight for e in block.experts])
+    got = moe_op(flat, block.gate(flat), fc1, None, fc2, None, 2, True, 1.0, 0.0, float("inf"))
+    torch.testing.assert_close(got, block.partial(flat), atol=1e-5, rtol=1e-5)
+
+    gpt = moe.MoEMLP(dataclasses.replace(spec, model_type="gpt_oss", routed_experts=0, num_experts=4,
+                                         intermediate_size=32))
+    with torch.no_grad():
+        for param in gpt.parameters():
+            param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
+    ex, router = gpt.experts, gpt.router
+    got = moe_op(flat, torch.nn.functional.linear(flat, router.weight, router.bias), ex.gate_up_proj.transpose(1, 2),
+                 ex.gate_up_proj_bias, ex.down_proj.transpose(1, 2), ex.down_proj_bias, 2, True, moe.ALPHA, 1.0,
+                 moe.LIMIT)
+    torch.testing.assert_close(got, gpt(flat[None])[0], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_onnxruntime_runs_the_experts_as_one_op(pair, tmp_path):
+    """backend onnxruntime: each sparse layer's experts are one com.microsoft.MoE node (the dense layer stays plain
+    ops), and the onnxruntime executor gives the torch executor's tokens, dflash and ar, greedy and sampled."""
+    import onnx
+
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir
+
+    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="onnxruntime",
+                                          output=tmp_path / "engine"), progress=False)
+    graph = onnx.load(str(graph_dir(engine_dir, 0) / "target_step.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MoE" and n.domain == "com.microsoft" for n in graph.graph.node) == 3  # layers 0, 2, 3
+    ort, torch_engine = Engine.load(engine_dir), Engine.load(engine_dir, backend="torch")
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.8 if r.id % 2 else 0.0, seed=r.id)
+            for r in requests(ort.executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: r.output_token_ids for r in torch_engine.decoder(mode).generate(reqs)}
+        assert {r.request.id: r.output_token_ids for r in ort.decoder(mode).generate(reqs)} == expected, mode
+
+
 def requests(vocab_size: int) -> list[Request]:
     g = torch.Generator().manual_seed(0)
     lengths, max_new = [3, 20, 9, 1, 14], [12, 20, 5, 16, 9]  # 5 requests on 4 slots: one joins mid-run
@@ -183,11 +238,11 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
 
 @pytest.mark.parametrize("fields, message", [
     ({"quantization": "nvfp4"}, "quantization nvfp4 of qwen3_moe targets is not supported yet; use quantization: none."),
-    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export qwen3_moe targets yet (their experts are not one op "
-                                 "in the graphs); use backend: torch for this engine."),
+    ({"backend": "tensorrt"}, "backend tensorrt cannot export qwen3_moe targets yet (their experts are one op for "
+                              "onnxruntime only); use backend: torch or onnxruntime for this engine."),
     ({"tp_size": 2, "moe_parallel": "ep"}, "moe_parallel ep is not supported for qwen3_moe targets yet (every rank "
                                            "holds a slice of every expert); use moe_parallel: tp."),
-], ids=["nvfp4", "onnxruntime", "ep"])
+], ids=["nvfp4", "tensorrt", "ep"])
 def test_build_options_not_supported_yet(pair, tmp_path, capsys, fields, message):
     config = write_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR

@@ -89,6 +89,11 @@ def graph_dir(root: Path, rank: int) -> Path:
     return Path(root) / GRAPHS / f"rank{rank}"
 
 
+# Graph metadata (compile/onnx_export.py): the experts of these graphs are this one onnxruntime op
+# ("com.microsoft.MoE"), which TensorRT cannot parse; absent in graphs with the experts' dense form.
+EXPERTS_OP_KEY = "experts_op"
+
+
 def check_graph_inputs(graph: str, inputs: list[str], where: Path) -> None:
     """Refuse a target_step or drafter_draft graph (or a plan compiled from one) exported by an earlier trtllm-dflash,
     whose executor contract differs: one without `key_positions` (the attended length as an input's length, not read

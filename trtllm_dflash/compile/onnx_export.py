@@ -130,9 +130,10 @@ from torch import nn
 from torch.export import Dim
 
 from trtllm_dflash.compile.accept_graph import export_accept_graph, plugin_accept_graph
-from trtllm_dflash.compile.onnx_ops import TRANSLATIONS, GraphKVCache
+from trtllm_dflash.compile.onnx_ops import MOE_DOMAIN, MOE_OP, TRANSLATIONS, GraphKVCache
+from trtllm_dflash.engine_dir import EXPERTS_OP_KEY
 from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.moe import Experts
+from trtllm_dflash.models.moe import Experts, experts_as_one_op
 from trtllm_dflash.models.quantized import ActivationQuant, QuantizedInput
 from trtllm_dflash.quantize.experts import EXPERT_WEIGHTS, read_quantized_experts
 from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
@@ -345,20 +346,32 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
     return [*paths, out_dir / WEIGHTS_FILE]
 
 
-def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path) -> list[Path]:
+def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
+                         experts_op: bool = False) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft) into `out_dir`.
 
     Returns the written files: the .onnx graphs, then their shared external data. Without a drafter,
-    target_step has no `hidden` output (plain autoregressive engines).
+    target_step has no `hidden` output (plain autoregressive engines). `experts_op` (graphs for onnxruntime): every
+    MLP of experts that can be is one com.microsoft.MoE node (compile/onnx_ops.py), recorded in the graphs' metadata
+    as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs).
     """
     _check_exportable(target, "target")
     if drafter is not None:
         _check_exportable(drafter, "drafter")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    models = {g.name: _to_onnx(g) for g in _graphs(target, drafter)}
+    one_op = [m for m in target.modules() if experts_op and experts_as_one_op(m)]
+    try:
+        for m in one_op:
+            m.export_as_one_op = True
+        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter)}
+    finally:
+        for m in one_op:
+            m.export_as_one_op = False
     for model in models.values():  # which rank of which split: checked by compile before TensorRT reads it
         model.metadata_props.update({"rank": str(target.tp.rank), "tp_size": str(target.tp.size)})
+        if one_op:
+            model.metadata_props[EXPERTS_OP_KEY] = f"{MOE_DOMAIN}.{MOE_OP}"
     written = _save_sharing_weights(models, out_dir)
     if drafter is not None:  # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
         p = drafter.params

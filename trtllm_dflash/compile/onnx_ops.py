@@ -1,5 +1,5 @@
-"""Custom ops of the exported graphs: the KV-cache write (ONNX TensorScatter) and the tensor-parallel
-collectives (TensorRT's DistCollective).
+"""Custom ops of the exported graphs: the KV-cache write (ONNX TensorScatter), the tensor-parallel
+collectives (TensorRT's DistCollective), and experts as one node for onnxruntime (com.microsoft.MoE).
 
 ## KV cache: ONNX TensorScatter writes into caches that are graph inputs
 
@@ -36,6 +36,21 @@ parser leaves the layer's `num_ranks` at 1, which sizes an all_gather's output: 
 sets it to the graph's group_size after parsing. onnxruntime cannot run these nodes: tp > 1 graphs are for
 TensorRT only.
 
+## Experts: onnxruntime's com.microsoft.MoE (graphs for onnxruntime only)
+A mixture-of-experts MLP whose rank holds every expert (gpt-oss under `moe_parallel: tp`, Qwen3 MoE), unquantized,
+is one `MoE` node in graphs exported for onnxruntime: router logits in, the top k experts run on their tokens only
+(onnxruntime's CPU kernel routes; the softmax over all logits, the top k, renormalized with
+normalize_routing_weights). Its CPU kernel takes the interleaved SwiGLU only (swiglu_fusion=1: gate and up rows
+alternating in fc1 [E, 2I, H]): gpt-oss's own layout, and Qwen3 MoE's gate/up rows interleaved at export;
+
+    swiglu = G * sigmoid(alpha * G) * (L + beta),  G = min(g, limit), L = clamp(l, -limit, limit)
+
+gpt-oss: alpha 1.702, beta 1, limit 7 and biases; Qwen3 MoE: alpha 1, beta 0, no limit (silu(g) * l), no biases.
+Found here (onnxruntime 1.32, fp32): equal to models/moe.py within 1.5e-7 of the outputs' scale for both;
+swiglu_fusion=2 is refused on the CPU ("CPU MoE only supports interleaved SwiGLU format"). TensorRT cannot parse
+the node (its IMoELayer builds for Blackwell only), so graphs for TensorRT keep the experts' dense form, and
+compile refuses graphs that hold it (metadata `experts_op`).
+
 ## FP8 linears: QuantizeLinear / DequantizeLinear (ONNX's own, float8e4m3fn)
 An FP8 engine's linear keeps ModelOpt's stored format in the graph: its weight is a FLOAT8E4M3FN initializer
 read through DequantizeLinear(weight, weight_scale), its input goes through QuantizeLinear(x, input_scale,
@@ -54,6 +69,8 @@ node into its DYNAMIC_QUANTIZE layer; onnxruntime has no kernel for it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -251,6 +268,64 @@ def _nvfp4_dequantize_onnx(weight, weight_scale, weight_scale_2):
     return opset24.DequantizeLinear(weight, scales, axis=-1, block_size=NVFP4_BLOCK)
 
 
+MOE_DOMAIN, MOE_OP = "com.microsoft", "MoE"
+
+
+@torch.library.custom_op("dflash_onnx::moe", mutates_args=())
+def moe(x: torch.Tensor, router_logits: torch.Tensor, fc1: torch.Tensor, fc1_bias: torch.Tensor | None,
+        fc2: torch.Tensor, fc2_bias: torch.Tensor | None, k: int, normalize: bool, alpha: float, beta: float,
+        limit: float) -> torch.Tensor:
+    """com.microsoft.MoE with an interleaved SwiGLU, in plain torch (every expert over every token): x [N, H],
+    router_logits [N, E], fc1 [E, 2I, H] (gate / up rows alternating), fc1_bias [E, 2I], fc2 [E, H, I], fc2_bias
+    [E, H]; limit inf: no clamp."""
+    top, idx = torch.topk(torch.softmax(router_logits.float(), dim=-1), k, dim=-1)
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    gate_up = torch.einsum("nh,efh->enf", x, fc1) + (0 if fc1_bias is None else fc1_bias[:, None])
+    g, up = gate_up[..., ::2], gate_up[..., 1::2]
+    if math.isfinite(limit):
+        g, up = g.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    y = torch.einsum("eni,ehi->enh", g * torch.sigmoid(alpha * g) * (up + beta), fc2)
+    if fc2_bias is not None:
+        y = y + fc2_bias[:, None]
+    combine = torch.zeros_like(router_logits, dtype=torch.float32).scatter(1, idx, top)  # [N, E]
+    return (y * combine.T[:, :, None].to(y.dtype)).sum(0).to(x.dtype)
+
+
+@moe.register_fake
+def _(x, router_logits, fc1, fc1_bias, fc2, fc2_bias, k, normalize, alpha, beta, limit):
+    return torch.empty_like(x)
+
+
+def _moe_schema() -> OpSchema:
+    attr, optional = OpSchema.Attribute, OpSchema.FormalParameterOption.Optional
+    param = OpSchema.FormalParameter
+    return OpSchema(
+        MOE_OP, MOE_DOMAIN, 1, doc="onnxruntime's mixture of experts",
+        inputs=[param("input", "T"), param("router_probs", "T"), param("fc1_experts_weights", "T"),
+                param("fc1_experts_bias", "T", param_option=optional), param("fc2_experts_weights", "T"),
+                param("fc2_experts_bias", "T", param_option=optional)],
+        outputs=[param("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[attr("k", OpSchema.AttrType.INT, ""), attr("activation_type", OpSchema.AttrType.STRING, ""),
+                    attr("swiglu_fusion", OpSchema.AttrType.INT, ""),
+                    attr("activation_alpha", OpSchema.AttrType.FLOAT, ""),
+                    attr("activation_beta", OpSchema.AttrType.FLOAT, ""),
+                    attr("swiglu_limit", OpSchema.AttrType.FLOAT, ""),
+                    attr("normalize_routing_weights", OpSchema.AttrType.INT, "")],
+    )
+
+
+_moe = values.Op(values.Opset(MOE_DOMAIN, 1), MOE_OP, _moe_schema())
+
+
+def _moe_onnx(x, router_logits, fc1, fc1_bias, fc2, fc2_bias, k: int, normalize: bool, alpha: float, beta: float,
+              limit: float):
+    limits = {"swiglu_limit": limit} if math.isfinite(limit) else {}
+    return _moe(x, router_logits, fc1, fc1_bias, fc2, fc2_bias, k=k, activation_type="swiglu", swiglu_fusion=1,
+                activation_alpha=alpha, activation_beta=beta, normalize_routing_weights=int(normalize), **limits)
+
+
 # custom_translation_table for torch.onnx.export
 TRANSLATIONS = {
     torch.ops.dflash_onnx.nvfp4_qdq.default: _nvfp4_qdq_onnx,
@@ -260,6 +335,7 @@ TRANSLATIONS = {
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
+    torch.ops.dflash_onnx.moe.default: _moe_onnx,
 }
 
 

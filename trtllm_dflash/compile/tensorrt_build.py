@@ -46,7 +46,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir, open_engine, write_manifest
+from trtllm_dflash.engine_dir import (
+    EXPERTS_OP_KEY,
+    EngineConfig,
+    check_graph_inputs,
+    graph_dir,
+    open_engine,
+    write_manifest,
+)
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.outputs import atomic_directory
 
@@ -206,11 +213,16 @@ class ParsedGraph:
     logger: Any
 
 
-def graph_placement(onnx_path: Path) -> tuple[int, int]:
-    """(rank, tp_size) a graph was exported for: the metadata compile/onnx_export.py writes into each graph."""
+def graph_metadata(onnx_path: Path) -> dict[str, str]:
+    """The metadata compile/onnx_export.py writes into each graph."""
     import onnx
 
-    meta = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    return {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+
+
+def graph_placement(onnx_path: Path) -> tuple[int, int]:
+    """(rank, tp_size) a graph was exported for."""
+    meta = graph_metadata(onnx_path)
     try:
         return int(meta["rank"]), int(meta["tp_size"])
     except (KeyError, ValueError):
@@ -460,6 +472,12 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
                         "with `backend: onnxruntime` (an engine built with backend torch has none).")
     if plugin_library is not None and not Path(plugin_library).is_file():
         raise UserError(f"--plugin-library {plugin_library}: no such file.")
+    target_graph = graph_dir(root, 0) / "target_step.onnx"
+    experts_op = graph_metadata(target_graph).get(EXPERTS_OP_KEY)
+    if experts_op:
+        raise UserError(f"{target_graph}: its experts are onnxruntime's {experts_op} node (the engine was built with "
+                        "backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with backend: "
+                        "tensorrt.")
     trt = import_tensorrt(command)
     _require_onnx(command)
     require_gpu(command)

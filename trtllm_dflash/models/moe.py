@@ -24,6 +24,7 @@ Quantized experts (models/quantized.py) quantize x before routing and h of every
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -122,6 +123,19 @@ class Experts(nn.Module):
         return ops.fp8_dequantize(w, scale)
 
 
+def experts_as_one_op(module: nn.Module) -> bool:
+    """Whether `module` (an MLP of experts) can be exported as onnxruntime's com.microsoft.MoE node
+    (compile/onnx_ops.py `moe`): its rank holds every expert, unquantized."""
+    if isinstance(module, SparseMoE):
+        return True
+    if isinstance(module, MoEMLP):
+        ex = module.experts
+        quantized = ex.stored_formats or not all(isinstance(getattr(ex, f"{p}_input"), nn.Identity)
+                                                 for p in ("gate_up_proj", "down_proj"))
+        return ex.gate_up_proj.shape[0] == module.router.weight.shape[0] and not quantized
+    return False
+
+
 class MoEMLP(nn.Module):
     """HF `mlp` of a gpt-oss layer: `router` and `experts`."""
 
@@ -130,10 +144,18 @@ class MoEMLP(nn.Module):
         self.tp = tp
         self.router = Router(spec)
         self.experts = Experts(spec, tp, parallel)
+        self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, T, hidden]
         flat = x.flatten(0, -2)
+        if exporting() and self.export_as_one_op:  # com.microsoft.MoE (its interleaved gate/up: gpt-oss's own)
+            ex, router = self.experts, self.router
+            y = torch.ops.dflash_onnx.moe(
+                flat, F.linear(flat, router.weight, router.bias), ex.gate_up_proj.transpose(1, 2), ex.gate_up_proj_bias,
+                ex.down_proj.transpose(1, 2), ex.down_proj_bias if ex.adds_down_bias else None, router.top_k, True,
+                ALPHA, 1.0, LIMIT)
+            return self.tp.all_reduce(y).view_as(x)
         weights, idx = self.router(flat)
         if exporting():
             return self.tp.all_reduce(self._every_expert(flat, weights, idx)).view_as(x)
@@ -187,6 +209,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(spec.hidden_size, spec.routed_experts, bias=False)
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size, mlp_bias=False)
         self.experts = nn.ModuleList(MLP(expert, tp) for _ in range(spec.routed_experts))
+        self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] -> routing weights [N, k] (flat's dtype), expert ids [N, k]."""
@@ -202,6 +225,12 @@ class SparseMoE(nn.Module):
 
     def partial(self, flat: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> this rank's share of the output [N, hidden], before the all-reduce."""
+        if exporting() and self.export_as_one_op:  # com.microsoft.MoE: gate / up rows interleaved, silu(g) * up
+            fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1)
+                               for e in self.experts])
+            fc2 = torch.stack([e.down_proj.weight for e in self.experts])
+            return torch.ops.dflash_onnx.moe(flat, self.gate(flat), fc1, None, fc2, None, self.top_k,
+                                             self.norm_topk_prob, 1.0, 0.0, math.inf)
         weights, idx = self.route(flat)
         out = torch.zeros_like(flat)
         if exporting():  # every expert over every token, weighted 0 where not chosen (no data-dependent shapes)
