@@ -236,13 +236,67 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
     assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
 
 
+# --- quantized (ModelOpt): per-expert NVFP4 / FP8 linears -------------------------------------------------
+
+CALIBRATION = {"calibration_samples": 4, "calibration_max_tokens": 24}
+
+
+@pytest.mark.slow
+def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
+    """NVFP4: ModelOpt quantizes every expert's linears (each its own scales; the router stays unquantized), the
+    engine holds them as ModelOpt exports them, cut exactly for 2 ranks, and decodes losslessly against itself (greedy
+    and sampled dflash == ar). FP8 on onnxruntime (the experts then stay in the dense form with their Q/DQ nodes):
+    the torch executor's tokens."""
+    pytest.importorskip("modelopt.torch.quantization")
+    one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
+    assert main(["build", str(write_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **CALIBRATION)),
+                 "--output", str(one)]) == 0
+    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
+                                           **CALIBRATION)), "--output", str(two)]) == 0
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    expert = "target.model.layers.2.mlp.experts.6"
+    h, m = 64, 64
+    assert {k.removeprefix(expert): (tuple(v.shape), v.dtype) for k, v in full.items() if k.startswith(expert + ".")} == {
+        f".{p}.{leaf}": shape for p in ("gate_proj", "up_proj", "down_proj") for leaf, shape in (
+            ("weight", ((m, h // 2) if p != "down_proj" else (h, m // 2), torch.uint8)),
+            ("weight_scale", ((m, h // 16) if p != "down_proj" else (h, m // 16), torch.float8_e4m3fn)),
+            ("weight_scale_2", ((), torch.float32)), ("input_scale", ((), torch.float32)))}
+    assert full["target.model.layers.2.mlp.gate.weight"].dtype == torch.float32  # the router: not quantized
+    for leaf, dim in (("gate_proj.weight", 0), ("gate_proj.weight_scale", 0), ("down_proj.weight", 1),
+                      ("down_proj.weight_scale", 1)):
+        name = f"{expert}.{leaf}"
+        assert torch.equal(torch.cat([r[name].view(torch.uint8) for r in ranks], dim=dim), full[name].view(torch.uint8))
+    assert torch.equal(ranks[1][f"{expert}.down_proj.input_scale"], full[f"{expert}.down_proj.input_scale"])
+
+    engine = Engine.load(one)
+    from tests.test_quantize import modelopt_dequantize
+    from trtllm_dflash.quantize.nvfp4 import NVFP4Weight
+
+    stored = NVFP4Weight(*(full[f"{expert}.up_proj.{leaf}"] for leaf in ("weight", "weight_scale", "weight_scale_2")))
+    loaded = engine.executor.target.model.layers[2].mlp.experts[6].up_proj  # a QuantizedInput: input quantized too
+    assert loaded.fmt == "nvfp4" and torch.equal(loaded.linear.weight, modelopt_dequantize(stored, torch.float32))
+    reqs = requests(engine.executor.vocab_size)
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
+    for batch in (reqs, sampled):
+        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
+                  for mode in ("dflash", "ar")}
+        assert tokens["dflash"] == tokens["ar"]
+
+    fp8 = tmp_path / "fp8"
+    assert main(["build", str(write_config(tmp_path / "3.yaml", pair, quantization="fp8", backend="onnxruntime",
+                                           **CALIBRATION)), "--output", str(fp8)]) == 0
+    ort, torch_engine = Engine.load(fp8), Engine.load(fp8, backend="torch")
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: r.output_token_ids for r in torch_engine.decoder(mode).generate(sampled)}
+        assert {r.request.id: r.output_token_ids for r in ort.decoder(mode).generate(sampled)} == expected, mode
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"quantization": "nvfp4"}, "quantization nvfp4 of qwen3_moe targets is not supported yet; use quantization: none."),
     ({"backend": "tensorrt"}, "backend tensorrt cannot export qwen3_moe targets yet (their experts are one op for "
                               "onnxruntime only); use backend: torch or onnxruntime for this engine."),
     ({"tp_size": 2, "moe_parallel": "ep"}, "moe_parallel ep is not supported for qwen3_moe targets yet (every rank "
                                            "holds a slice of every expert); use moe_parallel: tp."),
-], ids=["nvfp4", "tensorrt", "ep"])
+], ids=["tensorrt", "ep"])
 def test_build_options_not_supported_yet(pair, tmp_path, capsys, fields, message):
     config = write_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR

@@ -90,16 +90,12 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 
 
 def check_target_support(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What Gemma 4 and Qwen3 MoE targets can be built into today, unquantized. Gemma 4: the torch executor (the
-    exported graphs have one head_dim and the default attention scale), and ModelOpt's export of Gemma 4 is not wired
-    in. Qwen3 MoE: the torch executor, or onnxruntime with its experts as one com.microsoft.MoE node; not TensorRT (a
-    graph of every expert over every token would cost num_experts / top_k times the routed work, and TensorRT's
-    IMoELayer builds for Blackwell only); the experts' calibration (every expert must see tokens) is not wired in;
-    they are cut by intermediate features only (they are stored one by one)."""
+    """What Gemma 4 and Qwen3 MoE targets can be built into today. Gemma 4: the torch executor (the exported graphs
+    have one head_dim and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in).
+    Qwen3 MoE: the torch executor, or onnxruntime (unquantized experts as one com.microsoft.MoE node); not TensorRT
+    (a graph of every expert over every token would cost num_experts / top_k times the routed work, and TensorRT's
+    IMoELayer builds for Blackwell only); experts cut by intermediate features only (they are stored one by one)."""
     if spec.routed_experts:
-        if cfg.quantization != "none":
-            raise UserError(f"{source}: quantization {cfg.quantization} of {spec.model_type} targets is not supported "
-                            "yet; use quantization: none.")
         if cfg.backend == "tensorrt":
             raise UserError(f"{source}: backend tensorrt cannot export {spec.model_type} targets yet (their experts "
                             "are one op for onnxruntime only); use backend: torch or onnxruntime for this engine.")

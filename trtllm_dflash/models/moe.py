@@ -125,9 +125,10 @@ class Experts(nn.Module):
 
 def experts_as_one_op(module: nn.Module) -> bool:
     """Whether `module` (an MLP of experts) can be exported as onnxruntime's com.microsoft.MoE node
-    (compile/onnx_ops.py `moe`): its rank holds every expert, unquantized."""
+    (compile/onnx_ops.py `moe`): its rank holds every expert, unquantized (a quantized expert's linears are
+    QuantizedInput wrappers, models/quantized.py, whose inputs the node would not quantize)."""
     if isinstance(module, SparseMoE):
-        return True
+        return all(isinstance(p, nn.Linear) for e in module.experts for p in (e.gate_proj, e.up_proj, e.down_proj))
     if isinstance(module, MoEMLP):
         ex = module.experts
         quantized = ex.stored_formats or not all(isinstance(getattr(ex, f"{p}_input"), nn.Identity)

@@ -195,6 +195,8 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
         rows = [("o_proj input columns per rank", cut)]
         if not (spec.num_experts and moe_parallel == "ep"):  # (under "ep" every expert stays whole)
             rows.append(("intermediate_size / tp_size", spec.intermediate_size // tp_size))
+        if spec.routed_experts:
+            rows.append(("moe_intermediate_size / tp_size", spec.moe_intermediate_size // tp_size))
         for field, n in rows:
             if n % ROW_ALIGN:
                 experts = spec.num_experts and field.startswith("intermediate")
