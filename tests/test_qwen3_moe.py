@@ -291,12 +291,38 @@ def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
         assert {r.request.id: r.output_token_ids for r in ort.decoder(mode).generate(sampled)} == expected, mode
 
 
+@pytest.mark.slow
+def test_tensorrt_rtx_parses_the_dense_experts_and_builds_plans(pair, tmp_path):
+    """backend tensorrt: the graphs keep the experts' dense form (no com.microsoft.MoE, which TensorRT cannot parse);
+    TensorRT-RTX (on the CPU) parses the target step into one native attention per layer, the routers' TopK in the 3
+    sparse layers, and builds plans for SM89 and SM120."""
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
+    import onnx
+
+    from trtllm_dflash.compile.tensorrt_build import GRAPHS, build_plan, cache_length, engine_shapes, layer_types, \
+        parse_graph
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+
+    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="tensorrt",
+                                          output=tmp_path / "engine"), progress=False)
+    path = graph_dir(engine_dir, 0) / "target_step.onnx"
+    assert not any(n.op_type == "MoE" for n in onnx.load(str(path), load_external_data=False).graph.node)
+    cfg = read_engine_config(engine_dir)
+    types_ = layer_types(parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network)
+    assert (types_["ATTENTION_OUTPUT"], types_["KV_CACHE_UPDATE"], types_["TOPK"]) == (4, 8, 3), types_
+    for graph in GRAPHS:
+        plan = build_plan(rtx, graph_dir(engine_dir, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
+                          shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
+        assert len(plan) > 100_000, graph
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "tensorrt"}, "backend tensorrt cannot export qwen3_moe targets yet (their experts are one op for "
-                              "onnxruntime only); use backend: torch or onnxruntime for this engine."),
     ({"tp_size": 2, "moe_parallel": "ep"}, "moe_parallel ep is not supported for qwen3_moe targets yet (every rank "
                                            "holds a slice of every expert); use moe_parallel: tp."),
-], ids=["tensorrt", "ep"])
+], ids=["ep"])
 def test_build_options_not_supported_yet(pair, tmp_path, capsys, fields, message):
     config = write_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR

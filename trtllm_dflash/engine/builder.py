@@ -92,13 +92,10 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 def check_target_support(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
     """What Gemma 4 and Qwen3 MoE targets can be built into today. Gemma 4: the torch executor (the exported graphs
     have one head_dim and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in).
-    Qwen3 MoE: the torch executor, or onnxruntime (unquantized experts as one com.microsoft.MoE node); not TensorRT
-    (a graph of every expert over every token would cost num_experts / top_k times the routed work, and TensorRT's
-    IMoELayer builds for Blackwell only); experts cut by intermediate features only (they are stored one by one)."""
+    Qwen3 MoE: every backend (onnxruntime: unquantized experts as one com.microsoft.MoE node; TensorRT: the dense
+    form, every expert over every token, as gpt-oss's); experts cut by intermediate features only (they are stored one
+    by one)."""
     if spec.routed_experts:
-        if cfg.backend == "tensorrt":
-            raise UserError(f"{source}: backend tensorrt cannot export {spec.model_type} targets yet (their experts "
-                            "are one op for onnxruntime only); use backend: torch or onnxruntime for this engine.")
         if cfg.moe_parallel != "tp":
             raise UserError(f"{source}: moe_parallel {cfg.moe_parallel} is not supported for {spec.model_type} targets "
                             "yet (every rank holds a slice of every expert); use moe_parallel: tp.")
