@@ -86,9 +86,9 @@ def test_batched_prefill_logits_and_hidden_states_equal_hf(pair):
 
 def test_exported_form_equals_the_routed_loop(pair):
     """SparseMoE's exported form (every expert over every token, weighted by its routing weight or 0) equals the
-    routed loop, and two ranks' partial sums of a 2-way split add up to it."""
+    routed loop, and two ranks' partial sums add up to it, each expert cut in two ("tp") or whole ("ep")."""
     from trtllm_dflash.models import moe
-    from trtllm_dflash.models.shard import shard_tensor, split_for
+    from trtllm_dflash.models.shard import holds, shard_tensor, split_for
     from trtllm_dflash.parallel.group import TPGroup
 
     ckpt = load_target(pair / "target")
@@ -96,9 +96,10 @@ def test_exported_form_equals_the_routed_loop(pair):
     state = {n.removeprefix(prefix): ckpt.tensors.get(n).float() for n in ckpt.tensors.names() if n.startswith(prefix)}
     x = torch.randn(3, 5, spec.hidden_size, generator=torch.Generator().manual_seed(0))
 
-    def block(tp: TPGroup) -> SparseMoE:
-        m = SparseMoE(spec, tp)
-        m.load_state_dict({k: shard_tensor(v, split_for(prefix + k, spec, tp.size, tp.rank)) for k, v in state.items()})
+    def block(tp: TPGroup, parallel: str = "tp") -> SparseMoE:
+        m = SparseMoE(spec, tp, parallel)
+        m.load_state_dict({k: shard_tensor(v, split_for(prefix + k, spec, tp.size, tp.rank, parallel))
+                           for k, v in state.items() if holds(prefix + k, spec, tp.size, tp.rank, parallel)})
         return m
 
     full = block(TPGroup())
@@ -109,10 +110,13 @@ def test_exported_form_equals_the_routed_loop(pair):
         torch.testing.assert_close(full(x), ref, atol=1e-5, rtol=1e-5)
     finally:
         moe.exporting = exporting
-    halves = [block(TPGroup(rank, 2)) for rank in range(2)]
-    assert halves[0].experts[3].gate_proj.weight.shape == (spec.moe_intermediate_size // 2, spec.hidden_size)
     flat = x.flatten(0, 1)
+    halves = [block(TPGroup(rank, 2)) for rank in range(2)]
+    assert halves[0].experts["3"].gate_proj.weight.shape == (spec.moe_intermediate_size // 2, spec.hidden_size)
     torch.testing.assert_close(sum(h.partial(flat) for h in halves).view_as(x), ref, atol=1e-5, rtol=1e-5)
+    owners = [block(TPGroup(rank, 2), "ep") for rank in range(2)]  # experts 0-3 and 4-7, whole
+    assert [list(o.experts) for o in owners] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+    torch.testing.assert_close(sum(o.partial(flat) for o in owners).view_as(x), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_the_moe_ops_torch_form_equals_both_families_experts(pair):
@@ -128,8 +132,9 @@ def test_the_moe_ops_torch_form_equals_both_families_experts(pair):
     block.load_state_dict({n.removeprefix(prefix): ckpt.tensors.get(n).float() for n in ckpt.tensors.names()
                            if n.startswith(prefix)})
     flat = torch.randn(11, spec.hidden_size, generator=torch.Generator().manual_seed(2))
-    fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1) for e in block.experts])
-    fc2 = torch.stack([e.down_proj.weight for e in block.experts])
+    fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1)
+                       for e in block.experts.values()])
+    fc2 = torch.stack([e.down_proj.weight for e in block.experts.values()])
     got = moe_op(flat, block.gate(flat), fc1, None, fc2, None, 2, True, 1.0, 0.0, float("inf"))
     torch.testing.assert_close(got, block.partial(flat), atol=1e-5, rtol=1e-5)
 
@@ -207,16 +212,24 @@ def write_config(path: Path, pair: Path, **fields) -> Path:
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
-def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
-    """2 ranks: every expert cut by intermediate features (rank files exact slices), the router replicated; the
-    tokens of one process."""
+@pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
+def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
+    """2 ranks: every expert cut by intermediate features ("tp": rank files exact slices) or whole on its own rank
+    ("ep": rank 0 has experts 0-3, rank 1 4-7), the router replicated; the tokens of one process."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     assert main(["build", str(write_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2)), "--output", str(two)]) == 0
+    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2, moe_parallel=moe_parallel)),
+                 "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
-    for name, dim in (("target.model.layers.0.mlp.experts.5.gate_proj.weight", 0),
-                      ("target.model.layers.0.mlp.experts.5.down_proj.weight", 1)):
-        assert torch.equal(torch.cat([r[name] for r in ranks], dim=dim), full[name])
+    if moe_parallel == "tp":
+        for name, dim in (("target.model.layers.0.mlp.experts.5.gate_proj.weight", 0),
+                          ("target.model.layers.0.mlp.experts.5.down_proj.weight", 1)):
+            assert torch.equal(torch.cat([r[name] for r in ranks], dim=dim), full[name])
+    else:
+        held = [{n.split(".")[6] for n in r if ".mlp.experts." in n} for r in ranks]
+        assert held == [{"0", "1", "2", "3"}, {"4", "5", "6", "7"}]
+        name = "target.model.layers.0.mlp.experts.5.down_proj.weight"
+        assert torch.equal(ranks[1][name], full[name])
     router = "target.model.layers.0.mlp.gate.weight"
     assert torch.equal(ranks[1][router], full[router])
 
@@ -273,7 +286,7 @@ def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
     from trtllm_dflash.quantize.nvfp4 import NVFP4Weight
 
     stored = NVFP4Weight(*(full[f"{expert}.up_proj.{leaf}"] for leaf in ("weight", "weight_scale", "weight_scale_2")))
-    loaded = engine.executor.target.model.layers[2].mlp.experts[6].up_proj  # a QuantizedInput: input quantized too
+    loaded = engine.executor.target.model.layers[2].mlp.experts["6"].up_proj  # a QuantizedInput: input quantized too
     assert loaded.fmt == "nvfp4" and torch.equal(loaded.linear.weight, modelopt_dequantize(stored, torch.float32))
     reqs = requests(engine.executor.vocab_size)
     sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
@@ -319,18 +332,6 @@ def test_tensorrt_rtx_parses_the_dense_experts_and_builds_plans(pair, tmp_path):
         assert len(plan) > 100_000, graph
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"tp_size": 2, "moe_parallel": "ep"}, "moe_parallel ep is not supported for qwen3_moe targets yet (every rank "
-                                           "holds a slice of every expert); use moe_parallel: tp."),
-], ids=["ep"])
-def test_build_options_not_supported_yet(pair, tmp_path, capsys, fields, message):
-    config = write_config(tmp_path / "b.yaml", pair, **fields)
-    assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
-    err = capsys.readouterr().err.strip()
-    assert str(config) in err and message in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "e").exists()
-
-
 # --- the published config (no download) ------------------------------------------------------------------
 
 QWEN3_30B_A3B_CONFIG = {  # Qwen/Qwen3-30B-A3B config.json, as published (keys transformers does not read included)
@@ -362,5 +363,13 @@ def test_published_config_parses_and_splits_eight_ways():
     assert len(target_tensor_shapes(spec)) == 3 + 48 * (2 + 4 + 2 + 1 + 128 * 3)
     for tp in (2, 4, 8):
         check_tp(spec, tp, "Qwen3-30B-A3B", quantized=False)
+    for tp in (2, 4, 8):
+        check_tp(spec, tp, "Qwen3-30B-A3B", quantized=True, moe_parallel="ep")
     with pytest.raises(UserError, match=r"^odd: moe_intermediate_size 100 is not divisible by tp_size 8\.$"):
         check_tp(replace(spec, moe_intermediate_size=100), 8, "odd", quantized=False)
+    with pytest.raises(UserError, match=r"^odd: num_experts 100 is not divisible by tp_size 8, so moe_parallel: ep "):
+        check_tp(replace(spec, routed_experts=100), 8, "odd", quantized=False, moe_parallel="ep")
+    with pytest.raises(UserError, match=r"^odd: moe_intermediate_size / tp_size is 25, not a multiple of the "
+                                        r"quantization block 16, so the row-parallel split at tp_size 8 would cut"):
+        check_tp(replace(spec, moe_intermediate_size=200), 8, "odd", quantized=True)
+    check_tp(replace(spec, moe_intermediate_size=200), 8, "odd", quantized=True, moe_parallel="ep")  # experts whole

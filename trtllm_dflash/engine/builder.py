@@ -44,7 +44,7 @@ from trtllm_dflash.engine_dir import (
 )
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.quantized import SCALE_SUFFIXES
-from trtllm_dflash.models.shard import check_tp, shard_tensor, split_for
+from trtllm_dflash.models.shard import check_tp, holds, shard_tensor, split_for
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
 from trtllm_dflash.parallel.group import TPGroup
@@ -89,16 +89,9 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
                         f"'trtllm-dflash[onnx]' ({exc}).") from None
 
 
-def check_target_support(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What Gemma 4 and Qwen3 MoE targets can be built into today. Gemma 4: the torch executor (the exported graphs
-    have one head_dim and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in).
-    Qwen3 MoE: every backend (onnxruntime: unquantized experts as one com.microsoft.MoE node; TensorRT: the dense
-    form, every expert over every token, as gpt-oss's); experts cut by intermediate features only (they are stored one
-    by one)."""
-    if spec.routed_experts:
-        if cfg.moe_parallel != "tp":
-            raise UserError(f"{source}: moe_parallel {cfg.moe_parallel} is not supported for {spec.model_type} targets "
-                            "yet (every rank holds a slice of every expert); use moe_parallel: tp.")
+def check_gemma4_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
+    """What a Gemma 4 target can be built into today: the torch executor (the exported graphs have one head_dim
+    and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in yet)."""
     if not spec.is_gemma4:
         return
     if cfg.quantization != "none":
@@ -212,7 +205,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
                 f"{target.spec.max_position_embeddings}."
             )
-        check_target_support(cfg, target.spec, source)
+        check_gemma4_target(cfg, target.spec, source)
         check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none",
                  cfg.moe_parallel)
         check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)
@@ -260,6 +253,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 for name in names:
                     for key, tensor in stored(prefix, store, name):
                         for rank, out in enumerate(outs):
+                            if not holds(key, spec, cfg.tp_size, rank, cfg.moe_parallel):
+                                continue  # (another rank's expert)
                             out.add(prefix + key, shard_tensor(tensor, split_for(key, spec, cfg.tp_size, rank,
                                                                                   cfg.moe_parallel)))
                     bar.advance(task)

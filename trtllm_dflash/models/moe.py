@@ -128,7 +128,8 @@ def experts_as_one_op(module: nn.Module) -> bool:
     (compile/onnx_ops.py `moe`): its rank holds every expert, unquantized (a quantized expert's linears are
     QuantizedInput wrappers, models/quantized.py, whose inputs the node would not quantize)."""
     if isinstance(module, SparseMoE):
-        return all(isinstance(p, nn.Linear) for e in module.experts for p in (e.gate_proj, e.up_proj, e.down_proj))
+        return len(module.experts) == module.gate.out_features and all(
+            isinstance(p, nn.Linear) for e in module.experts.values() for p in (e.gate_proj, e.up_proj, e.down_proj))
     if isinstance(module, MoEMLP):
         ex = module.experts
         quantized = ex.stored_formats or not all(isinstance(getattr(ex, f"{p}_input"), nn.Identity)
@@ -198,18 +199,22 @@ class SparseMoE(nn.Module):
         top, idx = topk(p, k); top /= sum(top) if norm_topk_prob; weights in x's dtype
         out = sum over the chosen e of weight_e * down_e(silu(gate_e(x)) * up_e(x))
 
-    The experts are `MLP`s of moe_intermediate_size named as stored (`experts.{e}.gate_proj` ...), so tensor
-    parallelism cuts each like a dense MLP (gate/up by intermediate features, down by rows: models/shard.py) and the
-    ranks' partial sums are all-reduced once for all experts; the router (`gate`) is replicated."""
+    The experts are `MLP`s of moe_intermediate_size named as stored (`experts.{e}.gate_proj` ...). Under tensor
+    parallelism (`parallel`, models/shard.py) each rank holds either a slice of every expert, cut like a dense MLP
+    ("tp": gate/up by intermediate features, down by rows), or its own experts whole ("ep"); either way the ranks'
+    partial sums are all-reduced once for all experts, and the router (`gate`) is replicated."""
 
-    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE, parallel: MoEParallel = "tp"):
         super().__init__()
         from trtllm_dflash.models.layers import MLP
+        from trtllm_dflash.models.shard import routed_experts_of
 
         self.tp, self.top_k, self.norm_topk_prob = tp, spec.num_experts_per_tok, spec.norm_topk_prob
         self.gate = nn.Linear(spec.hidden_size, spec.routed_experts, bias=False)
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size, mlp_bias=False)
-        self.experts = nn.ModuleList(MLP(expert, tp) for _ in range(spec.routed_experts))
+        cut = tp if parallel == "tp" else SINGLE
+        self.experts = nn.ModuleDict({str(e): MLP(expert, cut)
+                                      for e in routed_experts_of(spec, tp.size, tp.rank, parallel)})
         self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,19 +233,19 @@ class SparseMoE(nn.Module):
         """[N, hidden] -> this rank's share of the output [N, hidden], before the all-reduce."""
         if exporting() and self.export_as_one_op:  # com.microsoft.MoE: gate / up rows interleaved, silu(g) * up
             fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1)
-                               for e in self.experts])
-            fc2 = torch.stack([e.down_proj.weight for e in self.experts])
+                               for e in self.experts.values()])
+            fc2 = torch.stack([e.down_proj.weight for e in self.experts.values()])
             return torch.ops.dflash_onnx.moe(flat, self.gate(flat), fc1, None, fc2, None, self.top_k,
                                              self.norm_topk_prob, 1.0, 0.0, math.inf)
         weights, idx = self.route(flat)
         out = torch.zeros_like(flat)
         if exporting():  # every expert over every token, weighted 0 where not chosen (no data-dependent shapes)
-            for e, expert in enumerate(self.experts):
-                out = out + expert.partial(flat) * (weights * (idx == e)).sum(-1, keepdim=True)
+            for e, expert in self.experts.items():
+                out = out + expert.partial(flat) * (weights * (idx == int(e))).sum(-1, keepdim=True)
             return out
         # Expert by expert over the tokens routed to it, in expert order, as transformers adds them.
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(idx == e)
+        for e, expert in self.experts.items():
+            token, slot = torch.where(idx == int(e))
             if token.numel():
                 out.index_add_(0, token, (expert.partial(flat[token]) * weights[token, slot, None]).to(out.dtype))
         return out

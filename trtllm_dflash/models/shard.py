@@ -11,8 +11,9 @@ The rules are TensorRT-LLM's (docs/tensorrt-llm.md §Tensor parallelism), applie
   columns 2i, 2i+1 stay on one rank, down_proj by rows, down_proj_bias replicated and added by rank 0) or
   by whole experts ("ep": every expert tensor by dim 0); quantized experts' block scales (`<p>_weight_scale`) are
   cut like their weights, their per-tensor scales replicated;
-- Qwen3 MoE: every expert (`mlp.experts.{e}.gate_proj` ...) cut like a dense MLP of moe_intermediate_size, the
-  router (`mlp.gate`) replicated;
+- Qwen3 MoE: the router (`mlp.gate`) replicated; the experts (`mlp.experts.{e}.gate_proj` ...) either each cut like a
+  dense MLP of moe_intermediate_size (`moe_parallel` "tp") or whole, expert e on rank e // (num_experts / tp_size)
+  only ("ep": `holds` says which tensors a rank's file has);
 - Gemma 4: each layer split by its own head_dim and KV heads (full layers: global_head_dim,
   num_global_key_value_heads; `DecoderSpec.layer_spec`); its layer_scalar replicated like the norms;
 - replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
@@ -46,6 +47,7 @@ _LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
 # (quantized experts, quantize/experts.py: `<p>_weight_scale` is cut like `<p>`; the scalar scales are replicated)
+_ROUTED_EXPERT = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(\d+)\.")
 _EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"
                       r"(_bias|_weight_scale|_weight_scale_2|_input_scale)?$")
 
@@ -107,6 +109,21 @@ def _expert_split(weight: str, bias: bool, spec: DecoderSpec, tp_size: int, rank
     return Split(1 if bias else 2, 2 * rank * per, 2 * (rank + 1) * per, 2 * inter)
 
 
+def routed_experts_of(spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str = "tp") -> range:
+    """The routed experts (Qwen3 MoE) rank holds: all of them (a slice of each) under "tp", its own under "ep"."""
+    if moe_parallel != "ep":
+        return range(spec.routed_experts)
+    per = spec.routed_experts // tp_size
+    return range(rank * per, (rank + 1) * per)
+
+
+def holds(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str = "tp") -> bool:
+    """Whether rank's file has tensor `name` at all: every tensor does, but the routed experts of other ranks under
+    moe_parallel "ep"."""
+    expert = _ROUTED_EXPERT.search(name) if spec.routed_experts else None
+    return expert is None or int(expert.group(1)) in routed_experts_of(spec, tp_size, rank, moe_parallel)
+
+
 def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str = "tp") -> Split | None:
     """The slice of tensor `name` (HF / z-lab name) rank holds; None = replicated."""
     if name in _VOCAB:
@@ -129,7 +146,9 @@ def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_paralle
     if leaf not in ("weight", "bias", "weight_scale"):
         return None  # per-tensor scales: replicated
     hd, inter = spec.head_dim, spec.intermediate_size
-    if ".experts." in module:  # Qwen3 MoE: each expert cut as a dense MLP of its own width
+    if ".experts." in module:  # Qwen3 MoE: each expert cut as a dense MLP of its own width, or whole under "ep"
+        if moe_parallel == "ep":
+            return None
         inter = spec.moe_intermediate_size
     if module.endswith(("o_proj", "down_proj")):
         if leaf == "bias":
@@ -186,7 +205,10 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
                             "so moe_parallel: ep cannot give every rank the same number of experts.")
     elif spec.intermediate_size % tp_size:
         raise UserError(f"{what}: intermediate_size {spec.intermediate_size} is not divisible by tp_size {tp_size}.")
-    if spec.routed_experts and spec.moe_intermediate_size % tp_size:
+    if spec.routed_experts and moe_parallel == "ep" and spec.routed_experts % tp_size:
+        raise UserError(f"{what}: num_experts {spec.routed_experts} is not divisible by tp_size {tp_size}, so "
+                        "moe_parallel: ep cannot give every rank the same number of experts.")
+    if spec.routed_experts and moe_parallel != "ep" and spec.moe_intermediate_size % tp_size:
         raise UserError(f"{what}: moe_intermediate_size {spec.moe_intermediate_size} is not divisible by tp_size "
                         f"{tp_size}.")
     if quantized:
@@ -195,7 +217,7 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
         rows = [("o_proj input columns per rank", cut)]
         if not (spec.num_experts and moe_parallel == "ep"):  # (under "ep" every expert stays whole)
             rows.append(("intermediate_size / tp_size", spec.intermediate_size // tp_size))
-        if spec.routed_experts:
+        if spec.routed_experts and moe_parallel != "ep":
             rows.append(("moe_intermediate_size / tp_size", spec.moe_intermediate_size // tp_size))
         for field, n in rows:
             if n % ROW_ALIGN:

@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         fp32_weight = spec.is_gpt_oss or spec.is_gemma4
         self.self_attn = AttentionProjections(spec.layer_spec(layer), tp)
         self.mlp = (MoEMLP(spec, tp, moe_parallel) if spec.num_experts else
-                    SparseMoE(spec, tp) if spec.is_sparse(layer) else MLP(spec, tp))
+                    SparseMoE(spec, tp, moe_parallel) if spec.is_sparse(layer) else MLP(spec, tp))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
         self.sandwich = spec.is_gemma4  # Gemma 4: norms after attention and around the MLP, and a layer scalar
@@ -131,6 +131,11 @@ class TargetModel(nn.Module):
         the model has means expert parallelism."""
         experts = state_dict.get("model.layers.0.mlp.experts.gate_up_proj")
         moe_parallel: MoEParallel = "ep" if experts is not None and experts.shape[0] < spec.num_experts else "tp"
+        sparse = next((i for i in range(spec.num_layers) if spec.is_sparse(i)), None)
+        if sparse is not None:  # Qwen3 MoE: under "ep" a rank's shard has its own experts only
+            prefix = f"model.layers.{sparse}.mlp.experts."
+            held = {n[len(prefix):].split(".")[0] for n in state_dict if n.startswith(prefix)}
+            moe_parallel = "ep" if len(held) < spec.routed_experts else "tp"
         with torch.device("meta"):
             model = cls(spec, tp, moe_parallel)
         missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
