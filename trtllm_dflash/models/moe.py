@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtllm_dflash.models.layers import exporting
+from trtllm_dflash.models.layers import MLP, exporting
+from trtllm_dflash.models.shard import routed_experts_of
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
@@ -206,9 +207,6 @@ class SparseMoE(nn.Module):
 
     def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE, parallel: MoEParallel = "tp"):
         super().__init__()
-        from trtllm_dflash.models.layers import MLP
-        from trtllm_dflash.models.shard import routed_experts_of
-
         self.tp, self.top_k, self.norm_topk_prob = tp, spec.num_experts_per_tok, spec.norm_topk_prob
         self.gate = nn.Linear(spec.hidden_size, spec.routed_experts, bias=False)
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size, mlp_bias=False)
