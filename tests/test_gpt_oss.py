@@ -421,3 +421,30 @@ def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(
         plan = build_plan(rtx, graph_dir(gpt_oss_trt_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
                           shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
         assert len(plan) > 100_000, graph
+
+
+def test_sliding_layers_read_only_their_window(pair):
+    """A pass whose sliding layers read keys from the window's first block on (`window_key`, what the torch executor
+    passes: its rows' smallest start - window + 1, rounded down to 16) gives the logits of one that reads every key,
+    from the static cache and from a paged one."""
+    from trtllm_dflash.runtime.executor import HostRows, TorchExecutor
+    from trtllm_dflash.runtime.kv_blocks import BlockTables, PagedKVCache
+    from trtllm_dflash.runtime.executor import cache_shape
+
+    ours, _ = ours_and_hf(pair / "target", pair / "target")
+    g = torch.Generator().manual_seed(4)
+    starts = torch.tensor([60, 70])
+    seqs = torch.randint(4, ours.spec.vocab_size, (2, 80), generator=g)
+    tables = BlockTables(20, 2, 128, 16, "cpu", window=None)
+    for slot in range(2):
+        tables.reserve(slot, 128)
+    for cache in (ours.new_cache(2, 128), PagedKVCache(tables, cache_shape(ours), torch.float32, "cpu")):
+        slots = torch.tensor([0, 1])
+        ours(seqs[:, :70], torch.arange(70).expand(2, 70), slots, cache)  # both rows' prompts (row 0 re-written below)
+        block = torch.stack([seqs[r, s:s + 8] for r, s in enumerate(starts.tolist())])
+        positions = starts[:, None] + torch.arange(8)
+        full = ours(block, positions, slots, cache, kv_len=80).logits
+        windowed = ours(block, positions, slots, cache, kv_len=80, window_key=48).logits
+        torch.testing.assert_close(windowed, full, atol=1e-6, rtol=1e-6)
+    executor = TorchExecutor(ours, None, 2, 120)
+    assert executor._window_key(HostRows((0, 1), (60, 70))) == 48 and executor._window_key(None) == 0

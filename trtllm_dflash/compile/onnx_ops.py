@@ -358,12 +358,12 @@ class GraphKVCache:
         self.keys[layer] = tensor_scatter(self.keys[layer], k.transpose(1, 2), start)
         self.values[layer] = tensor_scatter(self.values[layer], v.transpose(1, 2), start)
 
-    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> k, v: [B, length, kv_heads, hd]; the bound rows are the batch's own (`run` is KVCache.read's)
+        # -> k, v: [B, length - first, kv_heads, hd]; the bound rows are the batch's own (`run` is KVCache.read's)
         torch._check(length <= self.keys[layer].shape[2])
-        return (self.keys[layer][:, :, :length].transpose(1, 2),
-                self.values[layer][:, :, :length].transpose(1, 2))
+        return (self.keys[layer][:, :, first:length].transpose(1, 2),
+                self.values[layer][:, :, first:length].transpose(1, 2))
 
     def present(self) -> list[torch.Tensor]:
         """[k_0, v_0, k_1, v_1, ...] after the writes."""

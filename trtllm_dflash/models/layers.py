@@ -297,13 +297,13 @@ class KVCache:
         self.k[layer][rows, positions] = k
         self.v[layer][rows, positions] = v
 
-    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, length, kv_heads, hd] of the slots' first `length` positions. With `run` (the slots as one slice of
-        consecutive slots, known on the host), views of the cache: nothing is copied. Otherwise a copy:
-        index_select on the [:, :length] view copies the same rows as advanced indexing [slots, :length], 2.5x
-        (batch 1) to 4.5x (batch 8) faster on the CPU."""
+        """K, V [B, length - first, kv_heads, hd] of the slots' positions first .. length - 1. With `run` (the slots as
+        one slice of consecutive slots, known on the host), views of the cache: nothing is copied. Otherwise a copy:
+        index_select on the [:, first:length] view copies the same rows as advanced indexing [slots, first:length],
+        2.5x (batch 1) to 4.5x (batch 8) faster on the CPU."""
         if run is not None:
-            return self.k[layer][run, :length], self.v[layer][run, :length]
-        return (self.k[layer][:, :length].index_select(0, slots),
-                self.v[layer][:, :length].index_select(0, slots))
+            return self.k[layer][run, first:length], self.v[layer][run, first:length]
+        return (self.k[layer][:, first:length].index_select(0, slots),
+                self.v[layer][:, first:length].index_select(0, slots))

@@ -65,13 +65,15 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
             self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask, run: slice | None = None):
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask, run: slice | None = None,
+                first_key: int = 0):
+        """`mask` [B, T, keys] covers positions first_key .. first_key + keys - 1 (a sliding layer's window)."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = apply_rotary(attn.query(h), cos, sin)
         k, v = attn.key_value(h)
         cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
-        k_all, v_all = cache.read(layer_idx, slots, mask.shape[-1], run)
+        k_all, v_all = cache.read(layer_idx, slots, first_key + mask.shape[-1], run, first_key)
         attended = attn.output(attend(q, k_all, v_all, mask, attn.sinks, attn.scale))
         if not self.sandwich:
             x = x + attended
@@ -157,6 +159,7 @@ class TargetModel(nn.Module):
         last_index: torch.Tensor | None = None,  # [B]: return logits only at this column per row
         kv_len: int | None = None,  # keys attended: at least max(positions) + 1, known on the host (None: read it)
         run: slice | None = None,  # the slots as one slice of consecutive slots (the caches are then read as views)
+        window_key: int = 0,  # sliding layers read keys from this position on (none of their queries sees one before)
     ) -> TargetOutput:
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
@@ -166,12 +169,14 @@ class TargetModel(nn.Module):
         key_pos = torch.arange(kv_len, device=x.device)
         causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
         window = self.spec.sliding_window
-        sliding = causal & (key_pos[None, None, :] > positions[:, :, None] - window) if window else causal
+        sliding = (causal & (key_pos[None, None, :] > positions[:, :, None] - window))[..., window_key:] if window \
+            else causal
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            mask = sliding if self.spec.is_sliding(i) else causal
+            windowed = self.spec.is_sliding(i)
             cos, sin = rope[self.rope_keys[i]]
-            x = layer(x, cos, sin, cache, i, slots, positions, mask, run)
+            x = layer(x, cos, sin, cache, i, slots, positions, sliding if windowed else causal, run,
+                      window_key if windowed else 0)
             if i in capture_layers:
                 captured[i] = x
         x = self.model.norm(x)

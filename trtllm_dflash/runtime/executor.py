@@ -291,17 +291,28 @@ class TorchExecutor:
         if self.graphs is not None and rows is not None and last_index is None and T <= self._graph_tokens:
             return StepOutput(*self.graphs.target(token_ids, starts, slots, capture, rows.slots, rows.attended(T)))
         kv_len, run = self._attended(rows, T, self.target_cache)
-        return StepOutput(*self._target_pass(token_ids, starts, slots, capture, kv_len, run, last_index))
+        return StepOutput(*self._target_pass(token_ids, starts, slots, capture, kv_len, run, last_index,
+                                             self._window_key(rows)))
 
     def _target_pass(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, capture: bool,
-                     kv_len: int | None, run: slice | None, last_index: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     kv_len: int | None, run: slice | None, last_index: torch.Tensor | None = None,
+                     window_key: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, hidden) of one target pass attending `kv_len` keys (None: read from the positions), the caches
-        read as views of `run` (None: by index)."""
+        read as views of `run` (None: by index), sliding layers from position `window_key` on."""
         positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
         layers = self.drafter.params.target_layer_ids if capture else ()
-        out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index, kv_len, run)
+        out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index, kv_len, run,
+                          window_key)
         return out.logits, out.hidden
+
+    def _window_key(self, rows: HostRows | None) -> int:
+        """The first key a sliding layer's query of this pass can see (the earliest row's start - window + 1), rounded
+        down to a multiple of KV_BUCKET; 0 without sliding layers or without `rows`. Its reads and masks start there:
+        the window's keys, not the whole context's."""
+        window = self.target.spec.sliding_window
+        if window is None or rows is None:
+            return 0
+        return max(0, min(rows.starts) - window + 1) // KV_BUCKET * KV_BUCKET
 
     @torch.inference_mode()
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:

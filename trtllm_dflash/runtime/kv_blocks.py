@@ -308,16 +308,16 @@ class PagedKVCache:
         self.k[layer][rows] = k
         self.v[layer][rows] = v
 
-    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None
+    def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, length, kv_heads, hd] of the slots' positions 0 .. length - 1: views when the batch is one slot
-        (`run`, known on the host) whose blocks are consecutive, else gathered (a copy)."""
+        """K, V [B, length - first, kv_heads, hd] of the slots' positions first .. length - 1: views when the batch is
+        one slot (`run`, known on the host) whose blocks are consecutive, else gathered (a copy)."""
         tables = self.layer_tables[layer]
         if run is not None and run.stop - run.start == 1:
-            first = tables.first_row(run.start, length)
-            if first is not None:
-                return self.k[layer][None, first:first + length], self.v[layer][None, first:first + length]
-        rows = self._rows_of(tables, slots, length)
+            row = tables.first_row(run.start, length)
+            if row is not None:
+                return self.k[layer][None, row + first:row + length], self.v[layer][None, row + first:row + length]
+        rows = self._rows_of(tables, slots, length)[:, first:]
         return self.k[layer][rows], self.v[layer][rows]
 
     def _rows_of(self, tables: BlockTables, slots: torch.Tensor, where: torch.Tensor | int) -> torch.Tensor:
