@@ -78,6 +78,29 @@ def bias_target(pair_dir: Path, token: int = BIAS_TOKEN, share: float = 0.85) ->
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
+def family_requests(vocab_size: int) -> list[Request]:
+    """The model-family tests' greedy requests: 5 of different lengths on 4 slots, so one joins mid-run."""
+    g = torch.Generator().manual_seed(0)
+    lengths, max_new = [3, 20, 9, 1, 14], [12, 20, 5, 16, 9]
+    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab_size, (n,), generator=g).tolist(), max_new_tokens=m)
+            for i, (n, m) in enumerate(zip(lengths, max_new))]
+
+
+def assert_dflash_equals_ar_equals_generate(engine: Engine, hf, reqs: list[Request]) -> None:
+    """Greedy: the engine's dflash and ar tokens are transformers' `hf.generate()`'s for every request, and varied
+    (not one token repeated)."""
+    from trtllm_dflash.runtime.decoding import Decoder
+
+    dflash = {r.request.id: r for r in Decoder.for_mode(engine.executor, "dflash", ()).generate(reqs)}
+    ar = {r.request.id: r for r in Decoder.for_mode(engine.executor, "ar", ()).generate(reqs)}
+    for req in reqs:
+        ids = torch.tensor([req.prompt_token_ids])
+        want = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+        assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == want, req.id
+    assert len({t for r in ar.values() for t in r.output_token_ids}) > 10  # varied tokens, not one repeated
+
+
 def build(pair_dir: Path, out: Path, dtype: str = "float32", max_batch_size: int = 8,
           max_seq_len: int = 512) -> Path:
     cfg = BuildConfig(target=pair_dir / "target", drafter=pair_dir / "drafter", output=out, dtype=dtype,

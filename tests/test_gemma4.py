@@ -21,7 +21,8 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
 
-from tests.conftest import build
+from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_pair, load_target, target_tensor_shapes
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.engine_dir import rank_file
@@ -29,7 +30,6 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.shard import check_tp
 from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.random_pair import write_random_pair
 
@@ -124,26 +124,12 @@ def test_incremental_decoding_with_cache_equals_full_forward(pair):
         torch.testing.assert_close(torch.cat(got[row]), ref[n:n + 7], atol=2e-5, rtol=1e-4)
 
 
-def requests(vocab_size: int) -> list[Request]:
-    g = torch.Generator().manual_seed(0)
-    lengths, max_new = [3, 20, 9, 1, 14], [12, 20, 5, 16, 9]  # 5 requests on 4 slots: one joins mid-run
-    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab_size, (n,), generator=g).tolist(), max_new_tokens=m)
-            for i, (n, m) in enumerate(zip(lengths, max_new))]
-
-
 def test_greedy_dflash_equals_ar_equals_hf_generate(pair, tmp_path):
     engine = Engine.load(build(pair, tmp_path / "engine", max_batch_size=4))
     assert engine.executor.drafter.spec.input_embedding_scale == 8.0  # sqrt(hidden), from dflash_config
     hf = AutoModelForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
     reqs = requests(engine.executor.vocab_size)
-    dflash = {r.request.id: r for r in Decoder.for_mode(engine.executor, "dflash", ()).generate(reqs)}
-    ar = {r.request.id: r for r in Decoder.for_mode(engine.executor, "ar", ()).generate(reqs)}
-    for req in reqs:
-        ids = torch.tensor([req.prompt_token_ids])
-        want = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
-        assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == want, req.id
-    assert len({t for r in ar.values() for t in r.output_token_ids}) > 10  # varied tokens, not one repeated
+    assert_dflash_equals_ar_equals_generate(engine, hf, reqs)
 
 
 def test_drafter_scales_its_block_embeddings(pair):

@@ -20,13 +20,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from tests.conftest import build
+from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import expert_weight_shapes, load_target
 from trtllm_dflash.checkpoint.mxfp4 import FP4_VALUES, dequantize_mxfp4
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.engine_dir import rank_file
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,13 +143,6 @@ def test_incremental_decoding_with_cache_equals_full_forward(pair):
         torch.testing.assert_close(torch.cat(got[row]), ref[n:n + 7], atol=2e-5, rtol=1e-4)
 
 
-def requests(vocab_size: int) -> list[Request]:
-    g = torch.Generator().manual_seed(0)
-    lengths, max_new = [3, 20, 9, 1, 14], [12, 20, 5, 16, 9]  # 5 requests on 4 slots: one joins mid-run
-    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab_size, (n,), generator=g).tolist(), max_new_tokens=m)
-            for i, (n, m) in enumerate(zip(lengths, max_new))]
-
-
 @pytest.mark.parametrize("fmt", ["hf", "mxfp4"])
 def test_greedy_dflash_equals_ar_equals_hf_generate(pair, mxfp4_pair, tmp_path, fmt):
     src = pair if fmt == "hf" else mxfp4_pair
@@ -156,14 +150,7 @@ def test_greedy_dflash_equals_ar_equals_hf_generate(pair, mxfp4_pair, tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(str(pair / "target" if fmt == "hf" else mxfp4_pair / "reference"),
                                               dtype=torch.float32).eval()
     reqs = requests(engine.executor.vocab_size)
-    dflash = {r.request.id: r for r in Decoder.for_mode(engine.executor, "dflash", ()).generate(reqs)}
-    ar = {r.request.id: r for r in Decoder.for_mode(engine.executor, "ar", ()).generate(reqs)}
-    for req in reqs:
-        ids = torch.tensor([req.prompt_token_ids])
-        want = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
-        assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == want, req.id
-    assert len({t for r in ar.values() for t in r.output_token_ids}) > 10  # varied tokens, not one repeated
+    assert_dflash_equals_ar_equals_generate(engine, hf, reqs)
 
 
 # --- tensor / expert parallelism ---------------------------------------------------------------------------

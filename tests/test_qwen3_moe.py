@@ -20,7 +20,8 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import build
+from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_target, target_tensor_shapes
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.engine_dir import rank_file
@@ -174,25 +175,11 @@ def test_onnxruntime_runs_the_experts_as_one_op(pair, tmp_path):
         assert {r.request.id: r.output_token_ids for r in ort.decoder(mode).generate(reqs)} == expected, mode
 
 
-def requests(vocab_size: int) -> list[Request]:
-    g = torch.Generator().manual_seed(0)
-    lengths, max_new = [3, 20, 9, 1, 14], [12, 20, 5, 16, 9]  # 5 requests on 4 slots: one joins mid-run
-    return [Request(id=i, prompt_token_ids=torch.randint(4, vocab_size, (n,), generator=g).tolist(), max_new_tokens=m)
-            for i, (n, m) in enumerate(zip(lengths, max_new))]
-
-
 def test_greedy_dflash_equals_ar_equals_hf_generate_and_sampled_dflash_equals_ar(pair, tmp_path):
     engine = Engine.load(build(pair, tmp_path / "engine", max_batch_size=4))
     hf = AutoModelForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
     reqs = requests(engine.executor.vocab_size)
-    dflash = {r.request.id: r for r in Decoder.for_mode(engine.executor, "dflash", ()).generate(reqs)}
-    ar = {r.request.id: r for r in Decoder.for_mode(engine.executor, "ar", ()).generate(reqs)}
-    for req in reqs:
-        ids = torch.tensor([req.prompt_token_ids])
-        want = hf.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
-        assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == want, req.id
-    assert len({t for r in ar.values() for t in r.output_token_ids}) > 10  # varied tokens, not one repeated
+    assert_dflash_equals_ar_equals_generate(engine, hf, reqs)
     sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=11 + r.id)
                for r in reqs]
     tokens = {mode: {r.request.id: r.output_token_ids for r in Decoder.for_mode(engine.executor, mode, ()).generate(sampled)}
