@@ -169,8 +169,11 @@ class TargetModel(nn.Module):
         key_pos = torch.arange(kv_len, device=x.device)
         causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
         window = self.spec.sliding_window
-        sliding = (causal & (key_pos[None, None, :] > positions[:, :, None] - window))[..., window_key:] if window \
-            else causal
+        if window:  # over keys window_key .. kv_len - 1 only: the mask is built for the keys the layers read
+            seen = key_pos[None, None, window_key:]
+            sliding = (seen <= positions[:, :, None]) & (seen > positions[:, :, None] - window)
+        else:
+            sliding = causal
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             windowed = self.spec.is_sliding(i)
