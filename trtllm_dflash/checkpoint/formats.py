@@ -21,7 +21,7 @@ from trtllm_dflash.checkpoint.tensors import RenamedSafetensorsDir, SafetensorsD
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object, require_dir
 from trtllm_dflash.models.spec import (
-    GEMMA4_MULTIMODAL,
+    MULTIMODAL,
     DecoderSpec,
     DFlashParams,
     build_target_layer_ids,
@@ -59,6 +59,11 @@ def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, t
                    "layer_scalar": (1,)}
     if spec.mlp_bias:
         shapes |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
+    if spec.is_qwen3_5:  # q_proj: each head's query and output gate
+        shapes["self_attn.q_proj.weight"] = (2 * q, h)
+    if spec.is_linear(layer):  # Qwen3.5's Gated DeltaNet instead of attention
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("self_attn.")}
+        shapes |= {f"linear_attn.{name}": shape for name, shape in _linear_attention_shapes(spec).items()}
     if spec.is_sparse(layer):  # Qwen3 MoE: a router and SwiGLU experts stored one by one
         shapes = {name: shape for name, shape in shapes.items() if not name.startswith("mlp.")}
         e, m = spec.routed_experts, spec.moe_intermediate_size
@@ -67,6 +72,15 @@ def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, t
             shapes |= {f"mlp.experts.{x}.gate_proj.weight": (m, h), f"mlp.experts.{x}.up_proj.weight": (m, h),
                        f"mlp.experts.{x}.down_proj.weight": (h, m)}
     return {f"{prefix}{name}": shape for name, shape in shapes.items()}
+
+
+def _linear_attention_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (transformers' Qwen3_5GatedDeltaNet)."""
+    h, nv, dv = spec.hidden_size, spec.linear_num_value_heads, spec.linear_value_head_dim
+    channels = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + nv * dv
+    return {"in_proj_qkv.weight": (channels, h), "in_proj_z.weight": (nv * dv, h), "in_proj_b.weight": (nv, h),
+            "in_proj_a.weight": (nv, h), "conv1d.weight": (channels, 1, spec.linear_conv_kernel), "dt_bias": (nv,),
+            "A_log": (nv,), "norm.weight": (dv,), "out_proj.weight": (h, nv * dv)}
 
 
 def expert_weight_shapes(spec: DecoderSpec) -> dict[str, tuple[int, int, int]]:
@@ -161,7 +175,7 @@ class DrafterCheckpoint:
 
 def _spec_from(raw: dict, config_path: Path) -> DecoderSpec:
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    multimodal = raw.get("model_type") == GEMMA4_MULTIMODAL  # (its text_config holds the fields)
+    multimodal = raw.get("model_type") in MULTIMODAL  # (its text_config holds the fields)
     fields = raw.get("text_config") if multimodal else raw
     for key in required:
         if not isinstance(fields, dict) or key not in fields:
@@ -194,18 +208,22 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(ids)
 
 
-# A multimodal Gemma 4 directory (Gemma4ForConditionalGeneration) stores its text model under this prefix; its
-# vision / audio towers are not read.
-GEMMA4_TEXT_PREFIX = "model.language_model."
+# A multimodal Gemma 4 / Qwen3.5 directory (Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration) stores
+# its text model under this prefix (and the lm_head, when not tied, as a causal LM does); its vision / audio towers
+# and Qwen3.5's multi-token-prediction head (`mtp.`) are not read.
+MULTIMODAL_TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
 
 
 def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: Path) -> SafetensorsDir:
     """The target's tensors under their HF names; a published MXFP4 gpt-oss checkpoint's experts dequantized."""
-    if raw.get("model_type") == GEMMA4_MULTIMODAL:
+    if raw.get("model_type") in MULTIMODAL:
         if isinstance(raw.get("quantization_config"), dict):
-            raise UserError(f"{config_path}: quantized Gemma 4 checkpoints (quantization_config) are not supported; "
-                            "use the bfloat16 checkpoint.")
-        return RenamedSafetensorsDir(directory, {GEMMA4_TEXT_PREFIX: "model."})
+            raise UserError(f"{config_path}: quantized {raw['model_type']} checkpoints (quantization_config) are not "
+                            "supported; use the bfloat16 checkpoint.")
+        return RenamedSafetensorsDir(directory, MULTIMODAL_TEXT_PREFIXES)
+    if spec.is_qwen3_5 and isinstance(raw.get("quantization_config"), dict):
+        raise UserError(f"{config_path}: quantized Qwen3.5 checkpoints (quantization_config) are not supported; use "
+                        "the bfloat16 checkpoint.")
     quant = raw.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if not spec.num_experts or method is None:

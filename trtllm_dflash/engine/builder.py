@@ -89,17 +89,21 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
                         f"'trtllm-dflash[onnx]' ({exc}).") from None
 
 
-def check_gemma4_target(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What a Gemma 4 target can be built into today: the torch executor (the exported graphs have one head_dim
-    and the default attention scale), unquantized (ModelOpt's export of Gemma 4 is not wired in yet)."""
-    if not spec.is_gemma4:
+def check_target_family(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
+    """What Gemma 4 and Qwen3.5 targets can be built into today: the torch executor (the exported graphs have one
+    head_dim, the default attention scale and KV caches only), unquantized (ModelOpt's export of these families is not
+    wired in yet)."""
+    why = ("per-layer-type head dims, attention scale 1, soft-capped logits" if spec.is_gemma4 else
+           "Gated DeltaNet layers, whose recurrent state per request and position the graphs have no inputs for"
+           if spec.is_qwen3_5 else None)
+    if why is None:
         return
     if cfg.quantization != "none":
         raise UserError(f"{source}: quantization {cfg.quantization} of {spec.model_type} targets is not supported "
                         "yet; use quantization: none.")
     if cfg.backend != "torch":
-        raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (per-layer-type "
-                        "head dims, attention scale 1, soft-capped logits); use backend: torch for this engine.")
+        raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet ({why}); use "
+                        "backend: torch for this engine.")
 
 
 def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: str) -> None:
@@ -205,7 +209,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
                 f"{target.spec.max_position_embeddings}."
             )
-        check_gemma4_target(cfg, target.spec, source)
+        check_target_family(cfg, target.spec, source)
         check_tp(target.spec, cfg.tp_size, f"{source}: target {cfg.target}", cfg.quantization != "none",
                  cfg.moe_parallel)
         check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)

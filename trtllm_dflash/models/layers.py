@@ -29,21 +29,21 @@ def exporting() -> bool:
 
 class RMSNorm(nn.Module):
     """`weight_in_fp32`: gpt-oss and Gemma 4 scale by the weight before casting back (one rounding in bf16),
-    Llama / Qwen3 after."""
+    Llama / Qwen3 after. `offset`: Qwen3.5 stores weight - 1 (zero-centred) and scales by 1 + weight, in fp32."""
 
-    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.weight_in_fp32, self.offset = eps, weight_in_fp32 or offset, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if exporting() and dtype == torch.float32:  # one RMSNormalization node (opset 23) instead of six elementwise
+        if exporting() and dtype == torch.float32 and not self.offset:  # one RMSNormalization node (opset 23)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_in_fp32:
-            return (self.weight.float() * x32).to(dtype)
+            return ((self.weight.float() + 1.0 if self.offset else self.weight.float()) * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -76,7 +76,10 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, heads, head_dim]
+    # x: [B, T, heads, head_dim]; tables narrower than head_dim (Qwen3.5's partial RoPE) rotate the first dims only
+    rotated_dims = cos.shape[-1] * (2 if exporting() else 1)
+    if rotated_dims < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]), dim=-1)
     if exporting():  # cos, sin: [B, T, head_dim / 2]; the op takes [B, heads, T, head_dim]
         return torch.ops.onnx.RotaryEmbedding.opset23(x.transpose(1, 2), cos, sin).transpose(1, 2)
     half = x.shape[-1] // 2
@@ -113,7 +116,9 @@ class MLP(nn.Module):
 class AttentionProjections(nn.Module):
     """q/k/v/o projections (+ Qwen3's per-head q_norm/k_norm), named as in HF checkpoints. `spec` is the
     layer's (`DecoderSpec.layer_spec`): Gemma 4 full layers have their own head_dim and KV heads, and with
-    attention_k_eq_v no v_proj (V = the k_proj output); Gemma 4 also norms V (without a weight).
+    attention_k_eq_v no v_proj (V = the k_proj output); Gemma 4 also norms V (without a weight). Qwen3.5: q_proj
+    gives each head its query and an output gate ([heads, 2 * head_dim]), and the attention output is multiplied by
+    sigmoid(gate) before o_proj.
 
     Under tensor parallelism (models/shard.py) this rank holds its query and KV heads, and the o_proj
     input columns it multiplies (`o_columns`, a slice of its attention output); `output` all-reduces.
@@ -126,15 +131,16 @@ class AttentionProjections(nn.Module):
         cols = o_proj_columns(spec, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads, self.head_dim, self.tp = len(heads), len(kv), hd, tp
         self.o_columns = slice(cols.start - heads.start * hd, cols.stop - heads.start * hd)
-        self.q_proj = nn.Linear(h, len(heads) * hd, bias=bias)
+        self.output_gate = spec.is_qwen3_5
+        self.q_proj = nn.Linear(h, len(heads) * hd * (2 if self.output_gate else 1), bias=bias)
         self.k_proj = nn.Linear(h, len(kv) * hd, bias=bias)
         self.v_proj = None if spec.attention_k_eq_v else nn.Linear(h, len(kv) * hd, bias=bias)
         self.v_norm_eps = spec.rms_norm_eps if spec.is_gemma4 else None
         self.scale = spec.attention_scale  # None: SDPA's default head_dim ** -0.5
         self.o_proj = nn.Linear(len(cols), h, bias=bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.is_gemma4)
-            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.is_gemma4)
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.is_gemma4, spec.is_qwen3_5)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.is_gemma4, spec.is_qwen3_5)
         else:
             self.q_norm = self.k_norm = None
         # gpt-oss: one learned sink logit per query head (this rank's heads under tp)
@@ -142,8 +148,18 @@ class AttentionProjections(nn.Module):
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, T, heads, head_dim]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        return self.q_norm(q) if self.q_norm is not None else q
+        return self.query_and_gate(x)[0]
+
+    def query_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, hidden] -> the query [B, T, heads, head_dim] (normed, not yet roped) and Qwen3.5's output gate
+        [B, T, heads * head_dim] (None for the other families)."""
+        q, gate = self.q_proj(x), None
+        if self.output_gate:
+            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+            gate = gate.flatten(2)
+        else:
+            q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        return (self.q_norm(q) if self.q_norm is not None else q), gate
 
     def key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, T, hidden] -> k, v: [B, T, kv_heads, head_dim] (k normed, not yet roped)
@@ -153,8 +169,10 @@ class AttentionProjections(nn.Module):
             v = rms_normalize(v, self.v_norm_eps)
         return (self.k_norm(k) if self.k_norm is not None else k), v
 
-    def output(self, attended: torch.Tensor) -> torch.Tensor:
-        # attended: [B, T, heads * head_dim] -> [B, T, hidden], summed over the ranks
+    def output(self, attended: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        # attended (and Qwen3.5's gate): [B, T, heads * head_dim] -> [B, T, hidden], summed over the ranks
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
         return self.tp.all_reduce(self.o_proj(attended[..., self.o_columns]))
 
 

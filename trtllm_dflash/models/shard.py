@@ -14,6 +14,10 @@ The rules are TensorRT-LLM's (docs/tensorrt-llm.md §Tensor parallelism), applie
 - Qwen3 MoE: the router (`mlp.gate`) replicated; the experts (`mlp.experts.{e}.gate_proj` ...) either each cut like a
   dense MLP of moe_intermediate_size (`moe_parallel` "tp") or whole, expert e on rank e // (num_experts / tp_size)
   only ("ep": `holds` says which tensors a rank's file has);
+- Qwen3.5: q_proj by query heads of [query; gate] rows (2 x head_dim each); a Gated DeltaNet layer by its key and
+  value heads: in_proj_qkv and the conv's channels are three parts (q, k by key heads, v by value heads), each cut
+  alike (`Split.parts`); in_proj_z, in_proj_a / in_proj_b, dt_bias and A_log by value heads; out_proj row-parallel;
+  its gated norm (over one head's values) replicated;
 - Gemma 4: each layer split by its own head_dim and KV heads (full layers: global_head_dim,
   num_global_key_value_heads; `DecoderSpec.layer_spec`); its layer_scalar replicated like the norms;
 - replicated: norms, q_norm / k_norm, the drafter's fc and hidden_norm, biases of row-parallel linears
@@ -46,6 +50,7 @@ _LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.
                      r"\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
+_LINEAR_ATTN = re.compile(r"(?:^|\.)layers\.\d+\.linear_attn\.(\w+?)(?:\.(\w+))?$")
 # (quantized experts, quantize/experts.py: `<p>_weight_scale` is cut like `<p>`; the scalar scales are replicated)
 _ROUTED_EXPERT = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(\d+)\.")
 _EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"
@@ -54,12 +59,15 @@ _EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_pr
 
 @dataclass(frozen=True)
 class Split:
-    """Rank's range [start, stop) of the logical dimension `dim` (of logical size `full`)."""
+    """Rank's range [start, stop) of the logical dimension `dim` (of logical size `full`). With `parts`, the dimension
+    is those consecutive parts (their sizes) and the rank holds the same fraction [start / full, stop / full) of each
+    (a Gated DeltaNet's q, k and v channels)."""
 
     dim: int
     start: int
     stop: int
     full: int
+    parts: tuple[int, ...] = ()
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -124,8 +132,28 @@ def holds(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: s
     return expert is None or int(expert.group(1)) in routed_experts_of(spec, tp_size, rank, moe_parallel)
 
 
+def _linear_attention_split(module: str, leaf: str | None, spec: DecoderSpec, tp_size: int, rank: int
+                            ) -> Split | None:
+    """A Gated DeltaNet tensor's split: by key and value heads (every rank holds tp_size-th of each)."""
+    if leaf not in (None, "weight", "weight_scale") or module == "norm":
+        return None  # per-tensor scales, the gated norm: replicated
+    nk, nv = spec.linear_num_key_heads * spec.linear_key_head_dim, spec.linear_num_value_heads
+    values = nv * spec.linear_value_head_dim
+    if module in ("in_proj_qkv", "conv1d"):
+        return Split(0, rank, rank + 1, tp_size, parts=(nk, nk, values))
+    if module == "out_proj":
+        per = values // tp_size
+        return Split(1, rank * per, (rank + 1) * per, values)
+    full = values if module == "in_proj_z" else nv  # in_proj_a / in_proj_b / dt_bias / A_log: one row per head
+    per = full // tp_size
+    return Split(0, rank * per, (rank + 1) * per, full)
+
+
 def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str = "tp") -> Split | None:
     """The slice of tensor `name` (HF / z-lab name) rank holds; None = replicated."""
+    linear = _LINEAR_ATTN.search(name)
+    if linear is not None:
+        return _linear_attention_split(*linear.groups(), spec, tp_size, rank)
     if name in _VOCAB:
         per = padded_vocab(spec.vocab_size, tp_size) // tp_size
         return Split(0, rank * per, (rank + 1) * per, spec.vocab_size)
@@ -159,8 +187,8 @@ def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_paralle
         per = inter // tp_size
         return Split(1, rank * per, (rank + 1) * per, inter)
     if module.endswith("q_proj"):
-        heads = query_heads(spec, tp_size, rank)
-        return Split(0, heads.start * hd, heads.stop * hd, spec.num_heads * hd)
+        heads, rows = query_heads(spec, tp_size, rank), hd * (2 if spec.is_qwen3_5 else 1)  # (Qwen3.5: + its gate)
+        return Split(0, heads.start * rows, heads.stop * rows, spec.num_heads * rows)
     if module.endswith(("k_proj", "v_proj")):
         heads = kv_heads(spec, tp_size, rank)
         return Split(0, heads.start * hd, heads.stop * hd, spec.num_kv_heads * hd)
@@ -173,6 +201,14 @@ def shard_tensor(tensor: torch.Tensor, split: Split | None) -> torch.Tensor:
     if split is None or tensor.dim() <= split.dim:
         return tensor
     size = tensor.shape[split.dim]
+    if split.parts:
+        assert sum(split.parts) == size, (split, tensor.shape)
+        pieces, offset = [], 0
+        for part in split.parts:
+            lo, hi = part * split.start // split.full, part * split.stop // split.full
+            pieces.append(tensor.narrow(split.dim, offset + lo, hi - lo))
+            offset += part
+        return torch.cat(pieces, dim=split.dim)
     if split.dim == 0 and size == split.full and split.stop > size:  # a rank at the padded end of the vocabulary
         part = tensor[split.start: split.stop]
         pad = split.stop - split.start - part.shape[0]
@@ -199,6 +235,11 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
         if spec.num_heads < tp_size and hd % _replicas(spec.num_heads, tp_size):
             raise UserError(f"{what}: {field} {hd} cannot be shared by the "
                             f"{_replicas(spec.num_heads, tp_size)} ranks of each of its {spec.num_heads} heads.")
+    if spec.has_recurrent_state:
+        for field, n in (("linear_num_key_heads", spec.linear_num_key_heads),
+                         ("linear_num_value_heads", spec.linear_num_value_heads)):
+            if n % tp_size:
+                raise UserError(f"{what}: {field} {n} is not divisible by tp_size {tp_size}.")
     if spec.num_experts and moe_parallel == "ep":
         if spec.num_experts % tp_size:
             raise UserError(f"{what}: num_local_experts {spec.num_experts} is not divisible by tp_size {tp_size}, "

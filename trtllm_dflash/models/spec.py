@@ -22,7 +22,15 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import Gemma4TextConfig, GptOssConfig, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    Gemma4TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trtllm_dflash.errors import UserError
@@ -34,10 +42,16 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], bool]] = {
     "llama": (LlamaConfig, False),
     "gpt_oss": (GptOssConfig, False),  # mixture-of-experts MLP, attention sinks, sliding-window layers
     "gemma4_text": (Gemma4TextConfig, True),  # sandwich norms, per-layer-type head dims and RoPE, soft-capped logits
+    # Qwen3.5: Gated DeltaNet layers (a recurrent state per request) and gated full attention with partial RoPE
+    "qwen3_5_text": (Qwen3_5TextConfig, True),
 }
 # A multimodal Gemma 4 directory (Gemma4ForConditionalGeneration): its `text_config` is a gemma4_text config, and
 # its text weights are stored under `model.language_model.` (checkpoint/formats.py).
 GEMMA4_MULTIMODAL = "gemma4"
+# The same for Qwen3.5 (Qwen3_5ForConditionalGeneration, what the published Qwen3.5 directories are): a qwen3_5_text
+# `text_config`, its text weights under `model.language_model.`.
+QWEN3_5_MULTIMODAL = "qwen3_5"
+MULTIMODAL = {GEMMA4_MULTIMODAL: "gemma4_text", QWEN3_5_MULTIMODAL: "qwen3_5_text"}
 
 # Every HF config key we read; the engine keeps exactly these, so a config.json round-trips.
 _HF_KEYS = (
@@ -48,6 +62,8 @@ _HF_KEYS = (
     "hidden_activation", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
     "final_logit_softcapping", "hidden_size_per_layer_input", "input_embedding_scale",
     "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads",
 )
 
 # Gemma 4 parts outside the dense text model (the 31B), each refused with its own sentence: (field, is_used, what).
@@ -59,11 +75,12 @@ _GEMMA4_UNSUPPORTED = (
 )
 
 
-def gemma4_text_dict(raw: dict) -> dict:
-    """The gemma4_text config of a multimodal Gemma 4 config.json (its `text_config`; the top-level
-    tie_word_embeddings decides whether the lm_head is the embedding, as in Gemma4ForConditionalGeneration)."""
+def text_config_dict(raw: dict) -> dict:
+    """The text model's config of a multimodal Gemma 4 / Qwen3.5 config.json (its `text_config`; the top-level
+    tie_word_embeddings decides whether the lm_head is the embedding, as in Gemma4ForConditionalGeneration and
+    Qwen3_5ForConditionalGeneration)."""
     text = dict(raw.get("text_config") or {})
-    text["model_type"] = "gemma4_text"
+    text["model_type"] = MULTIMODAL[raw["model_type"]]
     if "tie_word_embeddings" in raw:
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     return text
@@ -72,12 +89,13 @@ def gemma4_text_dict(raw: dict) -> dict:
 def hf_config_from_dict(raw: dict, source: str) -> PretrainedConfig:
     """Parse a config.json dict with transformers' class for its `model_type` (no remote code)."""
     model_type = raw.get("model_type")
-    if model_type == GEMMA4_MULTIMODAL:
-        raw, model_type = gemma4_text_dict(raw), "gemma4_text"
+    if model_type in MULTIMODAL:
+        raw = text_config_dict(raw)
+        model_type = raw["model_type"]
     if model_type not in FAMILIES:
         raise UserError(
             f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}, "
-            f"{GEMMA4_MULTIMODAL} (its text part)."
+            f"{', '.join(MULTIMODAL)} (their text part)."
         )
     cls, _ = FAMILIES[model_type]
     fields = {k: v for k, v in raw.items() if k not in ("transformers_version", "auto_map")}
@@ -137,6 +155,29 @@ class DecoderSpec:
     # A drafter's block embeddings are the target's raw embedding rows times this (z-lab dflash_config
     # `input_embedding_scale`; the target's own embedding scale, e.g. Gemma's sqrt(hidden), is not applied).
     input_embedding_scale: float = 1.0
+    # Qwen3.5: its "linear_attention" layers (layer_types) are Gated DeltaNet (models/linear_attention.py) with these
+    # key / value heads and head sizes and a causal conv of this kernel over their q, k, v; 0 = no such layers.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+
+    @property
+    def is_qwen3_5(self) -> bool:
+        """Qwen3.5 numerics: RMSNorm scales by (1 + weight) in fp32, full attention gated per head by sigmoid of a
+        second half of q_proj, RoPE over the first partial_rotary_factor of head_dim."""
+        return self.model_type == "qwen3_5_text"
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a Gated DeltaNet (a recurrent state instead of a KV cache)."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layers carry a recurrent state (Qwen3.5): a rejected draft cannot just be masked, the state after the
+        accepted prefix must be kept (models/linear_attention.py)."""
+        return bool(self.linear_conv_kernel)
 
     @property
     def is_gpt_oss(self) -> bool:
@@ -186,8 +227,11 @@ class DecoderSpec:
         layer_types = tuple(getattr(cfg, "layer_types", None) or ())
         window = getattr(cfg, "sliding_window", None)
         if window is None or "sliding_attention" not in layer_types:
-            layer_types, window = (), None
+            window = None
+            if "linear_attention" not in layer_types:
+                layer_types = ()
         gemma4 = cfg.model_type == "gemma4_text"
+        qwen3_5 = cfg.model_type == "qwen3_5_text"
         k_eq_v = gemma4 and bool(cfg.attention_k_eq_v)
         routed = int(cfg.num_experts or 0) if cfg.model_type == "qwen3_moe" else 0
         dense = tuple(i for i in range(cfg.num_hidden_layers)
@@ -225,6 +269,11 @@ class DecoderSpec:
             attention_scale=1.0 if gemma4 else None,
             final_logit_softcapping=cfg.final_logit_softcapping if gemma4 else None,
             input_embedding_scale=float(getattr(cfg, "input_embedding_scale", None) or 1.0),
+            linear_num_key_heads=cfg.linear_num_key_heads if qwen3_5 else 0,
+            linear_num_value_heads=cfg.linear_num_value_heads if qwen3_5 else 0,
+            linear_key_head_dim=cfg.linear_key_head_dim if qwen3_5 else 0,
+            linear_value_head_dim=cfg.linear_value_head_dim if qwen3_5 else 0,
+            linear_conv_kernel=cfg.linear_conv_kernel_dim if qwen3_5 else 0,
         )
 
     def to_hf_dict(self) -> dict:
@@ -252,7 +301,13 @@ class DecoderSpec:
             fields |= {"num_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
                        "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                        "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers)}
-        if self.layer_types is not None:
+        if self.is_qwen3_5:
+            fields |= {"layer_types": list(self.layer_types or ()), "linear_num_key_heads": self.linear_num_key_heads,
+                       "linear_num_value_heads": self.linear_num_value_heads,
+                       "linear_key_head_dim": self.linear_key_head_dim,
+                       "linear_value_head_dim": self.linear_value_head_dim,
+                       "linear_conv_kernel_dim": self.linear_conv_kernel}
+        elif self.layer_types is not None:
             fields |= {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
                        "use_sliding_window": True}  # Qwen3Config drops sliding_window without it
         elif self.is_gpt_oss or self.is_gemma4:  # their configs' default layer_types mix sliding / full
@@ -276,8 +331,9 @@ class DecoderSpec:
         rope_type = params.get("rope_type", "default")
         full = self.is_gemma4 and layer_type == "full_attention"
         head_dim = (self.global_head_dim or self.head_dim) if full else self.head_dim
-        if rope_type == "default":
+        if rope_type == "default":  # over the first partial_rotary_factor of head_dim (Qwen3.5: a quarter)
             base = params["rope_theta"]
+            head_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
             exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             return 1.0 / (base**exponents), 1.0
         if rope_type not in ROPE_INIT_FUNCTIONS:

@@ -14,6 +14,11 @@ Gemma4TextDecoderLayer) per layer:
 with sliding / full layers of different head_dim, KV heads and RoPE, embeddings scaled by sqrt(hidden) and the
 logits soft-capped: cap * tanh(logits / cap).
 
+Qwen3.5 is hybrid: its "linear_attention" layers are Gated DeltaNet (models/linear_attention.py: a recurrent state per
+request, kept per position so that a verify pass's rejected drafts leave no trace), the others full attention whose
+output is gated per head (AttentionProjections); every RMSNorm scales by 1 + weight. A linear layer has no KV cache
+(0 heads in the caches' per-layer layout).
+
 Each request in a batch has its own absolute positions and its own cache slot; the causal mask is built from
 absolute positions, so requests of different lengths batch together without any per-request bookkeeping here.
 """
@@ -36,6 +41,13 @@ from trtllm_dflash.models.layers import (
     attend,
     drop_replicated_biases,
 )
+from trtllm_dflash.models.linear_attention import (
+    GatedDeltaNet,
+    RecurrentPass,
+    RecurrentStates,
+    conv_channels,
+    linear_heads,
+)
 from trtllm_dflash.models.moe import MoEMLP, MoEParallel, SparseMoE
 from trtllm_dflash.models.shard import padded_vocab
 from trtllm_dflash.models.spec import DecoderSpec
@@ -53,12 +65,15 @@ class TargetOutput:
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, tp: TPGroup, moe_parallel: MoEParallel = "tp", layer: int = 0):
         super().__init__()
-        fp32_weight = spec.is_gpt_oss or spec.is_gemma4
-        self.self_attn = AttentionProjections(spec.layer_spec(layer), tp)
+        fp32_weight, offset = spec.is_gpt_oss or spec.is_gemma4, spec.is_qwen3_5
+        if spec.is_linear(layer):
+            self.linear_attn, self.self_attn = GatedDeltaNet(spec, tp), None
+        else:
+            self.self_attn = AttentionProjections(spec.layer_spec(layer), tp)
         self.mlp = (MoEMLP(spec, tp, moe_parallel) if spec.num_experts else
                     SparseMoE(spec, tp, moe_parallel) if spec.is_sparse(layer) else MLP(spec, tp))
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight, offset)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight, offset)
         self.sandwich = spec.is_gemma4  # Gemma 4: norms after attention and around the MLP, and a layer scalar
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fp32_weight)
@@ -66,15 +81,20 @@ class DecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, slots, positions, mask, run: slice | None = None,
-                first_key: int = 0):
-        """`mask` [B, T, keys] covers positions first_key .. first_key + keys - 1 (a sliding layer's window)."""
+                first_key: int = 0, recurrent: tuple[RecurrentStates, int, RecurrentPass] | None = None):
+        """`mask` [B, T, keys] covers positions first_key .. first_key + keys - 1 (a sliding layer's window).
+        `recurrent`: a linear layer's states, its index among them and the pass's view of them."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = apply_rotary(attn.query(h), cos, sin)
-        k, v = attn.key_value(h)
-        cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
-        k_all, v_all = cache.read(layer_idx, slots, first_key + mask.shape[-1], run, first_key)
-        attended = attn.output(attend(q, k_all, v_all, mask, attn.sinks, attn.scale))
+        if attn is None:
+            attended = self.linear_attn(h, *recurrent)
+        else:
+            q, gate = attn.query_and_gate(h)
+            k, v = attn.key_value(h)
+            cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
+            k_all, v_all = cache.read(layer_idx, slots, first_key + mask.shape[-1], run, first_key)
+            attended = attn.output(attend(apply_rotary(q, cos, sin), k_all, v_all, mask, attn.sinks, attn.scale),
+                                   gate)
         if not self.sandwich:
             x = x + attended
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -90,7 +110,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec, tp)
         self.layers = nn.ModuleList(DecoderLayer(spec, tp, moe_parallel, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss or spec.is_gemma4)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.is_gpt_oss or spec.is_gemma4, spec.is_qwen3_5)
 
 
 class TargetModel(nn.Module):
@@ -107,12 +127,30 @@ class TargetModel(nn.Module):
         # One RoPE per layer type where they differ (Gemma 4), else one ("all") for every layer.
         self.rope_keys = [spec.layer_type(i) if spec.is_gemma4 else "all" for i in range(spec.num_layers)]
         self.rotary = nn.ModuleDict({t: Rotary(spec, None if t == "all" else t) for t in sorted(set(self.rope_keys))})
+        # Gated DeltaNet layers (Qwen3.5) -> their index in RecurrentStates
+        linear = [i for i in range(spec.num_layers) if spec.is_linear(i)]
+        self.linear_index = {layer: n for n, layer in enumerate(linear)}
+
+    def kv_layout(self) -> tuple[list[int], list[int]]:
+        """Per layer, this rank's KV heads and head size in the KV caches (a Gated DeltaNet layer: 0 heads)."""
+        attn = [layer.self_attn for layer in self.model.layers]
+        return [0 if a is None else a.num_kv_heads for a in attn], [self.spec.head_dim if a is None else a.head_dim
+                                                                     for a in attn]
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.spec.num_layers, num_slots, capacity, *self.kv_layout(), p.dtype, p.device)
+
+    def new_states(self, num_slots: int, depth: int) -> RecurrentStates | None:
+        """The Gated DeltaNet layers' states (Qwen3.5), keeping `depth` positions of a pass; None without such layers."""
         s, p = self.spec, self.lm_head.weight
-        attn = [layer.self_attn for layer in self.model.layers]
-        return KVCache(s.num_layers, num_slots, capacity, [a.num_kv_heads for a in attn], [a.head_dim for a in attn],
-                       p.dtype, p.device)
+        if not s.has_recurrent_state:
+            return None
+        heads = linear_heads(s, self.tp.size)[1]
+        return RecurrentStates(len(self.linear_index), num_slots, depth, conv_channels(s, self.tp.size),
+                               s.linear_conv_kernel, heads, s.linear_key_head_dim, s.linear_value_head_dim, p.dtype,
+                               p.device)
+
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The raw embedding rows (what a drafter's block is made of); `forward` scales them by spec.embed_scale."""
@@ -160,6 +198,7 @@ class TargetModel(nn.Module):
         kv_len: int | None = None,  # keys attended: at least max(positions) + 1, known on the host (None: read it)
         run: slice | None = None,  # the slots as one slice of consecutive slots (the caches are then read as views)
         window_key: int = 0,  # sliding layers read keys from this position on (none of their queries sees one before)
+        states: RecurrentStates | None = None,  # the Gated DeltaNet layers' (Qwen3.5)
     ) -> TargetOutput:
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
@@ -174,14 +213,22 @@ class TargetModel(nn.Module):
             sliding = (seen <= positions[:, :, None]) & (seen > positions[:, :, None] - window)
         else:
             sliding = causal
+        step = None
+        if self.linear_index:  # rows past last_index are a batched prefill's padding
+            T = token_ids.shape[1]
+            valid = last_index + 1 if last_index is not None else torch.full_like(slots, T)
+            step = states.begin(slots, positions[:, 0], T, valid)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             windowed = self.spec.is_sliding(i)
             cos, sin = rope[self.rope_keys[i]]
             x = layer(x, cos, sin, cache, i, slots, positions, sliding if windowed else causal, run,
-                      window_key if windowed else 0)
+                      window_key if windowed else 0,
+                      (states, self.linear_index[i], step) if i in self.linear_index else None)
             if i in capture_layers:
                 captured[i] = x
+        if step is not None:
+            states.end(step)
         x = self.model.norm(x)
         # HF's hidden_states[num_layers] (what the reference reads for the last layer id) is taken
         # after the final norm.

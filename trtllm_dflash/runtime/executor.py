@@ -177,10 +177,11 @@ KV_BUCKET = 16
 
 def cache_shape(model: TargetModel | DFlashDrafter) -> CacheShape:
     """What one position costs in `model`'s KV caches (per-layer heads and head sizes: Gemma 4's differ)."""
-    layers = model.model.layers if isinstance(model, TargetModel) else model.layers
-    attn = [layer.self_attn for layer in layers]
-    weight = model.lm_head.weight if isinstance(model, TargetModel) else model.norm.weight
-    return CacheShape(len(attn), [a.num_kv_heads for a in attn], [a.head_dim for a in attn], weight.element_size())
+    if isinstance(model, TargetModel):
+        return CacheShape(model.spec.num_layers, *model.kv_layout(), model.lm_head.weight.element_size())
+    attn = [layer.self_attn for layer in model.layers]
+    return CacheShape(len(attn), [a.num_kv_heads for a in attn], [a.head_dim for a in attn],
+                      model.norm.weight.element_size())
 
 
 def attended_keys(rows: HostRows | None, starts: torch.Tensor | None, tokens: int, capacity: int) -> int:
@@ -235,13 +236,18 @@ class TorchExecutor:
         # A verify pass writes block_size positions from the last committed one.
         margin = drafter.params.block_size if drafter is not None else 1
         self.device = target.lm_head.weight.device
-        if cuda_graphs and target.spec.has_experts:
-            raise ValueError("CUDA graphs: not for a target with experts (its routing has data-dependent shapes); "
-                             "run it without them.")
-        graphs = (self.device.type == "cuda" and not target.spec.has_experts and target.tp.size == 1
-                  if cuda_graphs is None else cuda_graphs)
+        if cuda_graphs and (target.spec.has_experts or target.spec.has_recurrent_state):
+            raise ValueError("CUDA graphs: not for a target with experts (its routing has data-dependent shapes) or "
+                             "Gated DeltaNet layers (their states are not in the static passes yet); run it without "
+                             "them.")
+        graphs = (self.device.type == "cuda" and not target.spec.has_experts and not target.spec.has_recurrent_state
+                  and target.tp.size == 1 if cuda_graphs is None else cuda_graphs)
         self._margin = margin
-        self.prefix_cache = prefix_cache
+        # A recurrent state (Qwen3.5's Gated DeltaNet layers) holds a whole prefix in one matrix: a prompt's blocks
+        # alone cannot resume it, so nothing is shared.
+        self.prefix_cache = prefix_cache and not target.spec.has_recurrent_state
+        # The Gated DeltaNet layers' states per slot, kept for each position of a pass of up to a verify block
+        self.target_states = target.new_states(num_slots, margin)
         self.kv_blocks: BlockTables | None = None
         self.window_blocks: BlockTables | None = None  # a paged cache's sliding-window layers' tables (rings)
         if kv_cache_memory is not None:
@@ -271,7 +277,10 @@ class TorchExecutor:
             self.window_blocks = BlockTables(window_blocks, num_slots, max_positions, BLOCK_TOKENS, self.device,
                                              window=spec.sliding_window)
             shapes[0] = target.of_layers([i for i in range(spec.num_layers) if i not in sliding])
-        blocks = plan_blocks(budget, shapes, max_positions, reserved=reserved)
+        reserved_for = "the sliding-window layers'"
+        if self.target_states is not None:  # allocated per slot, outside the blocks (and no model has both)
+            reserved, reserved_for = reserved + self.target_states.nbytes, "the Gated DeltaNet layers' states"
+        blocks = plan_blocks(budget, shapes, max_positions, reserved=reserved, reserved_for=reserved_for)
         self.kv_blocks = BlockTables(blocks, num_slots, max_positions, BLOCK_TOKENS, self.device)
         layer_tables = [self.window_blocks if i in sliding else self.kv_blocks for i in range(spec.num_layers)]
         self.target_cache = PagedKVCache(self.kv_blocks, target, dtype, self.device, layer_tables)
@@ -302,7 +311,7 @@ class TorchExecutor:
         positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
         layers = self.drafter.params.target_layer_ids if capture else ()
         out = self.target(token_ids, positions, slots, self.target_cache, layers, last_index, kv_len, run,
-                          window_key)
+                          window_key, self.target_states)
         return out.logits, out.hidden
 
     def _window_key(self, rows: HostRows | None) -> int:

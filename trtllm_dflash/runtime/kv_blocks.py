@@ -400,16 +400,16 @@ def available_memory() -> int:
 
 
 def plan_blocks(budget: int, shapes: list[CacheShape], max_positions: int, block_tokens: int = BLOCK_TOKENS,
-                reserved: int = 0) -> int:
-    """The blocks `budget` bytes, less `reserved` (the sliding-window layers' rings: window_pool), hold for caches of
-    `shapes` (one block = block_tokens positions of every one), less the trash block; KVBudgetError when that is
-    fewer than one request of `max_positions` needs."""
+                reserved: int = 0, reserved_for: str = "the sliding-window layers'") -> int:
+    """The blocks `budget` bytes, less `reserved` (`reserved_for`: the sliding-window layers' rings, window_pool; the
+    Gated DeltaNet layers' states) hold for caches of `shapes` (one block = block_tokens positions of every one), less
+    the trash block; KVBudgetError when that is fewer than one request of `max_positions` needs."""
     per_block = block_tokens * sum(shape.position_bytes() for shape in shapes)
     blocks = (budget - reserved) // per_block - 1
     need = blocks_for(max_positions, block_tokens)
     if blocks < need:
         held = max(blocks, 0)
-        rings = f" after the sliding-window layers' {format_size(reserved)}" if reserved else ""
+        rings = f" after {reserved_for} {format_size(reserved)}" if reserved else ""
         raise KVBudgetError(f"it holds {held} KV block{'' if held == 1 else 's'} of {block_tokens} positions "
                             f"({format_size(per_block)} each){rings} and one request of the engine's max_seq_len needs "
                             f"{need}; give at least {format_size(reserved + (need + 1) * per_block)}")

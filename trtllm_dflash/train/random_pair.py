@@ -19,6 +19,8 @@ from transformers import (
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -83,6 +85,27 @@ def _random_gemma4(common: dict, num_layers: int) -> Gemma4ForCausalLM:
     return hf
 
 
+def _random_qwen3_5(common: dict, num_layers: int) -> Qwen3_5ForConditionalGeneration:
+    """Qwen3.5 as published: a multimodal directory (Qwen3_5ForConditionalGeneration, here with a one-block vision
+    tower that text never reaches) whose text model has Gated DeltaNet layers (2 key heads, 4 value heads: each key
+    head shared by two) and a full-attention layer every fourth (gated, RoPE over a quarter of head_dim). Its
+    zero-centred norm weights are spread around 0 (HF initialises them to exactly 0: scale 1)."""
+    text = common | {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+    eos = text.pop("eos_token_id")
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": common["hidden_size"], "num_position_embeddings": 16}
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=text | {"eos_token_id": eos}, vision_config=vision,
+        tie_word_embeddings=common["tie_word_embeddings"]))
+    hf.generation_config.eos_token_id = eos
+    with torch.no_grad():
+        for name, p in hf.model.language_model.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                p.uniform_(-0.5, 0.5)
+    return hf
+
+
 def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int = 512, hidden_size: int = 64,
                       num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                       intermediate_size: int = 128, draft_layers: int = 2, block_size: int = 8,
@@ -111,8 +134,10 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         hf = _random_gpt_oss(common, num_layers)
     elif family == "gemma4":
         hf = _random_gemma4(common, num_layers)
+    elif family == "qwen3_5":
+        hf = _random_qwen3_5(common, num_layers)
     else:
-        raise ValueError(f"family must be qwen3, qwen3_moe, llama, gpt_oss or gemma4, got {family!r}")
+        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, llama, gpt_oss or gemma4, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))

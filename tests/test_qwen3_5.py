@@ -1,0 +1,290 @@
+"""Qwen3.5 targets (hybrid: Gated DeltaNet + gated full attention): the published multimodal directory read as a causal
+LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled back to the
+accepted prefix (a drafter right for a few positions and then wrong: dflash == ar == HF generate()), sampled
+dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, the published config,
+and the build options not supported yet refused in one sentence.
+
+The tiny target (train/random_pair.py) has three Gated DeltaNet layers (2 key heads, 4 value heads) and one full
+attention layer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import family_requests as requests
+from trtllm_dflash.checkpoint.formats import load_target, target_tensor_shapes
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.engine_dir import rank_file
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.shard import check_tp
+from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.train.random_pair import write_random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+PROMPT_LENGTHS = (7, 19, 12, 70)  # 70: a prompt pass longer than a chunk of the gated delta rule (64)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("qwen3_5_pair")
+    write_random_pair(root, "qwen3_5", block_size=8, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hf(pair):
+    return AutoModelForImageTextToText.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine_dir(pair, tmp_path_factory) -> Path:
+    return build(pair, tmp_path_factory.mktemp("qwen3_5_engine") / "engine", max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir) -> Engine:
+    return Engine.load(engine_dir)
+
+
+def ours(target: Path) -> TargetModel:
+    ckpt = load_target(target)
+    return TargetModel.from_state_dict(ckpt.spec, {n: ckpt.tensors.get(n).float() for n in ckpt.tensors.names()})
+
+
+def test_the_multimodal_directory_reads_as_its_text_model(pair):
+    """Qwen3_5ForConditionalGeneration's directory: the text_config's Gated DeltaNet fields, the text weights renamed
+    from `model.language_model.`, the lm_head kept, the vision tower not read."""
+    raw = json.loads((pair / "target" / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5" and raw["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    ckpt = load_target(pair / "target")
+    spec = ckpt.spec
+    assert spec.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
+            spec.linear_value_head_dim, spec.linear_conv_kernel) == (2, 4, 16, 16, 4)
+    assert spec.rope_parameters["partial_rotary_factor"] == 0.25 and spec.has_recurrent_state
+    assert set(ckpt.tensors.names()) == set(target_tensor_shapes(spec))
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in ckpt.tensors.names()
+    assert ckpt.tensors.get("model.layers.3.self_attn.q_proj.weight").shape == (2 * 4 * 16, 64)  # query + gate
+    assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
+
+
+def test_padded_prefill_and_rolled_back_steps_equal_hf(pair, hf):
+    """A batched prefill of prompts of different lengths (the padding leaves each row's recurrent state at its own last
+    token), then per row a verify block of which only a prefix is kept and the next block from there: logits and
+    every layer's hidden states == transformers on the true sequence."""
+    model = ours(pair / "target")
+    spec, H = model.spec, model.spec.hidden_size
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(4, spec.vocab_size, (n + 16,), generator=g) for n in PROMPT_LENGTHS]
+    with torch.no_grad():
+        ref = [hf(s[None], output_hidden_states=True) for s in seqs]
+    B, T, layers = len(seqs), max(PROMPT_LENGTHS), tuple(range(spec.num_layers))
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        tokens[row, :n] = seqs[row][:n]
+    slots = torch.tensor([2, 0, 3, 1])
+    cache, states = model.new_cache(4, 128), model.new_states(4, 8)
+    last = torch.tensor(PROMPT_LENGTHS) - 1
+    out = model(tokens, torch.arange(T).expand(B, T), slots, cache, layers, states=states)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        torch.testing.assert_close(out.logits[row, :n], ref[row].logits[0, :n], atol=2e-5, rtol=1e-4)
+        for k, layer in enumerate(layers):
+            torch.testing.assert_close(out.hidden[row, :n, k * H:(k + 1) * H], ref[row].hidden_states[layer + 1][0, :n],
+                                       atol=1e-4, rtol=1e-4)
+    model(tokens, torch.arange(T).expand(B, T), slots, cache, states=states, last_index=last)  # as a prefill runs it
+    starts = torch.tensor(PROMPT_LENGTHS)
+    wrong = (torch.stack([s[n:n + 8] for s, n in zip(seqs, PROMPT_LENGTHS)]) + 1) % spec.vocab_size
+    block = torch.cat([torch.stack([s[n:n + 2] for s, n in zip(seqs, PROMPT_LENGTHS)]), wrong[:, 2:]], dim=1)
+    model(block, starts[:, None] + torch.arange(8), slots, cache, states=states)  # 2 right, then wrong: keep 2
+    for kept in (2, 0, 5):  # ... and from there: a block of which `kept` are kept next
+        starts = starts + (2 if kept == 2 else 0)
+        block = torch.stack([s[p:p + 8] for s, p in zip(seqs, starts.tolist())])
+        out = model(block, starts[:, None] + torch.arange(8), slots, cache, states=states)
+        for row, p in enumerate(starts.tolist()):
+            torch.testing.assert_close(out.logits[row], ref[row].logits[0, p:p + 8], atol=2e-5, rtol=1e-4)
+        starts = starts + kept - (2 if kept == 2 else 0)
+
+
+class ScriptedDrafts:
+    """The real executor, whose drafts are the target's own greedy tokens for the first j positions of each block and
+    then wrong ones, j cycling over 0 .. k - 1 (instrumentation: the passes are the real ones; only the drafter's
+    guesses are scripted, so that every accepted-prefix length occurs)."""
+
+    def __init__(self, executor, greedy: dict[tuple[int, ...], list[int]]):
+        self.executor, self.greedy, self.of_slot, self.step = executor, greedy, {}, 0
+        self.accepted: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None):
+        if last_index is not None:  # a prefill: whose request each slot now holds
+            for row, slot in enumerate(slots.tolist()):
+                ids = token_ids[row].tolist()
+                self.of_slot[slot] = next(seq for prompt, seq in self.greedy.items() if ids[:len(prompt)] == list(prompt))
+        return self.executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
+
+    def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
+        real = self.executor.draft(anchors, starts, slots, num_drafts, context, rows=rows, width=width)
+        drafts = []
+        for row, (slot, start) in enumerate(zip(slots.tolist(), starts.tolist())):
+            seq = self.of_slot[slot]
+            right = [seq[p] if p < len(seq) else 0 for p in range(start + 1, start + 1 + real.shape[1])]
+            j = (self.step + row) % (real.shape[1] + 1)
+            drafts.append(right[:j] + [(t + 1) % self.executor.vocab_size for t in right[j:]])
+        self.step += 1
+        return torch.tensor(drafts, dtype=real.dtype, device=real.device)
+
+    def accept(self, draft, logits, sampling, starts):
+        accepted, bonus = self.executor.accept(draft, logits, sampling, starts)
+        self.accepted += accepted.tolist()
+        return accepted, bonus
+
+
+def test_rejected_drafts_roll_the_recurrent_state_back(engine, hf):
+    """Greedy, drafts right for 0 .. 7 positions then wrong: dflash (blocks of 8 and 3) == ar == HF generate(), with
+    every accepted length seen; the drafter's own (random) drafts too."""
+    reqs = [replace(r, max_new_tokens=48) for r in requests(engine.executor.vocab_size)]
+    ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    greedy = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
+    for k in (8, 3):
+        scripted = ScriptedDrafts(engine.executor, greedy)
+        got = {r.request.id: r.output_token_ids for r in
+               Decoder(scripted, engine.decoder("dflash", block_size=k).policy, ()).generate(reqs)}
+        assert got == ar, k
+        assert set(scripted.accepted) == set(range(k)), (k, sorted(set(scripted.accepted)))
+    assert_dflash_equals_ar_equals_generate(engine, hf, requests(engine.executor.vocab_size))
+
+
+def test_sampled_dflash_equals_ar(engine):
+    reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=11 + r.id)
+            for r in requests(engine.executor.vocab_size)]
+    tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
+              for mode in ("dflash", "ar")}
+    assert tokens["dflash"] == tokens["ar"]
+
+
+def test_paged_cache_with_preemption_gives_the_static_tokens(engine, pair, tmp_path):
+    """A paged KV budget that preempts: a preempted request's states are recomputed from its prompt and tokens (its
+    first pass starts from zeros), and nothing is shared by prefix (a recurrent state is not in the blocks). The
+    states (4 slots x 3 layers x 9 kept positions) come out of the budget first."""
+    short = build(pair, tmp_path / "engine", max_batch_size=4, max_seq_len=64)
+    with pytest.raises(UserError, match=r"after the Gated DeltaNet layers' states 498\.\d KiB and one request of the "
+                                        r"engine's max_seq_len needs 5; give at least"):
+        Engine.load(short, kv_cache_memory="500KiB")
+    paged = Engine.load(short, kv_cache_memory="576KiB")  # 5 blocks of 16 positions
+    assert not paged.executor.prefix_cache
+    reqs = [replace(r, max_new_tokens=40) for r in requests(engine.executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        want = {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
+        decoder = paged.decoder(mode)
+        assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == want, mode
+        assert decoder.preemptions > 0, mode
+
+
+# --- tensor parallelism, bad build options, the published config -------------------------------------------
+
+
+def write_config(path: Path, pair: Path, **fields) -> Path:
+    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
+           "max_batch_size": 4, "max_seq_len": 256, **fields}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
+def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
+    """2 ranks, each with one key head and two value heads of every Gated DeltaNet layer: in_proj_qkv and the conv cut
+    in their q, k and v parts, the rank files exact slices; the tokens of one process."""
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    assert main(["build", str(write_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
+    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2)), "--output", str(two)]) == 0
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    prefix = "target.model.layers.1.linear_attn."
+    for leaf in ("in_proj_qkv.weight", "conv1d.weight"):
+        q, k, v = full[prefix + leaf].split([32, 32, 64])
+        for r, rank in enumerate(ranks):
+            assert torch.equal(rank[prefix + leaf], torch.cat([q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]]))
+    for leaf, dim in (("in_proj_z.weight", 0), ("A_log", 0), ("dt_bias", 0), ("out_proj.weight", 1)):
+        assert torch.equal(torch.cat([r[prefix + leaf] for r in ranks], dim=dim), full[prefix + leaf]), leaf
+    assert torch.equal(ranks[1][prefix + "norm.weight"], full[prefix + "norm.weight"])
+
+    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
+             for i in range(5)]
+    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input",
+           str(prompts), "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+    def tokens(path: Path) -> dict:
+        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export qwen3_5_text targets yet (Gated DeltaNet layers, "
+                                 "whose recurrent state per request and position the graphs have no inputs for); use "
+                                 "backend: torch for this engine."),
+    ({"quantization": "nvfp4"}, "quantization nvfp4 of qwen3_5_text targets is not supported yet; use "
+                                "quantization: none."),
+    ({"tp_size": 4}, "linear_num_key_heads 2 is not divisible by tp_size 4."),
+])
+def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
+    out = tmp_path / "engine"
+    assert main(["build", str(write_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
+        EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+QWEN3_5_27B_TEXT_CONFIG = {  # Qwen/Qwen3.5-27B config.json's text_config, as published (vision_config left out)
+    "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "dtype": "bfloat16",
+    "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 5120,
+    "initializer_range": 0.02, "intermediate_size": 17408,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "model_type": "qwen3_5_text",
+    "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "num_attention_heads": 24,
+    "num_hidden_layers": 64, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "use_cache": True,
+    "vocab_size": 248320,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                        "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+}
+
+
+def test_published_config_parses_and_splits():
+    raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "text_config": QWEN3_5_27B_TEXT_CONFIG, "tie_word_embeddings": False}
+    spec = DecoderSpec.from_hf(hf_config_from_dict(raw, "Qwen3.5-27B"))
+    assert sum(spec.is_linear(i) for i in range(spec.num_layers)) == 48 and spec.is_qwen3_5
+    inv_freq, _ = spec.rope_inv_freq()
+    assert inv_freq.shape == (32,)  # a quarter of head_dim 256 rotated
+    assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
+    # 3 + per full layer: 2 norms, q/k/v/o, q/k norms; per linear layer: 2 norms and 9 Gated DeltaNet tensors; 3 MLP each
+    assert len(target_tensor_shapes(spec)) == 3 + 16 * (2 + 4 + 2 + 3) + 48 * (2 + 9 + 3)
+    for tp in (2, 4, 8):
+        check_tp(spec, tp, "Qwen3.5-27B", quantized=False)
+    with pytest.raises(UserError, match=r"^odd: linear_num_value_heads 48 is not divisible by tp_size 32\.$"):
+        check_tp(replace(spec, linear_num_key_heads=32, num_heads=32, num_kv_heads=32), 32, "odd", quantized=False)

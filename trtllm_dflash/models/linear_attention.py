@@ -1,0 +1,228 @@
+"""Qwen3.5's Gated DeltaNet layers and the recurrent state a speculative step must roll back.
+
+A Gated DeltaNet layer (transformers' `Qwen3_5GatedDeltaNet`, same parameter names) keeps, per request, no KV cache
+but two states: the last kernel - 1 inputs of a causal depthwise conv over its q, k, v projections, and a recurrent
+matrix S [value heads, key_head_dim, value_head_dim] updated by the gated delta rule at every token:
+
+    S = S * exp(g);   S = S + k (beta * (v - S^T k))^T;   out = S^T q      (q, k l2-normed; q scaled by dk^-0.5)
+
+A rejected draft cannot be "cropped" as KV entries are (masked by position, overwritten later): once a verify pass
+has run the block through the layer, S holds every drafted token. So the states are kept per position
+(`RecurrentStates`): a pass of at most `depth` tokens (a verify block, a plain step, a short prompt) keeps the state
+before it and after each of its tokens, and the conv inputs around them; the next pass of the request starts from the
+state its start position selects (index start - kept_from), on the device, without telling anyone what was accepted.
+A longer pass (a prompt) keeps only the state after its last real token (`valid`: padding columns of a batched prefill
+have g = 0 and beta = 0, which leave S exactly as it was). A request's first pass (start 0) starts from zeros, so a
+slot needs no clearing when it is reused.
+
+Snapshots, not recompute: TensorRT-LLM and vLLM keep the intermediate states of the verified block the same way. The
+alternative (keep the pre-block state and the block's k, v, g, beta; replay the accepted prefix at the next pass)
+stores 1/dk as much but adds a sequential replay of up to a block's tokens per layer to every step; measured in
+benchmarks/recurrent_rollback.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_dflash.models.spec import DecoderSpec
+from trtllm_dflash.parallel.group import SINGLE, TPGroup
+
+# Prompt passes run the gated delta rule in chunks of this many tokens (transformers' torch_chunk_gated_delta_rule).
+CHUNK = 64
+
+
+def linear_heads(spec: DecoderSpec, tp_size: int) -> tuple[int, int]:
+    """(key heads, value heads) of a Gated DeltaNet layer on one of tp_size ranks (each rank: a contiguous share)."""
+    return spec.linear_num_key_heads // tp_size, spec.linear_num_value_heads // tp_size
+
+
+def conv_channels(spec: DecoderSpec, tp_size: int) -> int:
+    """Channels of one rank's causal conv: its q and k (key heads x key_head_dim each) and v."""
+    nk, nv = linear_heads(spec, tp_size)
+    return 2 * nk * spec.linear_key_head_dim + nv * spec.linear_value_head_dim
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' (and FLA's) l2norm over the last dimension."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Qwen3_5RMSNormGated: RMSNorm over each value head (weight applied in the input dtype), times silu(gate) in
+    fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * x32.to(dtype)) * F.silu(gate.float())).to(dtype)
+
+
+@dataclass
+class RecurrentPass:
+    """One target pass's view of the recurrent states: for each row, which kept state it starts from (`index`, into
+    the slot's snapshots) and whether it starts afresh (a request's first pass)."""
+
+    slots: torch.Tensor  # [B]
+    starts: torch.Tensor  # [B]
+    index: torch.Tensor  # [B] snapshot each row starts from
+    fresh: torch.Tensor  # [B, 1] float: 0 for rows at position 0 (start from zeros), else 1
+    valid: torch.Tensor  # [B] real tokens per row (the rest are a batched prefill's padding)
+    tokens: int  # T
+    keep_all: bool  # T <= depth: the state before the pass and after each token is kept
+
+
+class RecurrentStates:
+    """Per slot and Gated DeltaNet layer: conv inputs [K - 1 + depth, channels] and recurrent states
+    [depth + 1, value heads, dk, dv] (fp32, as transformers keeps them) of the slot's last pass, and `kept_from`:
+    snapshot j of a slot is the state after positions < kept_from + j, conv rows j .. j + K - 2 the inputs at the
+    K - 1 positions before it."""
+
+    def __init__(self, num_layers: int, num_slots: int, depth: int, channels: int, kernel: int, heads: int,
+                 key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.depth, self.kernel = depth, kernel
+        self.conv = [torch.zeros(num_slots, kernel - 1 + depth, channels, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.state = [torch.zeros(num_slots, depth + 1, heads, key_dim, value_dim, device=device)
+                      for _ in range(num_layers)]
+        self.kept_from = torch.zeros(num_slots, dtype=torch.int64, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.conv + self.state) + self.kept_from.nbytes
+
+    def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
+        index = (starts - self.kept_from[slots]).clamp(0, self.depth)
+        fresh = (starts > 0).to(torch.float32)[:, None]
+        return RecurrentPass(slots, starts, index, fresh, valid, tokens, tokens <= self.depth)
+
+    def end(self, step: RecurrentPass) -> None:
+        """After every layer has run the pass: where each slot's kept snapshots now begin."""
+        self.kept_from[step.slots] = step.starts if step.keep_all else step.starts + step.valid
+
+    def read(self, layer: int, step: RecurrentPass) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' conv inputs [B, K - 1, C] and recurrent state [B, H, dk, dv] before the pass."""
+        rows = step.index[:, None] + torch.arange(self.kernel - 1, device=step.index.device)  # [B, K - 1]
+        conv = self.conv[layer][step.slots[:, None], rows]
+        state = self.state[layer][step.slots, step.index]
+        return conv * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
+
+    def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, states: torch.Tensor) -> None:
+        """inputs: [B, K - 1 + T, C] (the conv inputs read, then the pass's); states: [B, T + 1, H, dk, dv] (keep_all)
+        or [B, H, dk, dv] (the state after each row's valid tokens)."""
+        if step.keep_all:
+            self.conv[layer][step.slots, : inputs.shape[1]] = inputs
+            self.state[layer][step.slots, : states.shape[1]] = states
+            return
+        rows = step.valid[:, None] + torch.arange(self.kernel - 1, device=inputs.device)  # the K - 1 before the end
+        self.conv[layer][step.slots, : self.kernel - 1] = inputs[torch.arange(inputs.shape[0])[:, None], rows]
+        self.state[layer][step.slots, 0] = states
+
+
+class GatedDeltaNet(nn.Module):
+    """One rank's Gated DeltaNet: its share of the key and value heads (in_proj_* and the conv column-parallel,
+    out_proj row-parallel and all-reduced), HF parameter names."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup = SINGLE):
+        super().__init__()
+        h, dk, dv = spec.hidden_size, spec.linear_key_head_dim, spec.linear_value_head_dim
+        nk, nv = linear_heads(spec, tp.size)
+        self.tp, self.num_k_heads, self.num_v_heads, self.key_dim, self.value_dim = tp, nk, nv, dk, dv
+        channels = conv_channels(spec, tp.size)
+        self.in_proj_qkv = nn.Linear(h, channels, bias=False)
+        self.in_proj_z = nn.Linear(h, nv * dv, bias=False)
+        self.in_proj_b = nn.Linear(h, nv, bias=False)
+        self.in_proj_a = nn.Linear(h, nv, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, spec.linear_conv_kernel, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(nv))
+        self.A_log = nn.Parameter(torch.zeros(nv))
+        self.norm = GatedRMSNorm(dv, spec.rms_norm_eps)
+        self.out_proj = nn.Linear(nv * dv, h, bias=False)
+
+    def forward(self, x: torch.Tensor, states: RecurrentStates, layer: int, step: RecurrentPass) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]; reads the rows' states and keeps the new ones (`RecurrentStates`)."""
+        b, t, _ = x.shape
+        conv_before, state = states.read(layer, step)
+        inputs = torch.cat([conv_before, self.in_proj_qkv(x)], dim=1)  # [B, K - 1 + T, C]
+        mixed = F.silu(F.conv1d(inputs.transpose(1, 2).to(self.conv1d.weight.dtype), self.conv1d.weight,
+                                groups=inputs.shape[-1])).transpose(1, 2).to(x.dtype)  # [B, T, C]
+        key_width = self.num_k_heads * self.key_dim
+        q, k, v = mixed.split([key_width, key_width, self.num_v_heads * self.value_dim], dim=-1)
+        q, k = q.unflatten(-1, (self.num_k_heads, self.key_dim)), k.unflatten(-1, (self.num_k_heads, self.key_dim))
+        v = v.unflatten(-1, (self.num_v_heads, self.value_dim))
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        real = (torch.arange(t, device=x.device)[None, :] < step.valid[:, None])[..., None]  # [B, T, 1]
+        beta, g = beta * real, g * real  # padding: S * exp(0) + k 0^T = S
+        if self.num_v_heads > self.num_k_heads:
+            repeat = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        q, k = l2norm(q), l2norm(k)
+        if step.keep_all:
+            out, kept = _recurrent(q, k, v, g, beta, state)
+        else:
+            out, kept = _chunked(q, k, v, g, beta, state)
+        states.write(layer, step, inputs, kept)
+        z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.value_dim))
+        out = self.norm(out.to(x.dtype), z).flatten(2)
+        return self.tp.all_reduce(self.out_proj(out))
+
+
+def _recurrent(q, k, v, g, beta, state):
+    """The gated delta rule token by token (transformers' torch_recurrent_gated_delta_rule), keeping every state.
+    q, k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; state [B, H, dk, dv] fp32.
+    Returns out [B, T, H, dv] fp32 and the states before and after each token [B, T + 1, H, dk, dv]."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = q * q.shape[-1] ** -0.5
+    outs, kept = [], [state]
+    for i in range(q.shape[1]):
+        state = state * g[:, i].exp()[..., None, None]
+        remembered = (state * k[:, i, :, :, None]).sum(dim=-2)  # [B, H, dv]
+        delta = (v[:, i] - remembered) * beta[:, i, :, None]
+        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, i, :, :, None]).sum(dim=-2))
+        kept.append(state)
+    return torch.stack(outs, dim=1), torch.stack(kept, dim=1)
+
+
+def _chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The gated delta rule over chunks of `chunk` tokens (transformers' torch_chunk_gated_delta_rule, the same
+    operations in the same order), from `state`. Returns out [B, T, H, dv] fp32 and the final state [B, H, dk, dv]."""
+    q, k, v, beta, g = (x.transpose(1, 2).contiguous().float() for x in (q, k, v, beta, g))  # [B, H, T, ...]
+    b, h, t, dk = k.shape
+    pad = (chunk - t % chunk) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    q = q * dk**-0.5
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    q, k, v, k_beta, v_beta = (x.reshape(b, h, -1, chunk, x.shape[-1]) for x in (q, k, v, k_beta, v_beta))
+    g = g.reshape(b, h, -1, chunk).cumsum(dim=-1)
+    upper = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
+    decay = (g[..., :, None] - g[..., None, :]).tril().exp().float().tril()
+    attn = -((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(upper, 0)
+    for i in range(1, chunk):
+        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row[..., None] * sub).sum(-2)
+    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
+    v = attn @ v_beta
+    k_cumdecay = attn @ (k_beta * g.exp()[..., None])
+    out = torch.zeros_like(v)
+    for i in range(v.shape[2]):
+        q_i, k_i = q[:, :, i], k[:, :, i]
+        inner = q_i @ k_i.transpose(-1, -2) * decay[:, :, i]  # (decay is lower triangular: causal)
+        v_new = v[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = (q_i * g[:, :, i, :, None].exp()) @ state + inner @ v_new
+        state = state * g[:, :, i, -1, None, None].exp() + (
+            k_i * (g[:, :, i, -1, None] - g[:, :, i]).exp()[..., None]).transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, -1, out.shape[-1])[:, :, :t]
+    return out.transpose(1, 2), state
