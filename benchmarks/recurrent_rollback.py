@@ -1,0 +1,129 @@
+"""Rolling a Gated DeltaNet layer back to the accepted prefix: kept snapshots against replaying the prefix (issue 30
+item 1), side by side.
+
+    python benchmarks/recurrent_rollback.py --rounds 30
+
+A verify pass runs a block of T tokens through the layer's gated delta rule; the next step must start from the state
+after the anchor and the accepted drafts only. Two ways, both exact:
+
+- snapshots (what models/linear_attention.py does, as TensorRT-LLM and vLLM do): the pass keeps the state before it
+  and after every token ([T + 1, H, dk, dv] per request and layer); the next pass gathers the one its start selects;
+- replay: the pass keeps the state before it and the block's k, v, g, beta ([T, H, dk + dv + 2]); the next pass first
+  re-runs the accepted prefix from that state (a fixed T-token loop, the rejected positions' g and beta zeroed, so a
+  batch needs no per-row lengths on the host).
+
+Per step and layer, the recurrence alone (the projections and the conv are the same either way), at one rank's
+share of Qwen3.5-27B under tp 2 (24 value heads of dk = dv = 128), T = 16, batches 1 and 8, 6 drafts accepted per
+row; torch on this machine's CPU, the two forms alternating, medians. Also the bytes each form keeps per request and
+layer. Results: benchmarks/results/recurrent_rollback.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.models.linear_attention import _recurrent
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def final_state(q, k, v, g, beta, state):
+    """The gated delta rule's last state only (the replay form keeps nothing else); outputs as `_recurrent`'s."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = q * q.shape[-1] ** -0.5
+    outs = []
+    for i in range(q.shape[1]):
+        state = state * g[:, i].exp()[..., None, None]
+        delta = (v[:, i] - (state * k[:, i, :, :, None]).sum(dim=-2)) * beta[:, i, :, None]
+        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, i, :, :, None]).sum(dim=-2))
+    return torch.stack(outs, dim=1), state
+
+
+def inputs(batch: int, tokens: int, heads: int, dk: int, dv: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(batch, tokens, heads, dk, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(batch, tokens, heads, dk, generator=g), dim=-1)
+    v = torch.randn(batch, tokens, heads, dv, generator=g)
+    decay = -torch.rand(batch, tokens, heads, generator=g)
+    beta = torch.rand(batch, tokens, heads, generator=g)
+    return q, k, v, decay, beta
+
+
+def snapshot_step(store, slots, index, q, k, v, decay, beta):
+    """Gather the state the start selects, run the block keeping every state, write them back."""
+    state = store[slots, index]
+    out, kept = _recurrent(q, k, v, decay, beta, state)
+    store[slots, : kept.shape[1]] = kept
+    return out
+
+
+def replay_step(saved, slots, accepted, q, k, v, decay, beta):
+    """Re-run the last block's accepted prefix from its pre-state (masked to a fixed length), then run this block
+    keeping its pre-state and inputs."""
+    pre, k0, v0, g0, b0 = (t[slots] for t in saved)
+    keep = (torch.arange(k0.shape[1])[None, :] <= accepted[:, None])[..., None]  # the anchor + accepted drafts
+    _, state = final_state(k0, k0, v0, g0 * keep, b0 * keep, pre)
+    out, _ = final_state(q, k, v, decay, beta, state)
+    saved[0][slots], saved[1][slots], saved[2][slots], saved[3][slots], saved[4][slots] = state, k, v, decay, beta
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--accepted", type=int, default=6)
+    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "recurrent_rollback.json")
+    args = ap.parse_args()
+    h, dk, dv, t = args.heads, 128, 128, args.tokens
+    # both forms agree: the state after the accepted prefix is the snapshot at index accepted + 1
+    q, k, v, decay, beta = inputs(2, t, h, dk, dv, 0)
+    pre = torch.randn(2, h, dk, dv) * 0.1
+    _, kept = _recurrent(q, k, v, decay, beta, pre)
+    keep = (torch.arange(t)[None, :] <= args.accepted)[..., None]
+    _, replayed = final_state(q, k, v, decay * keep, beta * keep, pre)
+    torch.testing.assert_close(replayed, kept[:, args.accepted + 1], atol=1e-5, rtol=1e-5)
+
+    results = []
+    for batch in (1, 8):
+        slots = torch.arange(batch)
+        store = torch.zeros(batch, t + 1, h, dk, dv)
+        saved = [torch.zeros(batch, h, dk, dv), torch.zeros(batch, t, h, dk), torch.zeros(batch, t, h, dv),
+                 torch.zeros(batch, t, h), torch.zeros(batch, t, h)]
+        accepted = torch.full((batch,), args.accepted)
+        index = accepted + 1
+        block = inputs(batch, t, h, dk, dv, 1)
+        times = {"snapshots": [], "replay": []}
+        for _ in range(args.rounds):
+            for name in times:
+                began = time.perf_counter()
+                if name == "snapshots":
+                    snapshot_step(store, slots, index, *block)
+                else:
+                    replay_step(saved, slots, accepted, *block)
+                times[name].append(time.perf_counter() - began)
+        med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+        kept_bytes = {"snapshots": (t + 1) * h * dk * dv * 4, "replay": h * dk * dv * 4 + t * h * (dk + dv + 2) * 4}
+        results.append({"batch": batch, "ms_per_step_per_layer": med, "replay_over_snapshots": med["replay"] /
+                        med["snapshots"], "kept_bytes_per_request_per_layer": kept_bytes})
+        print(f"batch {batch}: snapshots {med['snapshots']:.2f} ms, replay {med['replay']:.2f} ms per step and layer "
+              f"({med['replay'] / med['snapshots']:.2f}x); kept per request and layer: "
+              f"{kept_bytes['snapshots'] / 2**20:.1f} MiB vs {kept_bytes['replay'] / 2**20:.2f} MiB")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({
+        "what": __doc__.splitlines()[0], "heads": h, "key_dim": dk, "value_dim": dv, "tokens": t,
+        "accepted": args.accepted, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(), "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
