@@ -7,18 +7,21 @@ matrix S [value heads, key_head_dim, value_head_dim] updated by the gated delta 
     S = S * exp(g);   S = S + k (beta * (v - S^T k))^T;   out = S^T q      (q, k l2-normed; q scaled by dk^-0.5)
 
 A rejected draft cannot be "cropped" as KV entries are (masked by position, overwritten later): once a verify pass
-has run the block through the layer, S holds every drafted token. So the states are kept per position
-(`RecurrentStates`): a pass of at most `depth` tokens (a verify block, a plain step, a short prompt) keeps the state
-before it and after each of its tokens, and the conv inputs around them; the next pass of the request starts from the
-state its start position selects (index start - kept_from), on the device, without telling anyone what was accepted.
-A longer pass (a prompt) keeps only the state after its last real token (`valid`: padding columns of a batched prefill
-have g = 0 and beta = 0, which leave S exactly as it was). A request's first pass (start 0) starts from zeros, so a
-slot needs no clearing when it is reused.
+has run the block through the layer, S holds every drafted token. So `RecurrentStates` keeps what resumes the layer at
+any position of a slot's last pass: a pass of at most `depth` tokens (a verify block, a plain step, a short prompt)
+keeps the state before it, its tokens' k, v, g and beta, and its conv inputs; the next pass of the request replays
+the tokens before its own start (start - kept_from of them: the anchor and the accepted drafts) from that state, on
+the device, without telling anyone what was accepted. A longer pass (a prompt) keeps the state after each row's last
+real token (`valid`: padding columns of a batched prefill have g = 0 and beta = 0, which leave S exactly as it was).
+A request's first pass (start 0) starts from zeros, so a slot needs no clearing when it is reused.
 
-Snapshots, not recompute: TensorRT-LLM and vLLM keep the intermediate states of the verified block the same way. The
-alternative (keep the pre-block state and the block's k, v, g, beta; replay the accepted prefix at the next pass)
-stores 1/dk as much but adds a sequential replay of up to a block's tokens per layer to every step; measured in
-benchmarks/recurrent_rollback.py.
+Replay, not per-token snapshots (TensorRT-LLM's and vLLM's way: the state after every token of the block kept):
+benchmarks/recurrent_rollback.py measured both at Qwen3.5-27B's per-rank shape. A snapshot per token costs (block + 1)
+states per request and layer (25.5 MiB at 24 heads of 128 x 128, block 16) and writing them every step; the replay
+keeps one state and the block's inputs (1.9 MiB) and re-runs a block of state updates, which on the CPU cost less
+than making and writing the snapshots (0.57x the time per step and layer at batch 1, 0.49x at batch 8). On a GPU a
+fused recurrent kernel would keep the state on chip for the replay, while snapshots go to memory (not measured: no
+GPU here).
 """
 
 from __future__ import annotations
@@ -70,63 +73,79 @@ class GatedRMSNorm(nn.Module):
 
 @dataclass
 class RecurrentPass:
-    """One target pass's view of the recurrent states: for each row, which kept state it starts from (`index`, into
-    the slot's snapshots) and whether it starts afresh (a request's first pass)."""
+    """One target pass's view of the recurrent states: for each row, how many of the slot's last pass's tokens it keeps
+    (`kept`: replayed from the state before that pass) and whether it starts afresh (a request's first pass)."""
 
     slots: torch.Tensor  # [B]
     starts: torch.Tensor  # [B]
-    index: torch.Tensor  # [B] snapshot each row starts from
+    kept: torch.Tensor  # [B] tokens of the slot's last pass before this pass's start (0 .. depth)
     fresh: torch.Tensor  # [B, 1] float: 0 for rows at position 0 (start from zeros), else 1
     valid: torch.Tensor  # [B] real tokens per row (the rest are a batched prefill's padding)
     tokens: int  # T
-    keep_all: bool  # T <= depth: the state before the pass and after each token is kept
+    keep_all: bool  # T <= depth: the pass's inputs are kept, to replay the part the next pass keeps
 
 
 class RecurrentStates:
-    """Per slot and Gated DeltaNet layer: conv inputs [K - 1 + depth, channels] and recurrent states
-    [depth + 1, value heads, dk, dv] (fp32, as transformers keeps them) of the slot's last pass, and `kept_from`:
-    snapshot j of a slot is the state after positions < kept_from + j, conv rows j .. j + K - 2 the inputs at the
-    K - 1 positions before it."""
+    """Per slot and Gated DeltaNet layer, what resumes the layer at any position of the slot's last pass: the recurrent
+    state before that pass [value heads, dk, dv] (fp32, as transformers keeps it) and the inputs of its tokens to the
+    gated delta rule (k, v, g, beta: `depth` of each), and the conv inputs of its positions and the K - 1 before them
+    [K - 1 + depth, channels]. `kept_from`: the position of the pass's first token. A pass longer than `depth` (a
+    prompt) keeps the state after each row's last real token instead, as if that pass had no tokens."""
 
     def __init__(self, num_layers: int, num_slots: int, depth: int, channels: int, kernel: int, heads: int,
                  key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.depth, self.kernel = depth, kernel
-        self.conv = [torch.zeros(num_slots, kernel - 1 + depth, channels, dtype=dtype, device=device)
-                     for _ in range(num_layers)]
-        self.state = [torch.zeros(num_slots, depth + 1, heads, key_dim, value_dim, device=device)
-                      for _ in range(num_layers)]
+
+        def per_layer(*shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
+            return [torch.zeros(num_slots, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        self.conv = per_layer(kernel - 1 + depth, channels)
+        self.state = per_layer(heads, key_dim, value_dim, dtype=torch.float32)
+        self.k, self.v = per_layer(depth, heads, key_dim), per_layer(depth, heads, value_dim)
+        self.g, self.beta = per_layer(depth, heads, dtype=torch.float32), per_layer(depth, heads)
         self.kept_from = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.conv + self.state) + self.kept_from.nbytes
+        return sum(t.nbytes for t in self.conv + self.state + self.k + self.v + self.g + self.beta) + \
+            self.kept_from.nbytes
 
     def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
-        index = (starts - self.kept_from[slots]).clamp(0, self.depth)
+        kept = (starts - self.kept_from[slots]).clamp(0, self.depth)
         fresh = (starts > 0).to(torch.float32)[:, None]
-        return RecurrentPass(slots, starts, index, fresh, valid, tokens, tokens <= self.depth)
+        return RecurrentPass(slots, starts, kept, fresh, valid, tokens, tokens <= self.depth)
 
     def end(self, step: RecurrentPass) -> None:
-        """After every layer has run the pass: where each slot's kept snapshots now begin."""
+        """After every layer has run the pass: where each slot's kept tokens now begin."""
         self.kept_from[step.slots] = step.starts if step.keep_all else step.starts + step.valid
 
     def read(self, layer: int, step: RecurrentPass) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' conv inputs [B, K - 1, C] and recurrent state [B, H, dk, dv] before the pass."""
-        rows = step.index[:, None] + torch.arange(self.kernel - 1, device=step.index.device)  # [B, K - 1]
-        conv = self.conv[layer][step.slots[:, None], rows]
-        state = self.state[layer][step.slots, step.index]
+        """The rows' conv inputs [B, K - 1, C] and recurrent state [B, H, dk, dv] before the pass: the slot's kept state
+        advanced over the `kept` tokens of its last pass (a fixed `depth`-step loop, the other steps' g and beta zero:
+        exactly the state the last pass had after those tokens)."""
+        slots = step.slots
+        rows = step.kept[:, None] + torch.arange(self.kernel - 1, device=slots.device)  # [B, K - 1]
+        conv = self.conv[layer][slots[:, None], rows]
+        keep = (torch.arange(self.depth, device=slots.device)[None, :] < step.kept[:, None])[..., None]  # [B, depth, 1]
+        _, state = _recurrent(None, self.k[layer][slots], self.v[layer][slots], self.g[layer][slots] * keep,
+                              self.beta[layer][slots] * keep, self.state[layer][slots])
         return conv * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
 
-    def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, states: torch.Tensor) -> None:
-        """inputs: [B, K - 1 + T, C] (the conv inputs read, then the pass's); states: [B, T + 1, H, dk, dv] (keep_all)
-        or [B, H, dk, dv] (the state after each row's valid tokens)."""
+    def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """After the layer ran the pass: inputs [B, K - 1 + T, C] (the conv inputs read, then the pass's); `state` the
+        one it started from (keep_all: kept with the pass's k, v, g, beta [B, T, H, ...]) or the one after each row's
+        valid tokens."""
+        slots = step.slots
+        self.state[layer][slots] = state
         if step.keep_all:
-            self.conv[layer][step.slots, : inputs.shape[1]] = inputs
-            self.state[layer][step.slots, : states.shape[1]] = states
+            t = k.shape[1]
+            self.conv[layer][slots, : inputs.shape[1]] = inputs
+            self.k[layer][slots, :t], self.v[layer][slots, :t] = k, v
+            self.g[layer][slots, :t], self.beta[layer][slots, :t] = g, beta
             return
         rows = step.valid[:, None] + torch.arange(self.kernel - 1, device=inputs.device)  # the K - 1 before the end
-        self.conv[layer][step.slots, : self.kernel - 1] = inputs[torch.arange(inputs.shape[0])[:, None], rows]
-        self.state[layer][step.slots, 0] = states
+        self.conv[layer][slots, : self.kernel - 1] = inputs[torch.arange(inputs.shape[0])[:, None], rows]
 
 
 class GatedDeltaNet(nn.Module):
@@ -168,31 +187,32 @@ class GatedDeltaNet(nn.Module):
             repeat = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         q, k = l2norm(q), l2norm(k)
-        if step.keep_all:
-            out, kept = _recurrent(q, k, v, g, beta, state)
+        if step.keep_all:  # (the state after the pass is not kept: the next pass replays what it keeps)
+            out, _ = _recurrent(q, k, v, g, beta, state)
+            states.write(layer, step, inputs, state, k, v, g, beta)
         else:
-            out, kept = _chunked(q, k, v, g, beta, state)
-        states.write(layer, step, inputs, kept)
+            out, final = _chunked(q, k, v, g, beta, state)
+            states.write(layer, step, inputs, final, k, v, g, beta)
         z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.value_dim))
         out = self.norm(out.to(x.dtype), z).flatten(2)
         return self.tp.all_reduce(self.out_proj(out))
 
 
 def _recurrent(q, k, v, g, beta, state):
-    """The gated delta rule token by token (transformers' torch_recurrent_gated_delta_rule), keeping every state.
-    q, k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; state [B, H, dk, dv] fp32.
-    Returns out [B, T, H, dv] fp32 and the states before and after each token [B, T + 1, H, dk, dv]."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    q = q * q.shape[-1] ** -0.5
-    outs, kept = [], [state]
-    for i in range(q.shape[1]):
+    """The gated delta rule token by token (transformers' torch_recurrent_gated_delta_rule).
+    q (None: no outputs), k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; state [B, H, dk, dv] fp32.
+    Returns out [B, T, H, dv] fp32 (or None) and the state after the last token."""
+    k, v, g, beta = (x.float() for x in (k, v, g, beta))
+    q = None if q is None else q.float() * q.shape[-1] ** -0.5
+    outs = []
+    for i in range(k.shape[1]):
         state = state * g[:, i].exp()[..., None, None]
         remembered = (state * k[:, i, :, :, None]).sum(dim=-2)  # [B, H, dv]
         delta = (v[:, i] - remembered) * beta[:, i, :, None]
         state = state + k[:, i, :, :, None] * delta[:, :, None, :]
-        outs.append((state * q[:, i, :, :, None]).sum(dim=-2))
-        kept.append(state)
-    return torch.stack(outs, dim=1), torch.stack(kept, dim=1)
+        if q is not None:
+            outs.append((state * q[:, i, :, :, None]).sum(dim=-2))
+    return (None if q is None else torch.stack(outs, dim=1)), state
 
 
 def _chunked(q, k, v, g, beta, state, chunk: int = CHUNK):

@@ -89,7 +89,10 @@ def _random_qwen3_5(common: dict, num_layers: int) -> Qwen3_5ForConditionalGener
     """Qwen3.5 as published: a multimodal directory (Qwen3_5ForConditionalGeneration, here with a one-block vision
     tower that text never reaches) whose text model has Gated DeltaNet layers (2 key heads, 4 value heads: each key
     head shared by two) and a full-attention layer every fourth (gated, RoPE over a quarter of head_dim). Its
-    zero-centred norm weights are spread around 0 (HF initialises them to exactly 0: scale 1)."""
+    zero-centred norm weights are spread around 0 (HF initialises them to exactly 0: scale 1), and its Gated DeltaNet
+    layers remember: HF's initial decay (A up to 16: exp(g) ~ 1e-5 a token) forgets every earlier token at once, and
+    their output is small against the residual stream, so a wrong recurrent state would hardly change a token. Here
+    A in (0.02, 0.3) keeps ~0.9 of the state a token and out_proj is 5x larger."""
     text = common | {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
     eos = text.pop("eos_token_id")
@@ -103,6 +106,10 @@ def _random_qwen3_5(common: dict, num_layers: int) -> Qwen3_5ForConditionalGener
         for name, p in hf.model.language_model.named_parameters():
             if name.endswith("norm.weight") and "linear_attn" not in name:
                 p.uniform_(-0.5, 0.5)
+            elif name.endswith("linear_attn.A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
+            elif name.endswith("linear_attn.out_proj.weight"):
+                p.mul_(5.0)
     return hf
 
 
