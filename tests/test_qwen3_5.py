@@ -1,11 +1,11 @@
-"""Qwen3.5 targets (hybrid: Gated DeltaNet + gated full attention): the published multimodal directory read as a causal
-LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled back to the
+"""Qwen3.5 targets (hybrid: Gated DeltaNet + gated full attention; dense and MoE): the published multimodal directory
+read as a causal LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled back to the
 accepted prefix (a drafter right for a few positions and then wrong: dflash == ar == HF generate()), sampled
 dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, the published config,
 and the build options not supported yet refused in one sentence.
 
-The tiny target (train/random_pair.py) has three Gated DeltaNet layers (2 key heads, 4 value heads) and one full
-attention layer.
+The tiny targets (train/random_pair.py) have three Gated DeltaNet layers (2 key heads, 4 value heads) and one full
+attention layer; the MoE one 8 routed experts (top 2) and a gated shared expert in every layer. Every test runs on both.
 """
 
 from __future__ import annotations
@@ -40,11 +40,15 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 PROMPT_LENGTHS = (7, 19, 12, 70)  # 70: a prompt pass longer than a chunk of the gated delta rule (64)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("qwen3_5_pair")
-    write_random_pair(root, "qwen3_5", block_size=8, seed=0)
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def pair(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp(f"{request.param}_pair")
+    write_random_pair(root, request.param, block_size=8, seed=0)
     return root
+
+
+def model_type(pair: Path) -> str:
+    return json.loads((pair / "target" / "config.json").read_text())["model_type"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,8 @@ def test_the_multimodal_directory_reads_as_its_text_model(pair):
     """Qwen3_5ForConditionalGeneration's directory: the text_config's Gated DeltaNet fields, the text weights renamed
     from `model.language_model.`, the lm_head kept, the vision tower not read."""
     raw = json.loads((pair / "target" / "config.json").read_text())
-    assert raw["model_type"] == "qwen3_5" and raw["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    moe = raw["model_type"] == "qwen3_5_moe"
+    assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"]
     ckpt = load_target(pair / "target")
     spec = ckpt.spec
     assert spec.layer_types == ("linear_attention",) * 3 + ("full_attention",)
@@ -82,6 +87,11 @@ def test_the_multimodal_directory_reads_as_its_text_model(pair):
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in ckpt.tensors.names()
     assert ckpt.tensors.get("model.layers.3.self_attn.q_proj.weight").shape == (2 * 4 * 16, 64)  # query + gate
     assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
+    if moe:  # every layer sparse: 8 experts of 64, top 2, renormalized, and a shared expert of 96 with its gate
+        assert (spec.routed_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, spec.intermediate_size,
+                spec.norm_topk_prob, spec.shared_expert, spec.dense_layers) == (8, 2, 64, 96, True, True, ())
+        assert ckpt.tensors.get("model.layers.2.mlp.shared_expert_gate.weight").shape == (1, 64)
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in ckpt.tensors.names()
 
 
 def test_padded_prefill_and_rolled_back_steps_equal_hf(pair, hf):
@@ -226,6 +236,13 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
     for leaf, dim in (("in_proj_z.weight", 0), ("A_log", 0), ("dt_bias", 0), ("out_proj.weight", 1)):
         assert torch.equal(torch.cat([r[prefix + leaf] for r in ranks], dim=dim), full[prefix + leaf]), leaf
     assert torch.equal(ranks[1][prefix + "norm.weight"], full[prefix + "norm.weight"])
+    if model_type(pair) == "qwen3_5_moe":  # the routed experts and the shared one each cut like a dense MLP
+        for name, dim in (("mlp.experts.5.gate_proj.weight", 0), ("mlp.experts.5.down_proj.weight", 1),
+                          ("mlp.shared_expert.up_proj.weight", 0), ("mlp.shared_expert.down_proj.weight", 1)):
+            name = "target.model.layers.1." + name
+            assert torch.equal(torch.cat([r[name] for r in ranks], dim=dim), full[name]), name
+        gate = "target.model.layers.1.mlp.shared_expert_gate.weight"
+        assert torch.equal(ranks[1][gate], full[gate])
 
     lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
              for i in range(5)]
@@ -244,14 +261,15 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export qwen3_5_text targets yet (Gated DeltaNet layers, "
+    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export {}_text targets yet (Gated DeltaNet layers, "
                                  "whose recurrent state per request and position the graphs have no inputs for); use "
                                  "backend: torch for this engine."),
-    ({"quantization": "nvfp4"}, "quantization nvfp4 of qwen3_5_text targets is not supported yet; use "
+    ({"quantization": "nvfp4"}, "quantization nvfp4 of {}_text targets is not supported yet; use "
                                 "quantization: none."),
     ({"tp_size": 4}, "linear_num_key_heads 2 is not divisible by tp_size 4."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
+    message = message.format(model_type(pair))
     out = tmp_path / "engine"
     assert main(["build", str(write_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
         EXIT_USER_ERROR
@@ -273,6 +291,24 @@ QWEN3_5_27B_TEXT_CONFIG = {  # Qwen/Qwen3.5-27B config.json's text_config, as pu
     "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
                         "rope_theta": 10000000, "partial_rotary_factor": 0.25},
 }
+
+
+def test_published_moe_shape_parses_and_splits():
+    """Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults are its shape): 40 layers, 256
+    experts of 512 (top 8) and a shared expert of 512 in each."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    raw = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+           "text_config": Qwen3_5MoeTextConfig().to_dict(), "tie_word_embeddings": False}
+    spec = DecoderSpec.from_hf(hf_config_from_dict(raw, "Qwen3.5-35B-A3B"))
+    assert (spec.routed_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, spec.intermediate_size,
+            spec.shared_expert, sum(map(spec.is_sparse, range(40)))) == (256, 8, 512, 512, True, 40)
+    assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
+    # 3 + per layer: 2 norms, the router, 256 x 3 expert weights, 3 shared-expert weights and its gate; full layers
+    # (10) q/k/v/o and q/k norms, linear ones (30) 9 Gated DeltaNet tensors
+    assert len(target_tensor_shapes(spec)) == 3 + 40 * (2 + 1 + 256 * 3 + 4) + 10 * 6 + 30 * 9
+    for tp in (2, 4, 8):
+        check_tp(spec, tp, "Qwen3.5-35B-A3B", quantized=False, moe_parallel="ep")
 
 
 def test_published_config_parses_and_splits():

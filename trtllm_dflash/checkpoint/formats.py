@@ -71,6 +71,9 @@ def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, t
         for x in range(e):
             shapes |= {f"mlp.experts.{x}.gate_proj.weight": (m, h), f"mlp.experts.{x}.up_proj.weight": (m, h),
                        f"mlp.experts.{x}.down_proj.weight": (h, m)}
+        if spec.shared_expert:  # Qwen3.5 MoE
+            shapes |= {"mlp.shared_expert.gate_proj.weight": (i, h), "mlp.shared_expert.up_proj.weight": (i, h),
+                       "mlp.shared_expert.down_proj.weight": (h, i), "mlp.shared_expert_gate.weight": (1, h)}
     return {f"{prefix}{name}": shape for name, shape in shapes.items()}
 
 
@@ -174,9 +177,11 @@ class DrafterCheckpoint:
 
 
 def _spec_from(raw: dict, config_path: Path) -> DecoderSpec:
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     multimodal = raw.get("model_type") in MULTIMODAL  # (its text_config holds the fields)
     fields = raw.get("text_config") if multimodal else raw
+    width = ("shared_expert_intermediate_size" if raw.get("model_type") in ("qwen3_5_moe", "qwen3_5_moe_text")
+             else "intermediate_size")  # (Qwen3.5 MoE has no dense MLP)
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", width, "vocab_size")
     for key in required:
         if not isinstance(fields, dict) or key not in fields:
             raise UserError(f"{config_path}: field {'text_config.' if multimodal else ''}{key!r} is missing.")

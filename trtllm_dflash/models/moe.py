@@ -194,7 +194,8 @@ class MoEMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Qwen3 MoE's sparse MLP, numerically as transformers' `Qwen3MoeSparseMoeBlock`. Per token x:
+    """Qwen3 MoE's sparse MLP, numerically as transformers' `Qwen3MoeSparseMoeBlock` (and Qwen3.5 MoE's, which adds
+    sigmoid(shared_expert_gate(x)) * shared_expert(x)). Per token x:
 
         p = softmax(gate.weight @ x) in float32                  [num_experts], over every expert
         top, idx = topk(p, k); top /= sum(top) if norm_topk_prob; weights in x's dtype
@@ -213,6 +214,11 @@ class SparseMoE(nn.Module):
         cut = tp if parallel == "tp" else SINGLE
         self.experts = nn.ModuleDict({str(e): MLP(expert, cut)
                                       for e in routed_experts_of(spec, tp.size, tp.rank, parallel)})
+        if spec.shared_expert:  # Qwen3.5 MoE: cut like a dense MLP whatever `parallel` says; its gate replicated
+            self.shared_expert = MLP(dataclasses.replace(spec, mlp_bias=False), tp)
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
         self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +234,14 @@ class SparseMoE(nn.Module):
         return self.tp.all_reduce(self.partial(x.flatten(0, -2))).view_as(x)
 
     def partial(self, flat: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> this rank's share of the output [N, hidden], before the all-reduce."""
+        """[N, hidden] -> this rank's share of the output [N, hidden], before the all-reduce (with Qwen3.5 MoE's shared
+        expert, added after the routed ones as transformers does)."""
+        routed = self._routed(flat)
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert.partial(flat)
+
+    def _routed(self, flat: torch.Tensor) -> torch.Tensor:
         if exporting() and self.export_as_one_op:  # com.microsoft.MoE: gate / up rows interleaved, silu(g) * up
             fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1)
                                for e in self.experts.values()])

@@ -14,6 +14,7 @@ The rules are TensorRT-LLM's (docs/tensorrt-llm.md §Tensor parallelism), applie
 - Qwen3 MoE: the router (`mlp.gate`) replicated; the experts (`mlp.experts.{e}.gate_proj` ...) either each cut like a
   dense MLP of moe_intermediate_size (`moe_parallel` "tp") or whole, expert e on rank e // (num_experts / tp_size)
   only ("ep": `holds` says which tensors a rank's file has);
+- Qwen3.5 MoE: as Qwen3 MoE, and the shared expert cut like a dense MLP (under "ep" too), its gate replicated;
 - Qwen3.5: q_proj by query heads of [query; gate] rows (2 x head_dim each); a Gated DeltaNet layer by its key and
   value heads: in_proj_qkv and the conv's channels are three parts (q, k by key heads, v by value heads), each cut
   alike (`Split.parts`); in_proj_z, in_proj_a / in_proj_b, dt_bias and A_log by value heads; out_proj row-parallel;
@@ -46,7 +47,8 @@ from trtllm_dflash.models.spec import DecoderSpec
 # Quantized linears are cut in blocks of this many inputs (NVFP4's weight_scale block).
 ROW_ALIGN = 16
 
-_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)"
+_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.|shared_expert\.)?"
+                     r"(?:gate|up|down)_proj)"
                      r"\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")

@@ -27,6 +27,7 @@ from transformers import (
     GptOssConfig,
     LlamaConfig,
     PretrainedConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -44,6 +45,7 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], bool]] = {
     "gemma4_text": (Gemma4TextConfig, True),  # sandwich norms, per-layer-type head dims and RoPE, soft-capped logits
     # Qwen3.5: Gated DeltaNet layers (a recurrent state per request) and gated full attention with partial RoPE
     "qwen3_5_text": (Qwen3_5TextConfig, True),
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, True),  # ... with Qwen3 MoE's routed experts and a gated shared expert
 }
 # A multimodal Gemma 4 directory (Gemma4ForConditionalGeneration): its `text_config` is a gemma4_text config, and
 # its text weights are stored under `model.language_model.` (checkpoint/formats.py).
@@ -51,7 +53,7 @@ GEMMA4_MULTIMODAL = "gemma4"
 # The same for Qwen3.5 (Qwen3_5ForConditionalGeneration, what the published Qwen3.5 directories are): a qwen3_5_text
 # `text_config`, its text weights under `model.language_model.`.
 QWEN3_5_MULTIMODAL = "qwen3_5"
-MULTIMODAL = {GEMMA4_MULTIMODAL: "gemma4_text", QWEN3_5_MULTIMODAL: "qwen3_5_text"}
+MULTIMODAL = {GEMMA4_MULTIMODAL: "gemma4_text", QWEN3_5_MULTIMODAL: "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 # Every HF config key we read; the engine keeps exactly these, so a config.json round-trips.
 _HF_KEYS = (
@@ -63,7 +65,7 @@ _HF_KEYS = (
     "final_logit_softcapping", "hidden_size_per_layer_input", "input_embedding_scale",
     "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-    "linear_num_value_heads",
+    "linear_num_value_heads", "shared_expert_intermediate_size",
 )
 
 # Gemma 4 parts outside the dense text model (the 31B), each refused with its own sentence: (field, is_used, what).
@@ -162,12 +164,15 @@ class DecoderSpec:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # Qwen3.5 MoE: every sparse MLP also runs a shared expert (a SwiGLU MLP of intermediate_size, which the config
+    # calls shared_expert_intermediate_size) weighted by sigmoid(shared_expert_gate(x)).
+    shared_expert: bool = False
 
     @property
     def is_qwen3_5(self) -> bool:
-        """Qwen3.5 numerics: RMSNorm scales by (1 + weight) in fp32, full attention gated per head by sigmoid of a
-        second half of q_proj, RoPE over the first partial_rotary_factor of head_dim."""
-        return self.model_type == "qwen3_5_text"
+        """Qwen3.5 numerics (dense and MoE): RMSNorm scales by (1 + weight) in fp32, full attention gated per head by
+        sigmoid of a second half of q_proj, RoPE over the first partial_rotary_factor of head_dim."""
+        return self.model_type in ("qwen3_5_text", "qwen3_5_moe_text")
 
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` is a Gated DeltaNet (a recurrent state instead of a KV cache)."""
@@ -231,16 +236,18 @@ class DecoderSpec:
             if "linear_attention" not in layer_types:
                 layer_types = ()
         gemma4 = cfg.model_type == "gemma4_text"
-        qwen3_5 = cfg.model_type == "qwen3_5_text"
+        qwen3_5 = cfg.model_type in ("qwen3_5_text", "qwen3_5_moe_text")
+        shared = cfg.model_type == "qwen3_5_moe_text"  # (routed experts in every layer, renormalized, + a shared one)
         k_eq_v = gemma4 and bool(cfg.attention_k_eq_v)
-        routed = int(cfg.num_experts or 0) if cfg.model_type == "qwen3_moe" else 0
+        routed = int(cfg.num_experts or 0) if cfg.model_type == "qwen3_moe" or shared else 0
         dense = tuple(i for i in range(cfg.num_hidden_layers)
-                      if i in (cfg.mlp_only_layers or []) or (i + 1) % cfg.decoder_sparse_step) if routed else ()
+                      if i in (cfg.mlp_only_layers or []) or (i + 1) % cfg.decoder_sparse_step) if routed and not shared \
+            else ()
         return cls(
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
+            intermediate_size=cfg.shared_expert_intermediate_size if shared else cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
@@ -258,7 +265,7 @@ class DecoderSpec:
                                  if cfg.model_type == "gpt_oss" or routed else 0),
             routed_experts=routed,
             moe_intermediate_size=int(cfg.moe_intermediate_size) if routed else 0,
-            norm_topk_prob=bool(cfg.norm_topk_prob) if routed else False,
+            norm_topk_prob=True if shared else bool(cfg.norm_topk_prob) if routed else False,
             dense_layers=dense,
             layer_types=layer_types or None,
             sliding_window=window,
@@ -274,6 +281,7 @@ class DecoderSpec:
             linear_key_head_dim=cfg.linear_key_head_dim if qwen3_5 else 0,
             linear_value_head_dim=cfg.linear_value_head_dim if qwen3_5 else 0,
             linear_conv_kernel=cfg.linear_conv_kernel_dim if qwen3_5 else 0,
+            shared_expert=shared,
         )
 
     def to_hf_dict(self) -> dict:
@@ -301,6 +309,11 @@ class DecoderSpec:
             fields |= {"num_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
                        "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                        "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers)}
+        if self.shared_expert:  # Qwen3.5 MoE: no dense MLP width, every layer sparse
+            del fields["intermediate_size"]
+            fields |= {"num_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                       "moe_intermediate_size": self.moe_intermediate_size,
+                       "shared_expert_intermediate_size": self.intermediate_size}
         if self.is_qwen3_5:
             fields |= {"layer_types": list(self.layer_types or ()), "linear_num_key_heads": self.linear_num_key_heads,
                        "linear_num_value_heads": self.linear_num_value_heads,

@@ -21,6 +21,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -85,22 +87,29 @@ def _random_gemma4(common: dict, num_layers: int) -> Gemma4ForCausalLM:
     return hf
 
 
-def _random_qwen3_5(common: dict, num_layers: int) -> Qwen3_5ForConditionalGeneration:
+def _random_qwen3_5(common: dict, num_layers: int, moe: bool = False
+                    ) -> Qwen3_5ForConditionalGeneration | Qwen3_5MoeForConditionalGeneration:
     """Qwen3.5 as published: a multimodal directory (Qwen3_5ForConditionalGeneration, here with a one-block vision
     tower that text never reaches) whose text model has Gated DeltaNet layers (2 key heads, 4 value heads: each key
     head shared by two) and a full-attention layer every fourth (gated, RoPE over a quarter of head_dim). Its
     zero-centred norm weights are spread around 0 (HF initialises them to exactly 0: scale 1), and its Gated DeltaNet
     layers remember: HF's initial decay (A up to 16: exp(g) ~ 1e-5 a token) forgets every earlier token at once, and
     their output is small against the residual stream, so a wrong recurrent state would hardly change a token. Here
-    A in (0.02, 0.3) keeps ~0.9 of the state a token and out_proj is 5x larger."""
+    A in (0.02, 0.3) keeps ~0.9 of the state a token and out_proj is 5x larger. `moe`: Qwen3.5 MoE, every MLP 8
+    routed experts of half the width (top 2) and a shared expert of 3/4 of it, with a router that spreads the tokens."""
     text = common | {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
     eos = text.pop("eos_token_id")
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": common["hidden_size"], "num_position_embeddings": 16}
-    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
-        text_config=text | {"eos_token_id": eos}, vision_config=vision,
-        tie_word_embeddings=common["tie_word_embeddings"]))
+    if moe:
+        width = text.pop("intermediate_size")
+        text |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": width // 2,
+                 "shared_expert_intermediate_size": 3 * width // 4}
+    config, model = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe else (
+        Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+    hf = model(config(text_config=text | {"eos_token_id": eos}, vision_config=vision,
+                      tie_word_embeddings=common["tie_word_embeddings"]))
     hf.generation_config.eos_token_id = eos
     with torch.no_grad():
         for name, p in hf.model.language_model.named_parameters():
@@ -110,6 +119,8 @@ def _random_qwen3_5(common: dict, num_layers: int) -> Qwen3_5ForConditionalGener
                 p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
             elif name.endswith("linear_attn.out_proj.weight"):
                 p.mul_(5.0)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     return hf
 
 
@@ -141,10 +152,10 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         hf = _random_gpt_oss(common, num_layers)
     elif family == "gemma4":
         hf = _random_gemma4(common, num_layers)
-    elif family == "qwen3_5":
-        hf = _random_qwen3_5(common, num_layers)
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        hf = _random_qwen3_5(common, num_layers, moe=family == "qwen3_5_moe")
     else:
-        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, llama, gpt_oss or gemma4, got {family!r}")
+        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, llama, gpt_oss or gemma4, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))
