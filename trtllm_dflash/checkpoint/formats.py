@@ -59,6 +59,9 @@ def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, t
                    "layer_scalar": (1,)}
     if spec.mlp_bias:
         shapes |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
+    if spec.is_mla:  # DeepSeek-V3 / Kimi K2: latent attention instead (models/mla.py)
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("self_attn.")}
+        shapes |= {f"self_attn.{name}": shape for name, shape in _latent_attention_shapes(spec).items()}
     if spec.is_qwen3_5:  # q_proj: each head's query and output gate
         shapes["self_attn.q_proj.weight"] = (2 * q, h)
     if spec.is_linear(layer):  # Qwen3.5's Gated DeltaNet instead of attention
@@ -71,10 +74,29 @@ def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, t
         for x in range(e):
             shapes |= {f"mlp.experts.{x}.gate_proj.weight": (m, h), f"mlp.experts.{x}.up_proj.weight": (m, h),
                        f"mlp.experts.{x}.down_proj.weight": (h, m)}
+        if spec.n_shared_experts:  # DeepSeek-V3: the router's choice bias, the shared experts as one MLP
+            w = spec.n_shared_experts * m
+            shapes |= {"mlp.gate.e_score_correction_bias": (e,), "mlp.shared_experts.gate_proj.weight": (w, h),
+                       "mlp.shared_experts.up_proj.weight": (w, h), "mlp.shared_experts.down_proj.weight": (h, w)}
         if spec.shared_expert:  # Qwen3.5 MoE
             shapes |= {"mlp.shared_expert.gate_proj.weight": (i, h), "mlp.shared_expert.up_proj.weight": (i, h),
                        "mlp.shared_expert.down_proj.weight": (h, i), "mlp.shared_expert_gate.weight": (1, h)}
     return {f"{prefix}{name}": shape for name, shape in shapes.items()}
+
+
+def _latent_attention_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
+    """A multi-head latent attention's tensors (transformers' DeepseekV3Attention)."""
+    h, heads, r, rope = spec.hidden_size, spec.num_heads, spec.kv_lora_rank, spec.head_dim
+    q = heads * (spec.qk_nope_head_dim + rope)
+    shapes = ({"q_a_proj.weight": (spec.q_lora_rank, h), "q_a_layernorm.weight": (spec.q_lora_rank,),
+               "q_b_proj.weight": (q, spec.q_lora_rank)} if spec.q_lora_rank else {"q_proj.weight": (q, h)})
+    shapes |= {"kv_a_proj_with_mqa.weight": (r + rope, h), "kv_a_layernorm.weight": (r,),
+               "kv_b_proj.weight": (heads * (spec.qk_nope_head_dim + spec.v_head_dim), r),
+               "o_proj.weight": (h, heads * spec.v_head_dim)}
+    if spec.attention_bias:
+        shapes |= {"q_a_proj.bias": (spec.q_lora_rank,)} if spec.q_lora_rank else {}
+        shapes |= {"kv_a_proj_with_mqa.bias": (r + rope,), "o_proj.bias": (h,)}
+    return shapes
 
 
 def _linear_attention_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
@@ -216,7 +238,9 @@ def _eos_ids(*values) -> tuple[int, ...]:
 # A multimodal Gemma 4 / Qwen3.5 directory (Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration) stores
 # its text model under this prefix (and the lm_head, when not tied, as a causal LM does); its vision / audio towers
 # and Qwen3.5's multi-token-prediction head (`mtp.`) are not read.
-MULTIMODAL_TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
+MULTIMODAL_TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head.",
+                            # (Kimi K2.5 / K2.6 as published; transformers renames them as above when it loads them)
+                            "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
 
 
 def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: Path) -> SafetensorsDir:
@@ -226,9 +250,10 @@ def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: 
             raise UserError(f"{config_path}: quantized {raw['model_type']} checkpoints (quantization_config) are not "
                             "supported; use the bfloat16 checkpoint.")
         return RenamedSafetensorsDir(directory, MULTIMODAL_TEXT_PREFIXES)
-    if spec.is_qwen3_5 and isinstance(raw.get("quantization_config"), dict):
-        raise UserError(f"{config_path}: quantized Qwen3.5 checkpoints (quantization_config) are not supported; use "
-                        "the bfloat16 checkpoint.")
+    if (spec.is_qwen3_5 or spec.is_mla) and isinstance(raw.get("quantization_config"), dict):
+        quant = raw["quantization_config"]
+        raise UserError(f"{config_path}: quantized {spec.model_type} checkpoints (quantization_config "
+                        f"{quant.get('quant_method')!r}) are not supported yet; use a bfloat16 checkpoint.")
     quant = raw.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if not spec.num_experts or method is None:

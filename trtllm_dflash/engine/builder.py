@@ -90,12 +90,14 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 
 
 def check_target_family(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
-    """What Gemma 4 and Qwen3.5 targets can be built into today: the torch executor (the exported graphs have one
-    head_dim, the default attention scale and KV caches only), unquantized (ModelOpt's export of these families is not
-    wired in yet)."""
+    """What Gemma 4, Qwen3.5 and DeepSeek-V3 / Kimi K2 targets can be built into today: the torch executor (the
+    exported graphs have one head_dim, the default attention scale and per-head KV caches only), unquantized (ModelOpt's
+    export of these families is not wired in yet)."""
     why = ("per-layer-type head dims, attention scale 1, soft-capped logits" if spec.is_gemma4 else
            "Gated DeltaNet layers, whose recurrent state per request and position the graphs have no inputs for"
-           if spec.is_qwen3_5 else None)
+           if spec.is_qwen3_5 else
+           "multi-head latent attention, whose latent cache and absorbed projections the graphs do not have"
+           if spec.is_mla else None)
     if why is None:
         return
     if cfg.quantization != "none":

@@ -300,12 +300,16 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int | list[int],
-                 head_dim: int | list[int], dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 head_dim: int | list[int], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 v_head_dim: list[int] | None = None):
+        """`v_head_dim`: per layer, where V's head size differs from K's (a latent attention layer keeps none: V is
+        part of K)."""
         kv = num_kv_heads if isinstance(num_kv_heads, list) else [num_kv_heads] * num_layers
         hd = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
-        assert len(kv) == len(hd) == num_layers, (kv, hd, num_layers)
+        vd = v_head_dim or hd
+        assert len(kv) == len(hd) == len(vd) == num_layers, (kv, hd, vd, num_layers)
         self.k = [torch.zeros(num_slots, capacity, n, d, dtype=dtype, device=device) for n, d in zip(kv, hd)]
-        self.v = [torch.zeros(num_slots, capacity, n, d, dtype=dtype, device=device) for n, d in zip(kv, hd)]
+        self.v = [torch.zeros(num_slots, capacity, n, d, dtype=dtype, device=device) for n, d in zip(kv, vd)]
         self.capacity = capacity
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,

@@ -195,11 +195,17 @@ class MoEMLP(nn.Module):
 
 class SparseMoE(nn.Module):
     """Qwen3 MoE's sparse MLP, numerically as transformers' `Qwen3MoeSparseMoeBlock` (and Qwen3.5 MoE's, which adds
-    sigmoid(shared_expert_gate(x)) * shared_expert(x)). Per token x:
+    sigmoid(shared_expert_gate(x)) * shared_expert(x)), and DeepSeek-V3's / Kimi K2's (`DeepseekV3MoE`: another router,
+    and shared_experts(x) added). Per token x:
 
         p = softmax(gate.weight @ x) in float32                  [num_experts], over every expert
         top, idx = topk(p, k); top /= sum(top) if norm_topk_prob; weights in x's dtype
         out = sum over the chosen e of weight_e * down_e(silu(gate_e(x)) * up_e(x))
+
+    DeepSeek-V3's router (`DeepseekV3TopkRouter`, all in float32): s = sigmoid(gate.weight @ x); the experts form n_group
+    groups, a group scores the sum of its top 2 of s + gate.e_score_correction_bias, and only the topk_group best
+    groups' experts may be chosen, by the top k of s + bias; their weights are s (without the bias) renormalized and
+    times routed_scaling_factor.
 
     The experts are `MLP`s of moe_intermediate_size named as stored (`experts.{e}.gate_proj` ...). Under tensor
     parallelism (`parallel`, models/shard.py) each rank holds either a slice of every expert, cut like a dense MLP
@@ -210,6 +216,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp, self.top_k, self.norm_topk_prob = tp, spec.num_experts_per_tok, spec.norm_topk_prob
         self.gate = nn.Linear(spec.hidden_size, spec.routed_experts, bias=False)
+        self.groups, self.top_groups, self.scaling = spec.n_group, spec.topk_group, spec.routed_scaling_factor
+        if self.groups:  # DeepSeek-V3: a bias for choosing only (stored with the router)
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(spec.routed_experts))
         expert = dataclasses.replace(spec, intermediate_size=spec.moe_intermediate_size, mlp_bias=False)
         cut = tp if parallel == "tp" else SINGLE
         self.experts = nn.ModuleDict({str(e): MLP(expert, cut)
@@ -219,15 +228,35 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
+        if spec.n_shared_experts:  # DeepSeek-V3: n of moe_intermediate_size as one MLP, added without a gate
+            width = spec.n_shared_experts * spec.moe_intermediate_size
+            self.shared_experts = MLP(dataclasses.replace(spec, intermediate_size=width, mlp_bias=False), tp)
+        else:
+            self.shared_experts = None
         self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, hidden] -> routing weights [N, k] (flat's dtype), expert ids [N, k]."""
+        """[N, hidden] -> routing weights [N, k] (flat's dtype; DeepSeek-V3's: float32), expert ids [N, k]."""
+        if self.groups:
+            return self._route_groups(flat)
         logits = self.gate(flat)
         top, idx = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), idx
+
+    def _route_groups(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(flat.float(), self.gate.weight.float()))  # [N, E]
+        choice = scores + self.gate.e_score_correction_bias
+        grouped = choice.view(flat.shape[0], self.groups, -1)
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(dim=-1), self.top_groups, dim=-1, sorted=False).indices
+        allowed = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1.0).bool()  # [N, groups]
+        choice = choice.masked_fill(~allowed[..., None].expand_as(grouped).reshape_as(choice), float("-inf"))
+        idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, T, hidden]
@@ -237,6 +266,8 @@ class SparseMoE(nn.Module):
         """[N, hidden] -> this rank's share of the output [N, hidden], before the all-reduce (with Qwen3.5 MoE's shared
         expert, added after the routed ones as transformers does)."""
         routed = self._routed(flat)
+        if self.shared_experts is not None:
+            return routed + self.shared_experts.partial(flat)
         if self.shared_expert is None:
             return routed
         return routed + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert.partial(flat)

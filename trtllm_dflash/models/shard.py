@@ -14,6 +14,11 @@ The rules are TensorRT-LLM's (docs/tensorrt-llm.md §Tensor parallelism), applie
 - Qwen3 MoE: the router (`mlp.gate`) replicated; the experts (`mlp.experts.{e}.gate_proj` ...) either each cut like a
   dense MLP of moe_intermediate_size (`moe_parallel` "tp") or whole, expert e on rank e // (num_experts / tp_size)
   only ("ep": `holds` says which tensors a rank's file has);
+- DeepSeek-V3 / Kimi K2 (multi-head latent attention, models/mla.py): q_b_proj (or q_proj) and kv_b_proj by heads
+  (each head's qk_nope + qk_rope / qk_nope + v rows), o_proj by heads' v_head_dim input columns; the latent path
+  (q_a_proj, kv_a_proj_with_mqa and their norms) replicated; the router and its e_score_correction_bias replicated,
+  the routed experts as Qwen3 MoE's, the shared experts cut like a dense MLP of n_shared_experts x
+  moe_intermediate_size;
 - Qwen3.5 MoE: as Qwen3 MoE, and the shared expert cut like a dense MLP (under "ep" too), its gate replicated;
 - Qwen3.5: q_proj by query heads of [query; gate] rows (2 x head_dim each); a Gated DeltaNet layer by its key and
   value heads: in_proj_qkv and the conv's channels are three parts (q, k by key heads, v by value heads), each cut
@@ -47,12 +52,14 @@ from trtllm_dflash.models.spec import DecoderSpec
 # Quantized linears are cut in blocks of this many inputs (NVFP4's weight_scale block).
 ROW_ALIGN = 16
 
-_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.|shared_expert\.)?"
+_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.|shared_experts?\.)?"
                      r"(?:gate|up|down)_proj)"
                      r"\.(\w+)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _SINKS = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.sinks$")
 _LINEAR_ATTN = re.compile(r"(?:^|\.)layers\.\d+\.linear_attn\.(\w+?)(?:\.(\w+))?$")
+_LATENT_ATTN = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj|q_a_proj|q_a_layernorm|"
+                          r"kv_a_proj_with_mqa|kv_a_layernorm)\.(\w+)$")
 # (quantized experts, quantize/experts.py: `<p>_weight_scale` is cut like `<p>`; the scalar scales are replicated)
 _ROUTED_EXPERT = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(\d+)\.")
 _EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"
@@ -151,11 +158,24 @@ def _linear_attention_split(module: str, leaf: str | None, spec: DecoderSpec, tp
     return Split(0, rank * per, (rank + 1) * per, full)
 
 
+def _latent_attention_split(module: str, leaf: str, spec: DecoderSpec, tp_size: int, rank: int) -> Split | None:
+    """A latent attention tensor's split: the per-head projections by heads, the latent path replicated."""
+    if module not in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj") or leaf not in ("weight", "weight_scale"):
+        return None  # (o_proj's bias is added by rank 0)
+    per = spec.num_heads // tp_size
+    rows = {"q_b_proj": spec.qk_nope_head_dim + spec.head_dim, "q_proj": spec.qk_nope_head_dim + spec.head_dim,
+            "kv_b_proj": spec.qk_nope_head_dim + spec.v_head_dim, "o_proj": spec.v_head_dim}[module]
+    return Split(1 if module == "o_proj" else 0, rank * per * rows, (rank + 1) * per * rows, spec.num_heads * rows)
+
+
 def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_parallel: str = "tp") -> Split | None:
     """The slice of tensor `name` (HF / z-lab name) rank holds; None = replicated."""
     linear = _LINEAR_ATTN.search(name)
     if linear is not None:
         return _linear_attention_split(*linear.groups(), spec, tp_size, rank)
+    latent = _LATENT_ATTN.search(name) if spec.is_mla else None
+    if latent is not None:
+        return _latent_attention_split(*latent.groups(), spec, tp_size, rank)
     if name in _VOCAB:
         per = padded_vocab(spec.vocab_size, tp_size) // tp_size
         return Split(0, rank * per, (rank + 1) * per, spec.vocab_size)
@@ -180,6 +200,8 @@ def split_for(name: str, spec: DecoderSpec, tp_size: int, rank: int, moe_paralle
         if moe_parallel == "ep":
             return None
         inter = spec.moe_intermediate_size
+    elif ".shared_experts." in module:  # DeepSeek-V3: n_shared_experts experts as one MLP
+        inter = spec.n_shared_experts * spec.moe_intermediate_size
     if module.endswith(("o_proj", "down_proj")):
         if leaf == "bias":
             return None
@@ -227,6 +249,8 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
         if n % tp_size and tp_size % n:
             raise UserError(f"{what}: {field} {n} is not divisible by tp_size {tp_size} (nor tp_size by it).")
 
+    if spec.is_mla and spec.num_heads % tp_size:  # (each rank its own heads; a head is not shared)
+        raise UserError(f"{what}: num_attention_heads {spec.num_heads} is not divisible by tp_size {tp_size}.")
     divisible("num_attention_heads", spec.num_heads)
     divisible("num_key_value_heads", spec.num_kv_heads)
     if spec.num_global_kv_heads:
@@ -251,6 +275,9 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
     if spec.routed_experts and moe_parallel == "ep" and spec.routed_experts % tp_size:
         raise UserError(f"{what}: num_experts {spec.routed_experts} is not divisible by tp_size {tp_size}, so "
                         "moe_parallel: ep cannot give every rank the same number of experts.")
+    if spec.n_shared_experts and spec.n_shared_experts * spec.moe_intermediate_size % tp_size:
+        raise UserError(f"{what}: the shared experts' width (n_shared_experts x moe_intermediate_size) "
+                        f"{spec.n_shared_experts * spec.moe_intermediate_size} is not divisible by tp_size {tp_size}.")
     if spec.routed_experts and moe_parallel != "ep" and spec.moe_intermediate_size % tp_size:
         raise UserError(f"{what}: moe_intermediate_size {spec.moe_intermediate_size} is not divisible by tp_size "
                         f"{tp_size}.")

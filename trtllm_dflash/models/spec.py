@@ -19,10 +19,12 @@ which `DecoderSpec.layer_spec(i)` resolves into a plain per-layer spec.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 from transformers import (
+    DeepseekV3Config,
     Gemma4TextConfig,
     GptOssConfig,
     LlamaConfig,
@@ -46,6 +48,8 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], bool]] = {
     # Qwen3.5: Gated DeltaNet layers (a recurrent state per request) and gated full attention with partial RoPE
     "qwen3_5_text": (Qwen3_5TextConfig, True),
     "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, True),  # ... with Qwen3 MoE's routed experts and a gated shared expert
+    # DeepSeek-V3 / Kimi K2: multi-head latent attention (models/mla.py), sigmoid group-limited routing + shared experts
+    "deepseek_v3": (DeepseekV3Config, False),
 }
 # A multimodal Gemma 4 directory (Gemma4ForConditionalGeneration): its `text_config` is a gemma4_text config, and
 # its text weights are stored under `model.language_model.` (checkpoint/formats.py).
@@ -53,7 +57,9 @@ GEMMA4_MULTIMODAL = "gemma4"
 # The same for Qwen3.5 (Qwen3_5ForConditionalGeneration, what the published Qwen3.5 directories are): a qwen3_5_text
 # `text_config`, its text weights under `model.language_model.`.
 QWEN3_5_MULTIMODAL = "qwen3_5"
-MULTIMODAL = {GEMMA4_MULTIMODAL: "gemma4_text", QWEN3_5_MULTIMODAL: "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# ... and Kimi K2.5 / K2.6 (Kimi_K25ForConditionalGeneration): a deepseek_v3 text model (`kimi_k2` in its config).
+MULTIMODAL = {GEMMA4_MULTIMODAL: "gemma4_text", QWEN3_5_MULTIMODAL: "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+              "kimi_k25": "deepseek_v3"}
 
 # Every HF config key we read; the engine keeps exactly these, so a config.json round-trips.
 _HF_KEYS = (
@@ -66,6 +72,8 @@ _HF_KEYS = (
     "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
     "linear_num_value_heads", "shared_expert_intermediate_size",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+    "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
 )
 
 # Gemma 4 parts outside the dense text model (the 31B), each refused with its own sentence: (field, is_used, what).
@@ -167,6 +175,22 @@ class DecoderSpec:
     # Qwen3.5 MoE: every sparse MLP also runs a shared expert (a SwiGLU MLP of intermediate_size, which the config
     # calls shared_expert_intermediate_size) weighted by sigmoid(shared_expert_gate(x)).
     shared_expert: bool = False
+    # DeepSeek-V3 / Kimi K2 multi-head latent attention (models/mla.py; 0 = none): queries through a q_lora_rank
+    # bottleneck (0: one q_proj), keys and values from a kv_lora_rank latent that the cache holds with one roped key
+    # part of qk_rope_head_dim (= head_dim, the RoPE width) per position; per head qk_nope_head_dim unroped query / key
+    # dims and v_head_dim value dims. RoPE pairs interleaved when rope_interleave.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek-V3 routing: sigmoid scores, experts in n_group groups of which the topk_group best (each by its top 2
+    # scores + e_score_correction_bias) are eligible, the chosen scores renormalized and times routed_scaling_factor;
+    # n_shared_experts x moe_intermediate_size wide shared experts added to every sparse MLP.
+    n_group: int = 0
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
     @property
     def is_qwen3_5(self) -> bool:
@@ -183,6 +207,11 @@ class DecoderSpec:
         """Some layers carry a recurrent state (Qwen3.5): a rejected draft cannot just be masked, the state after the
         accepted prefix must be kept (models/linear_attention.py)."""
         return bool(self.linear_conv_kernel)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3 / Kimi K2): the KV cache holds a latent per position."""
+        return bool(self.kv_lora_rank)
 
     @property
     def is_gpt_oss(self) -> bool:
@@ -238,11 +267,21 @@ class DecoderSpec:
         gemma4 = cfg.model_type == "gemma4_text"
         qwen3_5 = cfg.model_type in ("qwen3_5_text", "qwen3_5_moe_text")
         shared = cfg.model_type == "qwen3_5_moe_text"  # (routed experts in every layer, renormalized, + a shared one)
+        deepseek = cfg.model_type == "deepseek_v3"
         k_eq_v = gemma4 and bool(cfg.attention_k_eq_v)
-        routed = int(cfg.num_experts or 0) if cfg.model_type == "qwen3_moe" or shared else 0
+        routed = (int(cfg.num_experts or 0) if cfg.model_type == "qwen3_moe" or shared else
+                  int(cfg.n_routed_experts or 0) if deepseek else 0)
         dense = tuple(i for i in range(cfg.num_hidden_layers)
-                      if i in (cfg.mlp_only_layers or []) or (i + 1) % cfg.decoder_sparse_step) if routed and not shared \
-            else ()
+                      if i in (cfg.mlp_only_layers or []) or (i + 1) % cfg.decoder_sparse_step) if routed and not \
+            (shared or deepseek) else tuple(range(min(cfg.first_k_dense_replace or 0, cfg.num_hidden_layers))) \
+            if routed and deepseek else ()
+        if deepseek:  # softmax scale: qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared
+            scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+            rope = cfg.rope_parameters or {}
+            if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+                factor = rope["factor"]
+                mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+                scale *= mscale * mscale
         return cls(
             model_type=cfg.model_type,
             vocab_size=cfg.vocab_size,
@@ -273,7 +312,7 @@ class DecoderSpec:
             global_head_dim=cfg.global_head_dim if gemma4 else None,
             num_global_kv_heads=(cfg.num_global_key_value_heads or cfg.num_key_value_heads) if k_eq_v else None,
             attention_k_eq_v=k_eq_v,
-            attention_scale=1.0 if gemma4 else None,
+            attention_scale=1.0 if gemma4 else scale if deepseek else None,
             final_logit_softcapping=cfg.final_logit_softcapping if gemma4 else None,
             input_embedding_scale=float(getattr(cfg, "input_embedding_scale", None) or 1.0),
             linear_num_key_heads=cfg.linear_num_key_heads if qwen3_5 else 0,
@@ -282,6 +321,15 @@ class DecoderSpec:
             linear_value_head_dim=cfg.linear_value_head_dim if qwen3_5 else 0,
             linear_conv_kernel=cfg.linear_conv_kernel_dim if qwen3_5 else 0,
             shared_expert=shared,
+            q_lora_rank=int(cfg.q_lora_rank or 0) if deepseek else 0,
+            kv_lora_rank=cfg.kv_lora_rank if deepseek else 0,
+            qk_nope_head_dim=cfg.qk_nope_head_dim if deepseek else 0,
+            v_head_dim=cfg.v_head_dim if deepseek else 0,
+            rope_interleave=bool(cfg.rope_interleave) if deepseek else False,
+            n_group=int(cfg.n_group or 1) if deepseek else 0,
+            topk_group=int(cfg.topk_group or 1) if deepseek else 0,
+            routed_scaling_factor=float(cfg.routed_scaling_factor) if deepseek else 1.0,
+            n_shared_experts=int(cfg.n_shared_experts or 0) if deepseek else 0,
         )
 
     def to_hf_dict(self) -> dict:
@@ -309,6 +357,16 @@ class DecoderSpec:
             fields |= {"num_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
                        "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                        "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers)}
+        if self.model_type == "deepseek_v3":
+            fields |= {"q_lora_rank": self.q_lora_rank or None, "kv_lora_rank": self.kv_lora_rank,
+                       "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.head_dim,
+                       "v_head_dim": self.v_head_dim, "rope_interleave": self.rope_interleave,
+                       "n_routed_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                       "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                       "n_group": self.n_group, "topk_group": self.topk_group,
+                       "routed_scaling_factor": self.routed_scaling_factor, "n_shared_experts": self.n_shared_experts,
+                       "first_k_dense_replace": len(self.dense_layers), "num_mtp_layers": 0}
+            del fields["head_dim"]  # (DeepseekV3Config sets it to qk_rope_head_dim)
         if self.shared_expert:  # Qwen3.5 MoE: no dense MLP width, every layer sparse
             del fields["intermediate_size"]
             fields |= {"num_experts": self.routed_experts, "num_experts_per_tok": self.num_experts_per_tok,

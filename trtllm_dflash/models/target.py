@@ -48,6 +48,7 @@ from trtllm_dflash.models.linear_attention import (
     conv_channels,
     linear_heads,
 )
+from trtllm_dflash.models.mla import LatentAttention
 from trtllm_dflash.models.moe import MoEMLP, MoEParallel, SparseMoE
 from trtllm_dflash.models.shard import padded_vocab
 from trtllm_dflash.models.spec import DecoderSpec
@@ -68,6 +69,8 @@ class DecoderLayer(nn.Module):
         fp32_weight, offset = spec.is_gpt_oss or spec.is_gemma4, spec.is_qwen3_5
         if spec.is_linear(layer):
             self.linear_attn, self.self_attn = GatedDeltaNet(spec, tp), None
+        elif spec.is_mla:
+            self.self_attn = LatentAttention(spec, tp)
         else:
             self.self_attn = AttentionProjections(spec.layer_spec(layer), tp)
         self.mlp = (MoEMLP(spec, tp, moe_parallel) if spec.num_experts else
@@ -88,6 +91,8 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         if attn is None:
             attended = self.linear_attn(h, *recurrent)
+        elif isinstance(attn, LatentAttention):
+            attended = attn(h, cos, sin, cache, layer_idx, slots, positions, mask, run, first_key)
         else:
             q, gate = attn.query_and_gate(h)
             k, v = attn.key_value(h)
@@ -131,15 +136,21 @@ class TargetModel(nn.Module):
         linear = [i for i in range(spec.num_layers) if spec.is_linear(i)]
         self.linear_index = {layer: n for n, layer in enumerate(linear)}
 
-    def kv_layout(self) -> tuple[list[int], list[int]]:
-        """Per layer, this rank's KV heads and head size in the KV caches (a Gated DeltaNet layer: 0 heads)."""
-        attn = [layer.self_attn for layer in self.model.layers]
-        return [0 if a is None else a.num_kv_heads for a in attn], [self.spec.head_dim if a is None else a.head_dim
-                                                                     for a in attn]
+    def kv_layout(self) -> tuple[list[int], list[int], list[int]]:
+        """Per layer, this rank's KV heads, K head size and V head size in the KV caches (a Gated DeltaNet layer: 0
+        heads; a latent attention layer: one head of its latent and roped key, no V)."""
+        heads, k_dims, v_dims = [], [], []
+        for layer in self.model.layers:
+            a = layer.self_attn
+            heads.append(0 if a is None else a.num_kv_heads)
+            k_dims.append(self.spec.head_dim if a is None else a.head_dim)
+            v_dims.append(a.v_head_dim if isinstance(a, LatentAttention) else k_dims[-1])
+        return heads, k_dims, v_dims
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         p = self.lm_head.weight
-        return KVCache(self.spec.num_layers, num_slots, capacity, *self.kv_layout(), p.dtype, p.device)
+        heads, k_dims, v_dims = self.kv_layout()
+        return KVCache(self.spec.num_layers, num_slots, capacity, heads, k_dims, p.dtype, p.device, v_dims)
 
     def new_states(self, num_slots: int, depth: int) -> RecurrentStates | None:
         """The Gated DeltaNet layers' states (Qwen3.5), keeping `depth` positions of a pass; None without such layers."""

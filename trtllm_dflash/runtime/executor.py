@@ -178,7 +178,8 @@ KV_BUCKET = 16
 def cache_shape(model: TargetModel | DFlashDrafter) -> CacheShape:
     """What one position costs in `model`'s KV caches (per-layer heads and head sizes: Gemma 4's differ)."""
     if isinstance(model, TargetModel):
-        return CacheShape(model.spec.num_layers, *model.kv_layout(), model.lm_head.weight.element_size())
+        heads, head_dim, v_head_dim = model.kv_layout()
+        return CacheShape(model.spec.num_layers, heads, head_dim, model.lm_head.weight.element_size(), v_head_dim)
     attn = [layer.self_attn for layer in model.layers]
     return CacheShape(len(attn), [a.num_kv_heads for a in attn], [a.head_dim for a in attn],
                       model.norm.weight.element_size())

@@ -59,13 +59,18 @@ class CacheShape:
     kv_heads: list[int]  # per layer
     head_dim: list[int]  # per layer
     element_bytes: int
+    v_head_dim: list[int] | None = None  # per layer where V's differs from K's (a latent attention layer: 0)
+
+    @property
+    def v_dims(self) -> list[int]:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def position_bytes(self) -> int:
-        return 2 * self.element_bytes * sum(h * d for h, d in zip(self.kv_heads, self.head_dim))
+        return self.element_bytes * sum(h * (d + v) for h, d, v in zip(self.kv_heads, self.head_dim, self.v_dims))
 
     def of_layers(self, layers: list[int]) -> "CacheShape":
         return CacheShape(len(layers), [self.kv_heads[i] for i in layers], [self.head_dim[i] for i in layers],
-                          self.element_bytes)
+                          self.element_bytes, None if self.v_head_dim is None else [self.v_head_dim[i] for i in layers])
 
 
 def blocks_for(positions: int, block_tokens: int = BLOCK_TOKENS) -> int:
@@ -295,10 +300,10 @@ class PagedKVCache:
         # per tables: (slots, positions or length, tables.version, rows): every layer of a pass asks alike
         self._rows: dict[int, tuple] = {}
         self.k, self.v = [], []
-        for t, h, d in zip(self.layer_tables, shape.kv_heads, shape.head_dim):
+        for t, h, d, v in zip(self.layer_tables, shape.kv_heads, shape.head_dim, shape.v_dims):
             rows = (t.num_blocks + 1) * t.block_tokens  # + the trash block
             self.k.append(torch.zeros(rows, h, d, dtype=dtype, device=device))
-            self.v.append(torch.zeros(rows, h, d, dtype=dtype, device=device))
+            self.v.append(torch.zeros(rows, h, v, dtype=dtype, device=device))
         self.capacity = tables.max_blocks * tables.block_tokens
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor

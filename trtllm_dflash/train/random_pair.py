@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma4ForCausalLM,
     Gemma4TextConfig,
     GptOssConfig,
@@ -64,6 +66,31 @@ def _random_qwen3_moe(common: dict, num_layers: int) -> Qwen3MoeForCausalLM:
         for name, p in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
+    return hf
+
+
+def _random_deepseek_v3(common: dict, num_layers: int) -> DeepseekV3ForCausalLM:
+    """DeepSeek-V3 / Kimi K2's shape in small: multi-head latent attention (queries through a rank-48 bottleneck, a
+    32-dim latent + 8 roped dims cached per position, 16 unroped query / key and 16 value dims per head, YaRN RoPE
+    with interleaved pairs and its mscale on the softmax scale), layer 0 dense, the others 8 routed experts in 4 groups
+    (the best 2 groups eligible, top 2, renormalized, x 2.5) plus a shared expert. Router weights and the choice bias
+    spread (HF initialises the bias to 0 and routes almost uniformly)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    fields = {k: v for k, v in common.items() if k != "head_dim"} | {
+        "num_key_value_heads": common["num_attention_heads"], "rope_parameters": rope, "q_lora_rank": 48,
+        "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "moe_intermediate_size": common["intermediate_size"] // 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1,
+        "first_k_dense_replace": min(1, num_layers - 1), "num_mtp_layers": 0}
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     return hf
 
 
@@ -152,10 +179,12 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         hf = _random_gpt_oss(common, num_layers)
     elif family == "gemma4":
         hf = _random_gemma4(common, num_layers)
+    elif family == "deepseek_v3":
+        hf = _random_deepseek_v3(common, num_layers)
     elif family in ("qwen3_5", "qwen3_5_moe"):
         hf = _random_qwen3_5(common, num_layers, moe=family == "qwen3_5_moe")
     else:
-        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, llama, gpt_oss or gemma4, got {family!r}")
+        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, deepseek_v3, llama, gpt_oss or gemma4, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))

@@ -1,0 +1,288 @@
+"""DeepSeek-V3 / Kimi K2 targets (multi-head latent attention + group-routed experts with a shared expert): our decoder
+== transformers' DeepseekV3ForCausalLM, the KV cache holding one latent per position, greedy DFlash == AR == HF
+generate(), sampled DFlash == AR, a Kimi K2.5 / K2.6 multimodal directory as published, paged caches with preemption,
+tensor parallelism (heads; experts tp or ep) under mpiexec == one process, the published shapes, and the build options
+not supported yet refused in one sentence.
+
+The tiny target (train/random_pair.py) has latent attention (q rank 48, latent 32 + 8 roped dims, 16 + 16 dims per
+head, YaRN with interleaved pairs), layer 0 dense and layers 1-3 with 8 routed experts in 4 groups (2 eligible, top 2)
+and a shared expert.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import family_requests as requests
+from trtllm_dflash.checkpoint.formats import load_target, target_tensor_shapes
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.engine_dir import rank_file
+from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.mla import LatentAttention
+from trtllm_dflash.models.shard import check_tp
+from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoding import Request
+from trtllm_dflash.runtime.executor import cache_shape
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.train.random_pair import write_random_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+PROMPT_LENGTHS = (7, 19, 12)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("deepseek_v3_pair")
+    write_random_pair(root, "deepseek_v3", block_size=8, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hf(pair):
+    return AutoModelForCausalLM.from_pretrained(str(pair / "target"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(pair, tmp_path_factory) -> Engine:
+    return Engine.load(build(pair, tmp_path_factory.mktemp("deepseek_v3_engine") / "engine", max_batch_size=4))
+
+
+def ours(target: Path) -> TargetModel:
+    ckpt = load_target(target)
+    return TargetModel.from_state_dict(ckpt.spec, {n: ckpt.tensors.get(n).float() for n in ckpt.tensors.names()})
+
+
+def test_the_checkpoint_and_the_latent_cache(pair):
+    """What transformers writes (experts one by one, the router's choice bias), read whole; the KV cache holds one
+    vector of kv_lora_rank + qk_rope_head_dim per position and layer, no V: 40 values against the 4 heads' K and V
+    (4 x (24 + 16)) that attention over expanded heads would cache."""
+    ckpt = load_target(pair / "target")
+    spec = ckpt.spec
+    assert spec.is_mla and (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.head_dim,
+                            spec.v_head_dim, spec.rope_interleave) == (48, 32, 16, 8, 16, True)
+    assert (spec.routed_experts, spec.n_group, spec.topk_group, spec.num_experts_per_tok, spec.routed_scaling_factor,
+            spec.n_shared_experts, spec.dense_layers) == (8, 4, 2, 2, 2.5, 1, (0,))
+    assert set(ckpt.tensors.names()) == set(target_tensor_shapes(spec))
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in ckpt.tensors.names()
+    model = ours(pair / "target")
+    assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.model.layers)
+    assert model.kv_layout() == ([1] * 4, [40] * 4, [0] * 4)
+    assert cache_shape(model).position_bytes() == 4 * 40 * 4  # fp32, 4 layers
+    cache = model.new_cache(2, 32)
+    assert cache.k[0].shape == (2, 32, 1, 40) and cache.v[0].numel() == 0
+
+
+def test_batched_prefill_and_next_blocks_equal_hf(pair, hf):
+    """Prompts of different lengths in one padded prefill, then a block of 8 per row: logits and every layer's hidden
+    states == transformers (fp32); the routing is spread over the experts, within the 2 eligible groups a token."""
+    model = ours(pair / "target")
+    spec, H = model.spec, model.spec.hidden_size
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(4, spec.vocab_size, (n + 8,), generator=g) for n in PROMPT_LENGTHS]
+    with torch.no_grad():
+        ref = [hf(s[None], output_hidden_states=True) for s in seqs]
+    B, T, layers = len(seqs), max(PROMPT_LENGTHS), tuple(range(spec.num_layers))
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        tokens[row, :n] = seqs[row][:n]
+    slots, cache = torch.tensor([2, 0, 1]), model.new_cache(3, 64)
+    out = model(tokens, torch.arange(T).expand(B, T), slots, cache, layers)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        torch.testing.assert_close(out.logits[row, :n], ref[row].logits[0, :n], atol=2e-5, rtol=1e-4)
+        for k, layer in enumerate(layers):
+            torch.testing.assert_close(out.hidden[row, :n, k * H:(k + 1) * H], ref[row].hidden_states[layer + 1][0, :n],
+                                       atol=1e-4, rtol=1e-4)
+    starts = torch.tensor(PROMPT_LENGTHS)
+    block = torch.stack([s[n:n + 8] for s, n in zip(seqs, PROMPT_LENGTHS)])
+    out = model(block, starts[:, None] + torch.arange(8), slots, cache)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        torch.testing.assert_close(out.logits[row], ref[row].logits[0, n:n + 8], atol=2e-5, rtol=1e-4)
+    moe = model.model.layers[1].mlp
+    _, idx = moe.route(torch.randn(64, H, generator=g))  # (RMS-normed inputs, as post_attention_layernorm's)
+    assert len(set(idx.flatten().tolist())) >= 6
+    assert all(len({e // 2 for e in row}) <= 2 for row in idx.tolist())  # 4 groups of 2 experts, 2 groups eligible
+
+
+def test_greedy_dflash_equals_ar_equals_hf_generate_and_sampled_dflash_equals_ar(engine, hf):
+    reqs = requests(engine.executor.vocab_size)
+    assert_dflash_equals_ar_equals_generate(engine, hf, reqs)
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=11 + r.id)
+               for r in reqs]
+    tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(sampled)}
+              for mode in ("dflash", "ar")}
+    assert tokens["dflash"] == tokens["ar"]
+
+
+def test_paged_latent_cache_with_preemption_gives_the_static_tokens(engine, pair, tmp_path):
+    short = build(pair, tmp_path / "engine", max_batch_size=4, max_seq_len=64)
+    per_block = 16 * (4 * 40 * 4 + cache_shape(engine.executor.drafter).position_bytes())
+    paged = Engine.load(short, kv_cache_memory=str(6 * per_block))  # 5 blocks: one request of 64 + a block
+    reqs = [Request(r.id, r.prompt_token_ids, 40) for r in requests(engine.executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        want = {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
+        decoder = paged.decoder(mode)
+        assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == want, mode
+        assert decoder.preemptions > 0, mode
+
+
+def kimi_directory(pair: Path, out: Path) -> Path:
+    """The tiny target laid out as Kimi K2.5 / K2.6 are published (Kimi_K25ForConditionalGeneration): a kimi_k25
+    config whose text_config says kimi_k2, the text weights under `language_model.model.` and
+    `language_model.lm_head.`, a vision tower's tensors beside them."""
+    shutil.copytree(pair / "target", out)
+    text = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text | {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
+        "vision_config": {"model_type": "kimi_k25_vision"}, "tie_word_embeddings": False}))
+    weights = load_file(str(out / "model.safetensors"))
+    renamed = {("language_model." + k): v for k, v in weights.items()}
+    renamed["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_kimi_k2_multimodal_directory_reads_as_its_text_model(pair, engine, tmp_path):
+    kimi = kimi_directory(pair, tmp_path / "kimi")
+    ckpt = load_target(kimi)
+    assert ckpt.spec == load_target(pair / "target").spec
+    assert not any(n.startswith("vision") for n in ckpt.tensors.names())
+    kimi_pair = tmp_path / "pair"
+    kimi_pair.mkdir()
+    (kimi_pair / "target").symlink_to(kimi)
+    (kimi_pair / "drafter").symlink_to(pair / "drafter")
+    other = Engine.load(build(kimi_pair, tmp_path / "engine", max_batch_size=4))
+    reqs = requests(engine.executor.vocab_size)
+    assert {r.request.id: r.output_token_ids for r in other.decoder("dflash").generate(reqs)} == \
+        {r.request.id: r.output_token_ids for r in engine.decoder("dflash").generate(reqs)}
+
+
+# --- tensor parallelism, bad build options, the published shapes ----------------------------------------------
+
+
+def write_config(path: Path, pair: Path, **fields) -> Path:
+    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
+           "max_batch_size": 4, "max_seq_len": 256, **fields}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
+@pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
+def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
+    """2 ranks of 2 heads each (q_b_proj / kv_b_proj rows, o_proj columns; the latent path on both), the experts cut
+    ("tp") or whole on their rank ("ep"), the shared expert cut: rank files exact slices, the tokens of one process."""
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    assert main(["build", str(write_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
+    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2, moe_parallel=moe_parallel)),
+                 "--output", str(two)]) == 0
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    prefix = "target.model.layers.1."
+    cut = [("self_attn.q_b_proj.weight", 0), ("self_attn.kv_b_proj.weight", 0), ("self_attn.o_proj.weight", 1),
+           ("mlp.shared_experts.gate_proj.weight", 0), ("mlp.shared_experts.down_proj.weight", 1)]
+    if moe_parallel == "tp":
+        cut += [("mlp.experts.5.up_proj.weight", 0), ("mlp.experts.5.down_proj.weight", 1)]
+    else:
+        assert [{n.split(".")[6] for n in r if ".layers.1.mlp.experts." in n} for r in ranks] == [
+            {"0", "1", "2", "3"}, {"4", "5", "6", "7"}]
+    for name, dim in cut:
+        assert torch.equal(torch.cat([r[prefix + name] for r in ranks], dim=dim), full[prefix + name]), name
+    for name in ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                 "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+        assert torch.equal(ranks[1][prefix + name], full[prefix + name]), name
+
+    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
+             for i in range(5)]
+    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input",
+           str(prompts), "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+    def tokens(path: Path) -> dict:
+        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export deepseek_v3 targets yet (multi-head latent "
+                                 "attention, whose latent cache and absorbed projections the graphs do not have); use "
+                                 "backend: torch for this engine."),
+    ({"quantization": "fp8"}, "quantization fp8 of deepseek_v3 targets is not supported yet; use quantization: none."),
+    ({"tp_size": 8}, "num_attention_heads 4 is not divisible by tp_size 8."),
+])
+def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
+    out = tmp_path / "engine"
+    assert main(["build", str(write_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
+        EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_sentence(pair, tmp_path, capsys):
+    """DeepSeek-V3 is published in FP8 blocks, Kimi K2.x in INT4 (compressed-tensors): not read yet."""
+    bad = tmp_path / "pair"
+    shutil.copytree(pair, bad)
+    config = json.loads((bad / "target" / "config.json").read_text())
+    (bad / "target" / "config.json").write_text(json.dumps(config | {"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    assert main(["build", str(write_config(tmp_path / "b.yaml", bad)), "--output", str(tmp_path / "e")]) == \
+        EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "quantized deepseek_v3 checkpoints (quantization_config 'fp8') are not supported yet; use a bfloat16 " \
+           "checkpoint." in err and err.count("\n") == 1, err
+
+
+KIMI_K2_TEXT_CONFIG = {  # moonshotai/Kimi-K2-Instruct's config.json (the text model of K2.5 / K2.6), as published
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 131072, "model_type": "kimi_k2", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+
+
+def test_published_shapes_parse_and_split_eight_ways():
+    """Kimi K2 (as the text model of a kimi_k25 directory) and DeepSeek-V3 (transformers' DeepseekV3Config defaults
+    are its shape): 61 layers, 3 / 1 dense, 256 / 384 experts; 576 latent values a position and layer."""
+    raw = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+           "text_config": KIMI_K2_TEXT_CONFIG}
+    kimi = DecoderSpec.from_hf(hf_config_from_dict(raw, "Kimi-K2.6"))
+    deepseek = DecoderSpec.from_hf(hf_config_from_dict(DeepseekV3Config().to_dict() | {"num_mtp_layers": 0}, "V3"))
+    for spec, experts, dense in ((kimi, 384, 1), (deepseek, 256, 3)):
+        assert (spec.routed_experts, len(spec.dense_layers), spec.kv_lora_rank + spec.head_dim) == (experts, dense, 576)
+        assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
+        # 3 + per layer: 2 norms, 7 latent attention tensors; dense layers 3 MLP tensors; sparse ones the router, its
+        # bias, the experts' 3 each and the shared experts' 3
+        assert len(target_tensor_shapes(spec)) == 3 + 61 * 9 + dense * 3 + (61 - dense) * (2 + experts * 3 + 3)
+        for moe_parallel in ("tp", "ep"):
+            check_tp(spec, 8, spec.model_type, quantized=False, moe_parallel=moe_parallel)
+    assert kimi.n_group == kimi.topk_group == 1 and kimi.routed_scaling_factor == 2.827
+    assert kimi.attention_scale == pytest.approx(192**-0.5 * (0.1 * __import__("math").log(32.0) + 1) ** 2)
+    with pytest.raises(UserError, match=r"^K2: num_attention_heads 64 is not divisible by tp_size 128\.$"):
+        check_tp(kimi, 128, "K2", quantized=False, moe_parallel="ep")
