@@ -264,8 +264,6 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
     ({"backend": "onnxruntime"}, "backend onnxruntime cannot export {}_text targets yet (Gated DeltaNet layers, "
                                  "whose recurrent state per request and position the graphs have no inputs for); use "
                                  "backend: torch for this engine."),
-    ({"quantization": "nvfp4"}, "quantization nvfp4 of {}_text targets is not supported yet; use "
-                                "quantization: none."),
     ({"tp_size": 4}, "linear_num_key_heads 2 is not divisible by tp_size 4."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
@@ -276,6 +274,48 @@ def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fiel
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_nvfp4_and_fp8_through_modelopt_are_stored_as_exported_cut_exactly_and_lossless(pair, tmp_path):
+    """quantization nvfp4 (and fp8): ModelOpt quantizes the text model's linears (the Gated DeltaNet's in_proj_qkv / in_proj_z /
+    out_proj included; in_proj_a / in_proj_b, the conv and the norms not), the engine holds them as exported, a tp 2
+    build cuts in_proj_qkv's packed weight and block scales in their q / k / v parts, and decoding is lossless against
+    itself (greedy and sampled dflash == ar)."""
+    pytest.importorskip("modelopt.torch.quantization")
+    calibration = {"calibration_samples": 4, "calibration_max_tokens": 24}
+    one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
+    assert main(["build", str(write_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **calibration)),
+                 "--output", str(one)]) == 0
+    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
+                                           **calibration)), "--output", str(two)]) == 0
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    prefix = "target.model.layers.0.linear_attn."
+    assert {k.removeprefix(prefix): v.dtype for k, v in full.items() if k.startswith(prefix + "in_proj_")} == {
+        "in_proj_qkv.weight": torch.uint8, "in_proj_qkv.weight_scale": torch.float8_e4m3fn,
+        "in_proj_qkv.weight_scale_2": torch.float32, "in_proj_qkv.input_scale": torch.float32,
+        "in_proj_z.weight": torch.uint8, "in_proj_z.weight_scale": torch.float8_e4m3fn,
+        "in_proj_z.weight_scale_2": torch.float32, "in_proj_z.input_scale": torch.float32,
+        "in_proj_a.weight": torch.float32, "in_proj_b.weight": torch.float32}
+    assert full["target.model.layers.3.self_attn.q_proj.weight"].dtype == torch.uint8
+    for leaf in ("weight", "weight_scale"):
+        q, k, v = full[f"{prefix}in_proj_qkv.{leaf}"].view(torch.uint8).split([32, 32, 64])
+        for r, rank in enumerate(ranks):
+            assert torch.equal(rank[f"{prefix}in_proj_qkv.{leaf}"].view(torch.uint8),
+                               torch.cat([q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]]))
+        assert torch.equal(torch.cat([r[f"{prefix}out_proj.{leaf}"].view(torch.uint8) for r in ranks], dim=1),
+                           full[f"{prefix}out_proj.{leaf}"].view(torch.uint8))
+    fp8 = tmp_path / "fp8"
+    assert main(["build", str(write_config(tmp_path / "3.yaml", pair, quantization="fp8", **calibration)),
+                 "--output", str(fp8)]) == 0
+    assert load_file(str(fp8 / rank_file(0)))[f"{prefix}in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
+    for engine in (Engine.load(one), Engine.load(fp8)):
+        reqs = requests(engine.executor.vocab_size)
+        sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
+        for batch in (reqs, sampled):
+            tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
+                      for mode in ("dflash", "ar")}
+            assert tokens["dflash"] == tokens["ar"]
 
 
 QWEN3_5_27B_TEXT_CONFIG = {  # Qwen/Qwen3.5-27B config.json's text_config, as published (vision_config left out)

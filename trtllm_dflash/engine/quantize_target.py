@@ -5,7 +5,9 @@ with NVFP4_DEFAULT_CFG or FP8_DEFAULT_CFG (max calibration) on a prompt set, and
 `export_hf_checkpoint`. Quantized linears come back in the unified format (NVFP4: uint8 weight [out, in/2],
 float8_e4m3fn weight_scale [out, in/16], fp32 weight_scale_2 and input_scale; FP8: float8_e4m3fn weight,
 fp32 weight_scale and input_scale); embedding, lm_head and norms stay unquantized. The drafter is not
-quantized here: it keeps the engine's compute dtype.
+quantized here: it keeps the engine's compute dtype. A Qwen3.5 directory (multimodal) loads as its text model
+(Qwen3_5ForCausalLM): its Gated DeltaNet layers' in_proj_qkv / in_proj_z / out_proj are quantized like any linear;
+in_proj_a / in_proj_b (a row per value head), the conv and the norms stay unquantized.
 """
 
 from __future__ import annotations
@@ -60,4 +62,9 @@ def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: lis
         quant = read_json_object(Path(tmp) / "hf_quant_config.json", "hf_quant_config.json")["quantization"]
     if quant.get("quant_algo") != QUANT_ALGOS[fmt]:
         raise RuntimeError(f"ModelOpt exported quant_algo {quant.get('quant_algo')!r}, expected {QUANT_ALGOS[fmt]!r}")
-    return tensors
+    # A multimodal directory's text model (Qwen3.5) is exported under the names it was read from
+    return {("model." + k[len(TEXT_MODEL):] if k.startswith(TEXT_MODEL) else k): v for k, v in tensors.items()}
+
+
+# Where transformers keeps a multimodal model's text decoder (as its checkpoints store it)
+TEXT_MODEL = "model.language_model."

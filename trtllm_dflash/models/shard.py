@@ -289,6 +289,9 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
             rows.append(("intermediate_size / tp_size", spec.intermediate_size // tp_size))
         if spec.routed_experts and moe_parallel != "ep":
             rows.append(("moe_intermediate_size / tp_size", spec.moe_intermediate_size // tp_size))
+        if spec.has_recurrent_state:  # a Gated DeltaNet's out_proj: its value heads' columns
+            rows.append(("linear_num_value_heads x linear_value_head_dim / tp_size",
+                         spec.linear_num_value_heads * spec.linear_value_head_dim // tp_size))
         for field, n in rows:
             if n % ROW_ALIGN:
                 experts = spec.num_experts and field.startswith("intermediate")
