@@ -237,18 +237,82 @@ def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fiel
     assert not out.exists()
 
 
-def test_a_quantized_checkpoint_is_refused_in_one_sentence(pair, tmp_path, capsys):
-    """DeepSeek-V3 is published in FP8 blocks, Kimi K2.x in INT4 (compressed-tensors): not read yet."""
+FP8_BLOCK = (16, 16)  # (DeepSeek-V3's are 128 x 128; the tiny target's linears are narrower)
+
+
+def fp8_directory(pair: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The tiny target stored as DeepSeek-V3 is published: every linear weight but the embedding, lm_head and the
+    routers as float8_e4m3fn blocks with a float32 `weight_scale_inv` each (amax / 448), quantization_config fp8.
+    Returns the directory and, per quantized weight, the values it stands for, computed block by block here."""
+    shutil.copytree(pair / "target", out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}}))
+    weights, stored, expected = load_file(str(out / "model.safetensors")), {}, {}
+    bm, bn = FP8_BLOCK
+    for name, w in weights.items():
+        if w.ndim != 2 or not name.endswith("proj.weight") and "kv_a_proj_with_mqa" not in name:
+            stored[name] = w
+            continue
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(-(-w.shape[0] // bm), -(-w.shape[1] // bn))
+        want = torch.empty(w.shape)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                block = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float()
+                scale[i, j] = block.abs().amax() / 448.0
+                q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (block / scale[i, j]).to(torch.float8_e4m3fn)
+                want[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float() \
+                    * scale[i, j]
+        stored[name], stored[name + "_scale_inv"], expected[name] = q, scale, want.to(torch.bfloat16)
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out, expected
+
+
+def test_deepseek_v3_fp8_blocks_are_read_as_published(pair, tmp_path):
+    """quant_method fp8 with weight_block_size: each weight is fp8 x its block's scale_inv (partial edge blocks:
+    kv_a_proj_with_mqa's 40 rows are 2.5 blocks), in bfloat16, as the engine stores it; the engine decodes losslessly
+    (greedy and sampled dflash == ar)."""
+    fp8_dir, expected = fp8_directory(pair, tmp_path / "target")
+    ckpt = load_target(fp8_dir)
+    assert not any(n.endswith("_scale_inv") for n in ckpt.tensors.names())
+    assert set(ckpt.tensors.names()) == set(target_tensor_shapes(ckpt.spec))
+    for name in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.mlp.experts.3.down_proj.weight",
+                 "model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"):
+        assert ckpt.tensors.shape_dtype(name) == (tuple(expected[name].shape), "BF16")
+        assert torch.equal(ckpt.tensors.get(name), expected[name]), name
+    assert ckpt.tensors.get("model.layers.1.mlp.gate.weight").dtype == torch.float32  # the router: as stored
+    (tmp_path / "drafter").symlink_to(pair / "drafter")
+    engine_dir = build(tmp_path, tmp_path / "engine", max_batch_size=4)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(load_file(str(engine_dir / rank_file(0)))["target." + name], expected[name].float())
+    engine = Engine.load(engine_dir)
+    reqs = requests(engine.executor.vocab_size)
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
+    for batch in (reqs, sampled):
+        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
+                  for mode in ("dflash", "ar")}
+        assert tokens["dflash"] == tokens["ar"]
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "quantization_config.weight_block_size None must be two positive "
+                                              "integers (DeepSeek-V3's FP8 blocks: [128, 128])."),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+     "quantized deepseek_v3 checkpoints (quantization_config 'compressed-tensors') are not supported yet; use a "
+     "bfloat16 checkpoint or DeepSeek-V3 FP8 blocks (quant_method fp8)."),
+])
+def test_other_quantized_checkpoints_are_refused_in_one_sentence(pair, tmp_path, capsys, quantization_config,
+                                                                  message):
+    """Kimi K2.x's INT4 (compressed-tensors) is not read yet; a malformed FP8 config is named."""
     bad = tmp_path / "pair"
     shutil.copytree(pair, bad)
     config = json.loads((bad / "target" / "config.json").read_text())
-    (bad / "target" / "config.json").write_text(json.dumps(config | {"quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    (bad / "target" / "config.json").write_text(json.dumps(config | {"quantization_config": quantization_config}))
     assert main(["build", str(write_config(tmp_path / "b.yaml", bad)), "--output", str(tmp_path / "e")]) == \
         EXIT_USER_ERROR
     err = capsys.readouterr().err
-    assert "quantized deepseek_v3 checkpoints (quantization_config 'fp8') are not supported yet; use a bfloat16 " \
-           "checkpoint." in err and err.count("\n") == 1, err
+    assert message in err and err.count("\n") == 1, err
 
 
 KIMI_K2_TEXT_CONFIG = {  # moonshotai/Kimi-K2-Instruct's config.json (the text model of K2.5 / K2.6), as published
