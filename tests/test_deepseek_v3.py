@@ -298,13 +298,20 @@ def test_deepseek_v3_fp8_blocks_are_read_as_published(pair, tmp_path):
 @pytest.mark.parametrize("quantization_config, message", [
     ({"quant_method": "fp8", "fmt": "e4m3"}, "quantization_config.weight_block_size None must be two positive "
                                               "integers (DeepSeek-V3's FP8 blocks: [128, 128])."),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
-     "quantized deepseek_v3 checkpoints (quantization_config 'compressed-tensors') are not supported yet; use a "
-     "bfloat16 checkpoint or DeepSeek-V3 FP8 blocks (quant_method fp8)."),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"},
+     "quantization_config.format 'float-quantized' is not read; only compressed-tensors' pack-quantized INT4 (Kimi "
+     "K2.x as published) is."),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
+     "quantization_config.config_groups.group_0 is not symmetric 4-bit integer weights by group or channel with "
+     "unquantized activations, the only compressed-tensors form read."),
+    ({"quant_method": "awq", "bits": 4}, "quantized deepseek_v3 checkpoints (quantization_config 'awq') are not "
+                                         "supported yet; use a bfloat16 checkpoint, DeepSeek-V3 FP8 blocks (quant_method "
+                                         "fp8) or Kimi K2.x INT4 (compressed-tensors)."),
 ])
 def test_other_quantized_checkpoints_are_refused_in_one_sentence(pair, tmp_path, capsys, quantization_config,
                                                                   message):
-    """Kimi K2.x's INT4 (compressed-tensors) is not read yet; a malformed FP8 config is named."""
+    """Formats not read, and malformed FP8 / INT4 configs, named."""
     bad = tmp_path / "pair"
     shutil.copytree(pair, bad)
     config = json.loads((bad / "target" / "config.json").read_text())
@@ -313,6 +320,61 @@ def test_other_quantized_checkpoints_are_refused_in_one_sentence(pair, tmp_path,
         EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+INT4_GROUP = 32
+
+
+def kimi_int4_directory(pair: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The tiny target laid out as Kimi K2.6 is published (kimi_directory) with its routed experts in INT4 as
+    compressed-tensors writes them (symmetric, groups of 32 along the input, packed by its own pack_to_int32), the rest
+    in bfloat16 and listed in `ignore`. Returns the directory and, per expert weight, the values it stands for."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    kimi = kimi_directory(pair, out)
+    config = json.loads((kimi / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP,
+            "dynamic": False, "observer": "minmax"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+    (kimi / "config.json").write_text(json.dumps(config))
+    stored, expected = {}, {}
+    for name, w in load_file(str(kimi / "model.safetensors")).items():
+        if ".mlp.experts." not in name:
+            stored[name] = w.to(torch.bfloat16) if w.is_floating_point() else w
+            continue
+        groups = w.float().unflatten(1, (-1, INT4_GROUP))  # [out, in / 32, 32]
+        scale = (groups.abs().amax(dim=-1) / 7.0).to(torch.bfloat16)  # [out, in / 32]
+        q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).flatten(1)
+        module = name.removesuffix(".weight")
+        stored |= {module + ".weight_packed": pack_to_int32(q, 4), module + ".weight_scale": scale,
+                   module + ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}
+        expected[name.removeprefix("language_model.")] = (q.float().unflatten(1, (-1, INT4_GROUP))
+                                                          * scale.float()[..., None]).flatten(1).to(torch.bfloat16)
+    save_file(stored, str(kimi / "model.safetensors"), metadata={"format": "pt"})
+    return kimi, expected
+
+
+def test_kimi_int4_experts_are_read_as_published(pair, tmp_path):
+    """A Kimi K2.6-style directory with compressed-tensors INT4 experts: each expert weight is its codes x its group's
+    scale, in bfloat16 (the attention and shared experts as stored), and the engine decodes losslessly."""
+    kimi, expected = kimi_int4_directory(pair, tmp_path / "target")
+    ckpt = load_target(kimi)
+    assert set(ckpt.tensors.names()) == set(target_tensor_shapes(ckpt.spec))
+    for name in ("model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.3.mlp.experts.7.down_proj.weight"):
+        assert ckpt.tensors.shape_dtype(name) == (tuple(expected[name].shape), "BF16")
+        assert torch.equal(ckpt.tensors.get(name), expected[name]), name
+    assert len(expected) == 3 * 8 * 3
+    (tmp_path / "drafter").symlink_to(pair / "drafter")
+    engine = Engine.load(build(tmp_path, tmp_path / "engine", max_batch_size=4))
+    reqs = requests(engine.executor.vocab_size)
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
+    for batch in (reqs, sampled):
+        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
+                  for mode in ("dflash", "ar")}
+        assert tokens["dflash"] == tokens["ar"]
 
 
 KIMI_K2_TEXT_CONFIG = {  # moonshotai/Kimi-K2-Instruct's config.json (the text model of K2.5 / K2.6), as published

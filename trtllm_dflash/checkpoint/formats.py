@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trtllm_dflash.checkpoint.fp8_blocks import FP8BlockDir
+from trtllm_dflash.checkpoint.int4_packed import PackedInt4Dir, check_pack_quantized
 from trtllm_dflash.checkpoint.mxfp4 import BLOCK as MXFP4_BLOCK
 from trtllm_dflash.checkpoint.mxfp4 import MXFP4Dir
 from trtllm_dflash.checkpoint.tensors import RenamedSafetensorsDir, SafetensorsDir, check_tensors, save_safetensors
@@ -245,14 +246,22 @@ MULTIMODAL_TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_h
 
 
 def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: Path) -> SafetensorsDir:
-    """The target's tensors under their HF names; a published MXFP4 gpt-oss checkpoint's experts and a DeepSeek-V3
-    checkpoint's FP8 blocks dequantized."""
+    """The target's tensors under their HF names; a published MXFP4 gpt-oss checkpoint's experts, a DeepSeek-V3
+    checkpoint's FP8 blocks and a Kimi K2.x checkpoint's INT4 experts dequantized."""
+    quant = raw.get("quantization_config")
+    int4 = spec.is_mla and isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
+    if int4:  # Kimi K2.x as published
+        check_pack_quantized(quant, str(config_path))
     if raw.get("model_type") in MULTIMODAL:
-        if isinstance(raw.get("quantization_config"), dict):
+        store = RenamedSafetensorsDir(directory, MULTIMODAL_TEXT_PREFIXES)
+        if int4:
+            return PackedInt4Dir(store)
+        if isinstance(quant, dict):
             raise UserError(f"{config_path}: quantized {raw['model_type']} checkpoints (quantization_config) are not "
                             "supported; use the bfloat16 checkpoint.")
-        return RenamedSafetensorsDir(directory, MULTIMODAL_TEXT_PREFIXES)
-    quant = raw.get("quantization_config")
+        return store
+    if int4:
+        return PackedInt4Dir(SafetensorsDir(directory))
     if spec.is_mla and isinstance(quant, dict) and quant.get("quant_method") == "fp8":  # DeepSeek-V3 as published
         block = quant.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
@@ -262,7 +271,7 @@ def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: 
     if (spec.is_qwen3_5 or spec.is_mla) and isinstance(quant, dict):
         raise UserError(f"{config_path}: quantized {spec.model_type} checkpoints (quantization_config "
                         f"{quant.get('quant_method')!r}) are not supported yet; use a bfloat16 checkpoint"
-                        f"{' or DeepSeek-V3 FP8 blocks (quant_method fp8)' if spec.is_mla else ''}.")
+                        f"{', DeepSeek-V3 FP8 blocks (quant_method fp8) or Kimi K2.x INT4 (compressed-tensors)' if spec.is_mla else ''}.")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if not spec.num_experts or method is None:
         return SafetensorsDir(directory)
