@@ -225,7 +225,6 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
     ({"backend": "onnxruntime"}, "backend onnxruntime cannot export deepseek_v3 targets yet (multi-head latent "
                                  "attention, whose latent cache and absorbed projections the graphs do not have); use "
                                  "backend: torch for this engine."),
-    ({"quantization": "fp8"}, "quantization fp8 of deepseek_v3 targets is not supported yet; use quantization: none."),
     ({"tp_size": 8}, "num_attention_heads 4 is not divisible by tp_size 8."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
@@ -235,6 +234,39 @@ def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fiel
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_nvfp4_through_modelopt_quantizes_the_experts_and_is_lossless(pair, tmp_path):
+    """quantization nvfp4: ModelOpt quantizes the dense MLP, every routed expert and the shared experts (the latent
+    attention and the router stay in the compute dtype), the engine holds them as exported, a tp 2 / ep build gives
+    each rank its experts whole and cuts the shared experts' packed weights exactly, and decoding is lossless against
+    itself (greedy and sampled dflash == ar)."""
+    pytest.importorskip("modelopt.torch.quantization")
+    calibration = {"calibration_samples": 4, "calibration_max_tokens": 24}
+    one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
+    assert main(["build", str(write_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **calibration)),
+                 "--output", str(one)]) == 0
+    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
+                                           moe_parallel="ep", **calibration)), "--output", str(two)]) == 0
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    layer = "target.model.layers.2."
+    for name in ("mlp.experts.6.up_proj.weight", "mlp.shared_experts.down_proj.weight", "mlp.up_proj.weight"):
+        name = (layer if "experts" in name else "target.model.layers.0.") + name
+        assert full[name].dtype == torch.uint8, name
+    for name in ("self_attn.kv_b_proj.weight", "self_attn.q_a_proj.weight", "mlp.gate.weight"):
+        assert full[layer + name].dtype == torch.float32, name
+    assert torch.equal(ranks[1][layer + "mlp.experts.6.up_proj.weight"], full[layer + "mlp.experts.6.up_proj.weight"])
+    for leaf, dim in (("weight", 1), ("weight_scale", 1)):
+        name = f"{layer}mlp.shared_experts.down_proj.{leaf}"
+        assert torch.equal(torch.cat([r[name].view(torch.uint8) for r in ranks], dim=dim), full[name].view(torch.uint8))
+    engine = Engine.load(one)
+    reqs = requests(engine.executor.vocab_size)
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
+    for batch in (reqs, sampled):
+        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
+                  for mode in ("dflash", "ar")}
+        assert tokens["dflash"] == tokens["ar"]
 
 
 FP8_BLOCK = (16, 16)  # (DeepSeek-V3's are 128 x 128; the tiny target's linears are narrower)

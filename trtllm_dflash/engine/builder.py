@@ -28,7 +28,7 @@ from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.quantize_drafter import quantize_drafter
 from trtllm_dflash.engine.quantize_moe_target import LayerwiseQuantizedTarget
-from trtllm_dflash.engine.quantize_target import QUANT_ALGOS, calibration_batches, quantize_target
+from trtllm_dflash.engine.quantize_target import LATENT_ATTENTION, QUANT_ALGOS, calibration_batches, quantize_target
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.engine_dir import (
     CONFIG,
@@ -91,9 +91,8 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 
 def check_target_family(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
     """What Gemma 4, Qwen3.5 and DeepSeek-V3 / Kimi K2 targets can be built into today: the torch executor (the
-    exported graphs have one head_dim, the default attention scale and per-head KV caches only); Gemma 4 and
-    DeepSeek-V3 unquantized (ModelOpt's export of these families is not wired in yet: the absorbed latent attention
-    reads kv_b_proj's weight itself)."""
+    exported graphs have one head_dim, the default attention scale and per-head KV caches only); Gemma 4 unquantized
+    (ModelOpt's export of Gemma 4 is not wired in yet)."""
     why = ("per-layer-type head dims, attention scale 1, soft-capped logits" if spec.is_gemma4 else
            "Gated DeltaNet layers, whose recurrent state per request and position the graphs have no inputs for"
            if spec.is_qwen3_5 else
@@ -101,7 +100,7 @@ def check_target_family(cfg: BuildConfig, spec: DecoderSpec, source: str) -> Non
            if spec.is_mla else None)
     if why is None:
         return
-    if cfg.quantization != "none" and not spec.is_qwen3_5:
+    if cfg.quantization != "none" and spec.is_gemma4:
         raise UserError(f"{source}: quantization {cfg.quantization} of {spec.model_type} targets is not supported "
                         "yet; use quantization: none.")
     if cfg.backend != "torch":
@@ -233,7 +232,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             quantized[TARGET_PREFIX] = LayerwiseQuantizedTarget(target, cfg.quantization, batches)
         else:
             with _stage(report, f"target quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
-                quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches)
+                quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches,
+                                                           LATENT_ATTENTION if target.spec.is_mla else ())
 
     def stored(prefix: str, store, name: str) -> list[tuple[str, torch.Tensor]]:
         """One checkpoint tensor as stored in the engine (a quantized linear: in ModelOpt's unified format)."""

@@ -7,7 +7,10 @@ float8_e4m3fn weight_scale [out, in/16], fp32 weight_scale_2 and input_scale; FP
 fp32 weight_scale and input_scale); embedding, lm_head and norms stay unquantized. The drafter is not
 quantized here: it keeps the engine's compute dtype. A Qwen3.5 directory (multimodal) loads as its text model
 (Qwen3_5ForCausalLM): its Gated DeltaNet layers' in_proj_qkv / in_proj_z / out_proj are quantized like any linear;
-in_proj_a / in_proj_b (a row per value head), the conv and the norms stay unquantized.
+in_proj_a / in_proj_b (a row per value head), the conv and the norms stay unquantized. A DeepSeek-V3 / Kimi K2 target
+keeps its latent attention unquantized (`LATENT_ATTENTION`): the engine's absorbed form multiplies kv_b_proj's weight
+into the query and the output instead of applying it to an input (docs/models.md); its dense MLPs, routed and shared
+experts are quantized.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ def calibration_batches(tokenizer, path: Path | None, samples: int, max_tokens: 
     return [torch.tensor([i]) for i in ids]
 
 
-def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Calibrate and export with ModelOpt; returns the exported tensors under their HF names."""
+def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: list[torch.Tensor],
+                    exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Calibrate and export with ModelOpt (the `exclude` module patterns left unquantized); returns the exported
+    tensors under their HF names."""
     try:
         from transformers import AutoModelForCausalLM
 
@@ -53,7 +58,7 @@ def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: lis
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise UserError(f"quantization needs NVIDIA ModelOpt: pip install 'trtllm-dflash[quantize]' ({exc}).") from None
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
-    calibrate(model, fmt, batches)
+    calibrate(model, fmt, batches, exclude)
     with tempfile.TemporaryDirectory() as tmp:
         export_unified(model, tmp)
         tensors = {}
@@ -68,3 +73,5 @@ def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: lis
 
 # Where transformers keeps a multimodal model's text decoder (as its checkpoints store it)
 TEXT_MODEL = "model.language_model."
+# ModelOpt patterns of the modules a latent-attention target leaves unquantized
+LATENT_ATTENTION = ("*self_attn*",)

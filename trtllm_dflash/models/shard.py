@@ -284,11 +284,14 @@ def check_tp(spec: DecoderSpec, tp_size: int, what: str, quantized: bool, moe_pa
     if quantized:
         cuts = [len(o_proj_columns(spec.layer_spec(i), tp_size, 0)) for i in range(spec.num_layers)]
         cut = next((c for c in cuts if c % ROW_ALIGN), cuts[0])  # (per layer type for Gemma 4)
-        rows = [("o_proj input columns per rank", cut)]
+        rows = [] if spec.is_mla else [("o_proj input columns per rank", cut)]  # (latent attention: unquantized)
         if not (spec.num_experts and moe_parallel == "ep"):  # (under "ep" every expert stays whole)
             rows.append(("intermediate_size / tp_size", spec.intermediate_size // tp_size))
         if spec.routed_experts and moe_parallel != "ep":
             rows.append(("moe_intermediate_size / tp_size", spec.moe_intermediate_size // tp_size))
+        if spec.n_shared_experts:  # DeepSeek-V3's shared experts, cut like a dense MLP
+            rows.append(("n_shared_experts x moe_intermediate_size / tp_size",
+                         spec.n_shared_experts * spec.moe_intermediate_size // tp_size))
         if spec.has_recurrent_state:  # a Gated DeltaNet's out_proj: its value heads' columns
             rows.append(("linear_num_value_heads x linear_value_head_dim / tp_size",
                          spec.linear_num_value_heads * spec.linear_value_head_dim // tp_size))

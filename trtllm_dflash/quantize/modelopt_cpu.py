@@ -61,12 +61,14 @@ def cpu_nvfp4_fake_quant() -> Iterator[None]:
         tensor_quant.dynamic_block_quantize_op = original
 
 
-def calibrate(model: torch.nn.Module, cfg_name: QuantFormat, batches: Iterable[torch.Tensor]) -> None:
+def calibrate(model: torch.nn.Module, cfg_name: QuantFormat, batches: Iterable[torch.Tensor],
+              exclude: tuple[str, ...] = ()) -> None:
     """Insert ModelOpt quantizers into a transformers causal LM and calibrate them (max algorithm), in place.
 
     `batches`: token ids, each [batch, seq] int64. The default configs quantize every Linear's weight and
     input; lm_head, embeddings and routers stay unquantized. Afterwards the model runs fake-quantized
-    (inside `cpu_nvfp4_fake_quant()` on CPU for NVFP4) and can be written with `export_unified`.
+    (inside `cpu_nvfp4_fake_quant()` on CPU for NVFP4) and can be written with `export_unified`. `exclude`: module
+    name patterns (ModelOpt's wildcards) left unquantized besides the config's own.
     The shim is open during calibration too; max calibration only records amax and does not need it.
     """
     assert cfg_name in _CONFIG_NAMES, f"cfg_name must be one of {sorted(_CONFIG_NAMES)}, got {cfg_name!r}"
@@ -83,15 +85,20 @@ def calibrate(model: torch.nn.Module, cfg_name: QuantFormat, batches: Iterable[t
         for b in batches:
             m(input_ids=b.to(device), use_cache=False)
 
-    calibrate_module(model, cfg_name, forward_loop)
+    calibrate_module(model, cfg_name, forward_loop, exclude)
 
 
 def calibrate_module(model: torch.nn.Module, cfg_name: QuantFormat,
-                     forward_loop: Callable[[torch.nn.Module], None]) -> None:
-    """`mtq.quantize` of any torch module with the default config of `cfg_name`, on the CPU as well."""
+                     forward_loop: Callable[[torch.nn.Module], None], exclude: tuple[str, ...] = ()) -> None:
+    """`mtq.quantize` of any torch module with the default config of `cfg_name` (and the `exclude` patterns turned
+    off), on the CPU as well."""
     mtq = importlib.import_module("modelopt.torch.quantization")
+    config = getattr(mtq, _CONFIG_NAMES[cfg_name])
+    if exclude:
+        config = {**config, "quant_cfg": [*config["quant_cfg"],
+                                          *({"quantizer_name": p, "enable": False} for p in exclude)]}
     with torch.no_grad(), cpu_nvfp4_fake_quant():
-        mtq.quantize(model, getattr(mtq, _CONFIG_NAMES[cfg_name]), forward_loop)
+        mtq.quantize(model, config, forward_loop)
 
 
 def export_unified(model: torch.nn.Module, export_dir: str | Path) -> None:
