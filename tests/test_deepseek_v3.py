@@ -337,9 +337,9 @@ def test_deepseek_v3_fp8_blocks_are_read_as_published(pair, tmp_path):
         "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}},
      "quantization_config.config_groups.group_0 is not symmetric 4-bit integer weights by group or channel with "
      "unquantized activations, the only compressed-tensors form read."),
-    ({"quant_method": "awq", "bits": 4}, "quantized deepseek_v3 checkpoints (quantization_config 'awq') are not "
-                                         "supported yet; use a bfloat16 checkpoint, DeepSeek-V3 FP8 blocks (quant_method "
-                                         "fp8) or Kimi K2.x INT4 (compressed-tensors)."),
+    ({"quant_method": "awq", "bits": 4},
+     "quantized deepseek_v3 checkpoints (quantization_config 'awq') are not supported yet; use a bfloat16 checkpoint, "
+     "DeepSeek-V3 FP8 blocks (quant_method fp8) or Kimi K2.x INT4 (compressed-tensors)."),
 ])
 def test_other_quantized_checkpoints_are_refused_in_one_sentence(pair, tmp_path, capsys, quantization_config,
                                                                   message):

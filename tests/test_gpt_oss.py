@@ -227,7 +227,8 @@ def test_unsupported_model_type_lists_the_supported_ones(pair, tmp_path, capsys)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert ("model_type 'mixtral' is not supported; supported: qwen3, qwen3_moe, llama, gpt_oss, gemma4_text, "
-            "qwen3_5_text, qwen3_5_moe_text, deepseek_v3, gemma4, qwen3_5, qwen3_5_moe, kimi_k25 (their text part).") in err
+            "qwen3_5_text, qwen3_5_moe_text, deepseek_v3, gemma4, qwen3_5, qwen3_5_moe, kimi_k25 (their text "
+            "part).") in err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "e").exists()
 

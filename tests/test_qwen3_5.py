@@ -1,6 +1,6 @@
 """Qwen3.5 targets (hybrid: Gated DeltaNet + gated full attention; dense and MoE): the published multimodal directory
-read as a causal LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled back to the
-accepted prefix (a drafter right for a few positions and then wrong: dflash == ar == HF generate()), sampled
+read as a causal LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled
+back to the accepted prefix (a drafter right for a few positions and then wrong: dflash == ar == HF generate()), sampled
 dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, the published config,
 and the build options not supported yet refused in one sentence.
 
@@ -147,7 +147,8 @@ class ScriptedDrafts:
         if last_index is not None:  # a prefill: whose request each slot now holds
             for row, slot in enumerate(slots.tolist()):
                 ids = token_ids[row].tolist()
-                self.of_slot[slot] = next(seq for prompt, seq in self.greedy.items() if ids[:len(prompt)] == list(prompt))
+                self.of_slot[slot] = next(seq for prompt, seq in self.greedy.items()
+                                          if ids[:len(prompt)] == list(prompt))
         return self.executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
@@ -278,10 +279,10 @@ def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fiel
 
 @pytest.mark.slow
 def test_nvfp4_and_fp8_through_modelopt_are_stored_as_exported_cut_exactly_and_lossless(pair, tmp_path):
-    """quantization nvfp4 (and fp8): ModelOpt quantizes the text model's linears (the Gated DeltaNet's in_proj_qkv / in_proj_z /
-    out_proj included; in_proj_a / in_proj_b, the conv and the norms not), the engine holds them as exported, a tp 2
-    build cuts in_proj_qkv's packed weight and block scales in their q / k / v parts, and decoding is lossless against
-    itself (greedy and sampled dflash == ar)."""
+    """quantization nvfp4 (and fp8): ModelOpt quantizes the text model's linears (the Gated DeltaNet's in_proj_qkv /
+    in_proj_z / out_proj included; in_proj_a / in_proj_b, the conv and the norms not), the engine holds them as
+    exported, a tp 2 build cuts in_proj_qkv's packed weight and block scales in their q / k / v parts, and decoding is
+    lossless against itself (greedy and sampled dflash == ar)."""
     pytest.importorskip("modelopt.torch.quantization")
     calibration = {"calibration_samples": 4, "calibration_max_tokens": 24}
     one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
@@ -359,7 +360,8 @@ def test_published_config_parses_and_splits():
     inv_freq, _ = spec.rope_inv_freq()
     assert inv_freq.shape == (32,)  # a quarter of head_dim 256 rotated
     assert DecoderSpec.from_hf(hf_config_from_dict(spec.to_hf_dict(), "round trip")) == spec
-    # 3 + per full layer: 2 norms, q/k/v/o, q/k norms; per linear layer: 2 norms and 9 Gated DeltaNet tensors; 3 MLP each
+    # 3 + per full layer: 2 norms, q/k/v/o, q/k norms; per linear layer: 2 norms and 9 Gated DeltaNet tensors; 3 MLP
+    # tensors each
     assert len(target_tensor_shapes(spec)) == 3 + 16 * (2 + 4 + 2 + 3) + 48 * (2 + 9 + 3)
     for tp in (2, 4, 8):
         check_tp(spec, tp, "Qwen3.5-27B", quantized=False)

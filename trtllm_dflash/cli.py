@@ -526,7 +526,8 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-random-pair", formatter_class=_HelpFormatter,
                        help="write a tiny random target (HF) + drafter (z-lab) pair, for pipeline smoke tests")
     m.add_argument("output", type=Path)
-    m.add_argument("--family", choices=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "llama", "gpt_oss", "gemma4"), default="qwen3",
+    m.add_argument("--family", choices=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "llama",
+                                         "gpt_oss", "gemma4"), default="qwen3",
                    help="target architecture")
     m.add_argument("--block-size", type=_int_in(2, 64), default=8, help="the drafter's block size")
     m.add_argument("--seed", type=_seed, default=0, help="weight seed")

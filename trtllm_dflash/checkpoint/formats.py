@@ -269,9 +269,10 @@ def _target_tensors(directory: Path, raw: dict, spec: DecoderSpec, config_path: 
                             "integers (DeepSeek-V3's FP8 blocks: [128, 128]).")
         return FP8BlockDir(directory, (block[0], block[1]))
     if (spec.is_qwen3_5 or spec.is_mla) and isinstance(quant, dict):
+        read = (", DeepSeek-V3 FP8 blocks (quant_method fp8) or Kimi K2.x INT4 (compressed-tensors)" if spec.is_mla
+                else "")
         raise UserError(f"{config_path}: quantized {spec.model_type} checkpoints (quantization_config "
-                        f"{quant.get('quant_method')!r}) are not supported yet; use a bfloat16 checkpoint"
-                        f"{', DeepSeek-V3 FP8 blocks (quant_method fp8) or Kimi K2.x INT4 (compressed-tensors)' if spec.is_mla else ''}.")
+                        f"{quant.get('quant_method')!r}) are not supported yet; use a bfloat16 checkpoint{read}.")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if not spec.num_experts or method is None:
         return SafetensorsDir(directory)

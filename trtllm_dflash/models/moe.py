@@ -202,10 +202,10 @@ class SparseMoE(nn.Module):
         top, idx = topk(p, k); top /= sum(top) if norm_topk_prob; weights in x's dtype
         out = sum over the chosen e of weight_e * down_e(silu(gate_e(x)) * up_e(x))
 
-    DeepSeek-V3's router (`DeepseekV3TopkRouter`, all in float32): s = sigmoid(gate.weight @ x); the experts form n_group
-    groups, a group scores the sum of its top 2 of s + gate.e_score_correction_bias, and only the topk_group best
-    groups' experts may be chosen, by the top k of s + bias; their weights are s (without the bias) renormalized and
-    times routed_scaling_factor.
+    DeepSeek-V3's router (`DeepseekV3TopkRouter`, all in float32): s = sigmoid(gate.weight @ x); the experts form
+    n_group groups, a group scores the sum of its top 2 of s + gate.e_score_correction_bias, and only the topk_group
+    best groups' experts may be chosen, by the top k of s + bias; their weights are s (without the bias) renormalized
+    and times routed_scaling_factor.
 
     The experts are `MLP`s of moe_intermediate_size named as stored (`experts.{e}.gate_proj` ...). Under tensor
     parallelism (`parallel`, models/shard.py) each rank holds either a slice of every expert, cut like a dense MLP

@@ -15,9 +15,10 @@ with sliding / full layers of different head_dim, KV heads and RoPE, embeddings 
 logits soft-capped: cap * tanh(logits / cap).
 
 Qwen3.5 is hybrid: its "linear_attention" layers are Gated DeltaNet (models/linear_attention.py: a recurrent state per
-request, kept per position so that a verify pass's rejected drafts leave no trace), the others full attention whose
-output is gated per head (AttentionProjections); every RMSNorm scales by 1 + weight. A linear layer has no KV cache
-(0 heads in the caches' per-layer layout).
+request that the next pass resumes at its own start, so a verify pass's rejected drafts leave no trace), the others
+full attention whose output is gated per head (AttentionProjections); every RMSNorm scales by 1 + weight. A linear
+layer has no KV cache (0 heads in the caches' per-layer layout). DeepSeek-V3 / Kimi K2 attend through a latent
+(models/mla.py: one cached vector per position, no V).
 
 Each request in a batch has its own absolute positions and its own cache slot; the causal mask is built from
 absolute positions, so requests of different lengths batch together without any per-request bookkeeping here.
@@ -153,7 +154,8 @@ class TargetModel(nn.Module):
         return KVCache(self.spec.num_layers, num_slots, capacity, heads, k_dims, p.dtype, p.device, v_dims)
 
     def new_states(self, num_slots: int, depth: int) -> RecurrentStates | None:
-        """The Gated DeltaNet layers' states (Qwen3.5), keeping `depth` positions of a pass; None without such layers."""
+        """The Gated DeltaNet layers' states (Qwen3.5), resuming passes of up to `depth` tokens; None without such
+        layers."""
         s, p = self.spec, self.lm_head.weight
         if not s.has_recurrent_state:
             return None
@@ -161,7 +163,6 @@ class TargetModel(nn.Module):
         return RecurrentStates(len(self.linear_index), num_slots, depth, conv_channels(s, self.tp.size),
                                s.linear_conv_kernel, heads, s.linear_key_head_dim, s.linear_value_head_dim, p.dtype,
                                p.device)
-
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The raw embedding rows (what a drafter's block is made of); `forward` scales them by spec.embed_scale."""
@@ -226,6 +227,7 @@ class TargetModel(nn.Module):
             sliding = causal
         step = None
         if self.linear_index:  # rows past last_index are a batched prefill's padding
+            assert states is not None, "a target with Gated DeltaNet layers runs with its states (new_states)"
             T = token_ids.shape[1]
             valid = last_index + 1 if last_index is not None else torch.full_like(slots, T)
             step = states.begin(slots, positions[:, 0], T, valid)

@@ -184,7 +184,8 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
     elif family in ("qwen3_5", "qwen3_5_moe"):
         hf = _random_qwen3_5(common, num_layers, moe=family == "qwen3_5_moe")
     else:
-        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, deepseek_v3, llama, gpt_oss or gemma4, got {family!r}")
+        raise ValueError(f"family must be qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, deepseek_v3, llama, gpt_oss or "
+                         f"gemma4, got {family!r}")
     hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(str(target_dir), max_shard_size="100KB" if shard else "5GB")
     tokenizer.save_pretrained(str(target_dir))
