@@ -95,7 +95,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("--stream: the prompt is empty; give the text to complete, or - to read prompts from stdin.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
                       args.threads, args.block_size, args.device, args.resume, args.progress, args.backend,
-                      args.cuda_graphs, args.kv_cache_memory, args.prefix_cache)
+                      args.cuda_graphs, args.kv_cache_memory, args.prefix_cache, args.tree_budget)
+    if args.tree_budget is not None and (args.mode != "dflash" or args.block_size is not None):
+        raise UserError("--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar or "
+                        "--block-size.")
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
@@ -481,6 +484,10 @@ def parser() -> argparse.ArgumentParser:
                         "1; never run on a GPU by this project yet)")
     r.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
+    r.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N",
+                   help="DDTree: every dflash step verifies a tree of the N most likely draft paths' nodes, built from "
+                        "the drafter's 8 best tokens per position, instead of one chain (torch backend; targets without "
+                        "sliding-window or Gated DeltaNet layers; default: a chain)")
     _add_backend(r)
     r.set_defaults(func=cmd_run)
 

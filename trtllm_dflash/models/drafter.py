@@ -134,6 +134,19 @@ class DFlashDrafter(nn.Module):
         ids = self.draft_lm_head(hidden).float().argmax(dim=-1)
         return ids if self.d2t is None else draft_to_target(ids, self.d2t)
 
+    def top_candidates(self, hidden: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor], k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely drafts per position, best first, as target token ids, and their log-probabilities
+        (float32): [B, K, k] each (tree drafting: speculative/tree.py). The first are `greedy_tokens`."""
+        if self.draft_lm_head is None:
+            logprobs = torch.log_softmax(target_logits(hidden), dim=-1)
+        else:
+            logprobs = torch.log_softmax(self.draft_lm_head(hidden).float(), dim=-1)
+        values, ids = torch.topk(logprobs, k, dim=-1)
+        if self.draft_lm_head is not None and self.d2t is not None:
+            ids = draft_to_target(ids, self.d2t)
+        return ids, values
+
     @torch.inference_mode()
     def append_context(
         self,

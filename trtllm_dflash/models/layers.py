@@ -319,6 +319,12 @@ class KVCache:
         self.k[layer][rows, positions] = k
         self.v[layer][rows, positions] = v
 
+    def move(self, layer: int, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the slots' entries at positions src [B, n] to positions dst [B, n] (all read before any is written)."""
+        rows = slots[:, None].expand_as(src)
+        self.k[layer][rows, dst] = self.k[layer][rows, src]
+        self.v[layer][rows, dst] = self.v[layer][rows, src]
+
     def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, length - first, kv_heads, hd] of the slots' positions first .. length - 1. With `run` (the slots as

@@ -211,7 +211,12 @@ class TargetModel(nn.Module):
         run: slice | None = None,  # the slots as one slice of consecutive slots (the caches are then read as views)
         window_key: int = 0,  # sliding layers read keys from this position on (none of their queries sees one before)
         states: RecurrentStates | None = None,  # the Gated DeltaNet layers' (Qwen3.5)
+        tree: torch.Tensor | None = None,  # [B, T, T] bool: a draft tree's ancestor mask (speculative/tree.py)
     ) -> TargetOutput:
+        """With `tree`, `positions` are the nodes' RoPE positions (start + depth); node t is cached at start + t and
+        sees the keys before start and the nodes the mask allows."""
+        if tree is not None:
+            return self._tree_forward(token_ids, positions, slots, cache, capture_layers, kv_len, run, tree)
         kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
         if self.spec.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype first
@@ -251,3 +256,34 @@ class TargetModel(nn.Module):
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]
         return TargetOutput(logits=self.logits(x), hidden=hidden)
+
+    def _tree_forward(self, token_ids, positions, slots, cache, capture_layers, kv_len, run, tree) -> TargetOutput:
+        """A draft tree's verify pass (full-attention decoders without recurrent state: `supports_trees`)."""
+        b, t = token_ids.shape
+        starts = positions[:, 0]  # (node 0, the anchor, has depth 0)
+        rows = starts[:, None] + torch.arange(t, device=positions.device)  # where each node is cached
+        kv_len = int(rows.max()) + 1 if kv_len is None else kv_len
+        x = self.embed(token_ids)
+        if self.spec.embed_scale != 1.0:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        rope = {key: r(positions, x.dtype) for key, r in self.rotary.items()}
+        offset = torch.arange(kv_len, device=x.device)[None, None, :] - starts[:, None, None]  # [B, 1, kv_len]
+        in_tree = (offset >= 0) & (offset < t)
+        mask = (offset < 0) | (tree.gather(2, offset.clamp(0, t - 1).expand(b, t, kv_len)) & in_tree)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = rope[self.rope_keys[i]]
+            x = layer(x, cos, sin, cache, i, slots, rows, mask, run)
+            if i in capture_layers:
+                captured[i] = x
+        x = self.model.norm(x)
+        if self.spec.num_layers - 1 in capture_layers:
+            captured[self.spec.num_layers - 1] = x
+        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return TargetOutput(logits=self.logits(x), hidden=hidden)
+
+    @property
+    def supports_trees(self) -> bool:
+        """Draft trees need every layer to attend by mask over cached keys: not sliding windows (their window is by
+        position) nor Gated DeltaNet layers (a recurrent state follows one sequence)."""
+        return self.spec.sliding_window is None and not self.spec.has_recurrent_state

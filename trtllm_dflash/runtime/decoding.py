@@ -31,8 +31,9 @@ from trtllm_dflash.inputs import shown
 from trtllm_dflash.runtime.executor import DraftContext, Executor, HostRows
 from trtllm_dflash.runtime.stop_strings import first_stop
 from trtllm_dflash.runtime.options import Mode
-from trtllm_dflash.runtime.verify import StepShape, VerifyPolicy, verify_policy
+from trtllm_dflash.runtime.verify import StepShape, TreeDrafting, VerifyPolicy, verify_policy
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
+from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees
 from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
 
 
@@ -428,6 +429,9 @@ class Decoder:
         a verify pass; one read of the results; commit."""
         began = time.perf_counter()
         shape = self._shape(active)
+        if isinstance(self.policy, TreeDrafting):
+            self._tree_step(active, shape, began)
+            return
         k = self.policy.choose(shape)
         if self.policy.drafts:  # features held back that need a pass of their own first
             self._flush_context([a for a in active if a.num_pending >= MAX_PENDING_CONTEXT or
@@ -460,6 +464,31 @@ class Decoder:
                 a.acceptance_lengths.append(n + 1)
             self._commit(a, drafts[:n] + [bonus_token])
         self.policy.observe(k, accepted_list, shape, time.perf_counter() - began)
+
+    def _tree_step(self, active: list[_Active], shape: StepShape, began: float) -> None:
+        """One DDTree step (speculative/tree.py): the drafter's best candidates per position, a tree of the policy's
+        budget built from them on the host, one verify pass over every tree, the accepted paths' cache entries moved
+        into place, commit. Two reads: the candidates, then the target's tokens."""
+        ex, policy = self.executor, self.policy
+        batch = self._stage(active)
+        ids, logprobs = ex.draft_candidates(batch.anchors, batch.starts, batch.slots, policy.candidates,
+                                            self._draft_context(active, batch), rows=batch.rows)
+        trees = build_trees([a.output[-1] for a in active], ids.tolist(), logprobs.tolist(), policy.budget)
+        parents, tokens, depths = (torch.tensor(x, device=ex.device) for x in (trees.parents, trees.tokens,
+                                                                              trees.depths))
+        out = ex.verify_tree(tokens, depths, ancestor_mask(parents), batch.starts, batch.slots, capture=True,
+                             rows=batch.rows)
+        target = sample_tokens(out.logits, batch.sampling, batch.starts[:, None] + depths + 1).tolist()
+        paths = accepted_paths(trees, target)
+        width = max(len(p) for p in paths)
+        ex.keep_path(batch.slots, batch.starts, torch.tensor([p + [0] * (width - len(p)) for p in paths],
+                                                             device=ex.device))
+        for row, (a, path) in enumerate(zip(active, paths)):
+            a.verify_lengths.append(trees.nodes)
+            a.acceptance_lengths.append(len(path))
+            a.hold_context(out.hidden[row, torch.tensor(path, device=ex.device)])  # the anchor and accepted nodes
+            self._commit(a, [trees.tokens[row][n] for n in path[1:]] + [target[row][path[-1]]])
+        policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, time.perf_counter() - began)
 
     def _shape(self, active: list[_Active]) -> StepShape:
         """What the policy chooses from; `pending`: held-back positions per request beyond what a draft pass takes

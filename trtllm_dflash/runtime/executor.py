@@ -200,7 +200,7 @@ class TorchExecutor:
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
                     block_size: int | None, cuda_graphs: bool | None = None,
                     kv_cache_memory: int | Callable[[], int] | None = None,
-                    prefix_cache: bool = True) -> "TorchExecutor":
+                    prefix_cache: bool = True, tree_budget: int = 0) -> "TorchExecutor":
         """This rank's shard of a verified engine directory, dequantized for the torch modules."""
         target_spec, drafter_spec, params = engine_specs(cfg)
         weights = load_file(str(Path(root) / rank_file(rank)), device=device)
@@ -215,12 +215,12 @@ class TorchExecutor:
         quantize_inputs(drafter, drafter_inputs)
         # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
         return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size,
-                   cuda_graphs, kv_cache_memory, prefix_cache)
+                   cuda_graphs, kv_cache_memory, prefix_cache, tree_budget)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
                  block_size: int | None = None, cuda_graphs: bool | None = None,
                  kv_cache_memory: int | Callable[[], int] | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, tree_budget: int = 0):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
@@ -229,13 +229,18 @@ class TorchExecutor:
         once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request; not with CUDA graphs. `prefix_cache`: with a paged cache, prompt blocks shared
-        across requests with the same prefix."""
+        across requests with the same prefix. `tree_budget`: the most draft nodes a tree step verifies (its pass writes
+        that many positions and the anchor's), 0: chains only."""
         self.target, self.drafter = target, drafter
         # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
         self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
         self.num_slots, self.vocab_size, self.max_seq_len = num_slots, target.spec.vocab_size, max_seq_len
-        # A verify pass writes block_size positions from the last committed one.
-        margin = drafter.params.block_size if drafter is not None else 1
+        # A verify pass writes block_size positions from the last committed one (a tree's pass: its nodes and anchor).
+        margin = max(drafter.params.block_size if drafter is not None else 1, tree_budget + 1)
+        if tree_budget and not target.supports_trees:
+            raise ValueError("draft trees need a target whose layers all attend by mask over cached keys: not sliding "
+                             "windows or Gated DeltaNet layers; drop the tree budget for this engine")
+        self.tree_budget = tree_budget
         self.device = target.lm_head.weight.device
         if cuda_graphs and (target.spec.has_experts or target.spec.has_recurrent_state):
             raise ValueError("CUDA graphs: not for a target with experts (its routing has data-dependent shapes) or "
@@ -351,6 +356,43 @@ class TorchExecutor:
         hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, context_hidden,
                               context_positions, kv_len, run)
         return self.drafter.greedy_tokens(hidden[:, 1:num_drafts + 1], self.target.logits)
+
+    @torch.inference_mode()
+    def draft_candidates(self, anchors, starts, slots, k: int, context=None, rows=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For tree drafting: one drafter pass over the trained block (after adding `context`, as `draft`), and per
+        draft position its k best tokens and their log-probabilities, best first: [B, block - 1, k] each."""
+        assert self.drafter is not None
+        width = self.drafter.params.block_size
+        kv_len, run = self._attended(rows, 0, self.draft_cache)
+        block = block_input(anchors, self.drafter.params.mask_token_id, width)
+        positions = starts[:, None] + torch.arange(width, device=self.device)
+        hidden_ctx, starts_ctx = (None, None) if context is None else (context.hidden, context.starts)
+        context_positions = None if context is None else context.positions()
+        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, hidden_ctx,
+                              context_positions, kv_len, run)
+        return self.drafter.top_candidates(hidden[:, 1:], self.target.logits, k)
+
+    @torch.inference_mode()
+    def verify_tree(self, token_ids: torch.Tensor, depths: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor,
+                    slots: torch.Tensor, capture: bool, rows: HostRows | None = None) -> StepOutput:
+        """One target pass over draft trees (speculative/tree.py): token_ids, depths [B, N] (node 0 the anchor), tree
+        [B, N, N] their ancestor mask; node t is cached at starts + t until `keep_path` moves the accepted ones."""
+        kv_len, run = self._attended(rows, token_ids.shape[1], self.target_cache)
+        layers = self.drafter.params.target_layer_ids if capture else ()
+        out = self.target(token_ids, starts[:, None] + depths, slots, self.target_cache, layers, kv_len=kv_len,
+                          run=run, tree=tree)
+        return StepOutput(out.logits, out.hidden)
+
+    @torch.inference_mode()
+    def keep_path(self, slots: torch.Tensor, starts: torch.Tensor, nodes: torch.Tensor) -> None:
+        """After a tree's verify pass: the accepted nodes [B, n] (node 0 first; rows padded with 0) move from their
+        cache positions starts + node to starts + their depth 0 .. n - 1, where the next pass expects them."""
+        src = starts[:, None] + nodes
+        dst = starts[:, None] + torch.arange(nodes.shape[1], device=nodes.device)
+        dst = torch.where(nodes > 0, dst, src)  # (padding: node 0 onto itself)
+        for layer in range(self.target.spec.num_layers):
+            self.target_cache.move(layer, slots, src, dst)
 
     @torch.inference_mode()
     def append_context(self, hidden, starts, slots, rows=None) -> None:

@@ -313,6 +313,13 @@ class PagedKVCache:
         self.k[layer][rows] = k
         self.v[layer][rows] = v
 
+    def move(self, layer: int, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the slots' entries at positions src [B, n] to positions dst [B, n] (all read before any is written)."""
+        tables = self.layer_tables[layer]
+        src_rows, dst_rows = self._rows_of(tables, slots, src), self._rows_of(tables, slots, dst)
+        self.k[layer][dst_rows] = self.k[layer][src_rows]
+        self.v[layer][dst_rows] = self.v[layer][src_rows]
+
     def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, length - first, kv_heads, hd] of the slots' positions first .. length - 1: views when the batch is

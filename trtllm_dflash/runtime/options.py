@@ -33,4 +33,5 @@ class RunOptions:
     cuda_graphs: bool | None = None  # torch executor on CUDA: decode passes as CUDA graphs (None: on where it can)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
     prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
+    tree_budget: int | None = None  # dflash: verify a DDTree of this many draft nodes a step (None: a chain)
 

@@ -26,7 +26,7 @@ from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
 from trtllm_dflash.runtime.executor import TorchExecutor, engine_specs
 from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_memory, is_fraction, resolve_budget
-from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, VerifyPolicy
+from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, TreeDrafting, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
 from trtllm_dflash.runtime.costs import load_or_measure, read_acceptance, write_acceptance
@@ -53,7 +53,8 @@ class Engine:
              world: World | None = None, command: str = "run", backend: Backend | None = None,
              plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None,
              threads: int | None = None, cuda_graphs: bool | None = None,
-             kv_cache_memory: str | None = None, prefix_cache: bool = True) -> "Engine":
+             kv_cache_memory: str | None = None, prefix_cache: bool = True, tree_budget: int | None = None
+             ) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
         "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
         here, or read from the cache: runtime/costs.py; `report` hears about it).
@@ -65,7 +66,8 @@ class Engine:
         cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
         executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
         request; 'static': the static slots whatever the engine says); `prefix_cache`: with it, prompt
-        blocks shared across requests by prefix.
+        blocks shared across requests by prefix. `tree_budget`: dflash steps verify a DDTree of that many draft nodes
+        (speculative/tree.py; torch executor, targets without sliding windows or Gated DeltaNet layers).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -91,6 +93,9 @@ class Engine:
                             f"process{'es' if world.size > 1 else ''}; start it as `{how}`.")
         if cuda_graphs:
             _check_cuda_graphs(cfg, backend, device)
+        if tree_budget is not None:
+            _check_tree(cfg, backend, tree_budget, auto)
+            cuda_graphs = False
         if kv_cache_memory is None and backend == "torch":  # the engine's default (its build config), if any
             kv_cache_memory = cfg.kv_cache_memory
         if kv_cache_memory is not None:
@@ -112,7 +117,7 @@ class Engine:
         else:
             try:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
-                                                     kv_bytes, prefix_cache)
+                                                     kv_bytes, prefix_cache, tree_budget or 0)
             except KVBudgetError as e:
                 raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
         auto_block = None
@@ -134,6 +139,8 @@ class Engine:
         eos = [*self.config.eos_token_ids, *stop_token_ids]
         if mode == "ar":
             policy: VerifyPolicy = PlainDecoding()
+        elif block_size is None and getattr(self.executor, "tree_budget", 0):
+            policy = TreeDrafting(self.executor.tree_budget)
         elif block_size == "auto" or (block_size is None and self.auto_block is not None):
             if self.auto_block is None:
                 raise UserError("--block-size auto: this engine was loaded without it; load it with block_size 'auto'.")
@@ -145,6 +152,26 @@ class Engine:
                                 f"{self.executor.block_size}.")
             policy = FixedBlock(k)
         return Decoder(self.executor, policy, eos, self.tokenizer)
+
+
+# --tree-budget's range: a tree of more nodes than this verifies more positions than any block drafts usefully
+MAX_TREE_BUDGET = 1024
+
+
+def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) -> None:
+    """--tree-budget: one sentence where a tree cannot run."""
+    if type(budget) is not int or not 1 <= budget <= MAX_TREE_BUDGET:
+        raise UserError(f"--tree-budget {budget}: must be an integer from 1 to {MAX_TREE_BUDGET}.")
+    if backend != "torch":
+        raise UserError(f"--tree-budget: only the torch executor verifies draft trees yet, and this run's backend is "
+                        f"{backend}; drop --tree-budget or use --backend torch.")
+    if auto:
+        raise UserError("--tree-budget and --block-size auto: choose one (auto does not price trees yet).")
+    target = engine_specs(cfg)[0]
+    if target.sliding_window is not None or target.has_recurrent_state:
+        raise UserError(f"--tree-budget: this engine's {target.model_type} target has "
+                        f"{'sliding-window' if target.sliding_window is not None else 'Gated DeltaNet'} layers, which "
+                        "cannot verify a tree yet (their state follows one sequence of positions); drop --tree-budget.")
 
 
 def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int | Callable[[], int]:
@@ -233,7 +260,7 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
                              report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads,
                              cuda_graphs=opts.cuda_graphs, kv_cache_memory=opts.kv_cache_memory,
-                             prefix_cache=opts.prefix_cache)
+                             prefix_cache=opts.prefix_cache, tree_budget=opts.tree_budget)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")

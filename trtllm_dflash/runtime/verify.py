@@ -5,6 +5,7 @@
     AutoBlock(auto)    the k in 1 .. block_size that maximises expected tokens/s for the running batch, from
                        measured pass costs and the acceptance seen so far (`--block-size auto`,
                        speculative/schedule.py); k = 1 is a plain step that keeps the target's features for later.
+    TreeDrafting(n)    a tree of the n best draft nodes and the anchor every step (`--tree-budget n`, DDTree).
 
 Every policy is lossless: the tokens committed are the target's own whatever k is (speculative/core.py), so the
 decoders of one engine under different policies give the same tokens, at different speeds.
@@ -120,6 +121,33 @@ class AutoBlock:
     def save(self) -> None:
         """The acceptance seen, as the next run's prior."""
         self.auto.save()
+
+
+@dataclass(frozen=True)
+class TreeDrafting:
+    """`--tree-budget N` (DDTree, speculative/tree.py): every step drafts the trained block's positions in one drafter
+    pass and verifies a tree of the `budget` best draft nodes (the `candidates` best tokens of each position extend
+    it) with the anchor in one target pass; the accepted path is the longest the target's own tokens follow."""
+
+    budget: int
+    candidates: int = 8
+    drafts = True
+    defers_context = False
+    width = None
+    longest = 1  # (a tree's pass is sized by the executor's tree_budget, not its block)
+
+    def __post_init__(self):
+        if self.budget < 1:
+            raise ValueError(f"a draft tree has at least one node, got a budget of {self.budget}")
+
+    def new_request(self) -> None:
+        return None
+
+    def choose(self, shape: StepShape) -> int:
+        return self.budget + 1
+
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+        pass
 
 
 def verify_policy(mode: Mode, block_size: int, auto: AutoBlockSize | None = None) -> VerifyPolicy:

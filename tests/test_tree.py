@@ -1,0 +1,229 @@
+"""DDTree drafting (speculative/tree.py, `--tree-budget`): the best-first tree against brute force, the ancestor mask,
+one tree pass against every path run as a chain, and decoding that commits the target's own tokens (greedy and sampled
+== ar, static and paged caches, a dense and a latent-attention target) with a drafter whose right token sits at varying
+ranks, so that accepted paths run through the tree's side branches; bad inputs in one sentence."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import build
+from tests.conftest import family_requests as requests
+from trtllm_dflash.checkpoint.formats import load_target
+from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.runner import Engine
+from trtllm_dflash.runtime.verify import TreeDrafting
+from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees
+from trtllm_dflash.train.random_pair import write_random_pair
+
+
+def paths_of(trees, row: int) -> set[tuple[int, ...]]:
+    """Each node's tokens from the first draft down to it."""
+    tokens, parents = trees.tokens[row], trees.parents[row]
+    out = set()
+    for node in range(1, len(tokens)):
+        path, n = [], node
+        while n > 0:
+            path.append(tokens[n])
+            n = parents[n]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 5, 12, 39])
+def test_the_tree_is_the_best_nodes_by_brute_force(budget):
+    """Depth 4, 3 candidates a position (120 possible nodes): the tree's nodes are the `budget` best paths by total
+    log-probability, every node's parent is in it, and parents come before children."""
+    g = torch.Generator().manual_seed(budget)
+    depth, k = 4, 3
+    for trial in range(5):
+        lps = torch.rand(depth, k, generator=g).log().sort(descending=True).values
+        tokens = torch.randperm(50, generator=g)[: depth * k].view(depth, k)
+        trees = build_trees([7], [tokens.tolist()], [lps.tolist()], budget)
+        every = {}
+        for n in range(1, depth + 1):
+            for ranks in itertools.product(range(k), repeat=n):
+                every[tuple(tokens[d, r].item() for d, r in enumerate(ranks))] = sum(lps[d, r].item()
+                                                                                     for d, r in enumerate(ranks))
+        best = set(sorted(every, key=every.get, reverse=True)[:budget])
+        assert paths_of(trees, 0) == best, trial
+        assert all(p < i for i, p in enumerate(trees.parents[0]) if i) and trees.tokens[0][0] == 7
+        assert trees.depths[0] == [0] + [len(p) for p in sorted(best, key=every.get, reverse=True)]
+
+
+def test_ancestor_mask_and_the_accepted_path():
+    #        0
+    #      1   2
+    #      3     4
+    #      5
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3]])
+    mask = ancestor_mask(parents)[0]
+    want = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 1, 3, 5}}
+    assert {i: set(mask[i].nonzero().flatten().tolist()) for i in range(6)} == want
+    from trtllm_dflash.speculative.tree import DraftTrees
+
+    trees = DraftTrees([[9, 10, 11, 12, 13, 14]], [parents[0].tolist()], [[0, 1, 1, 2, 2, 3]])
+    # the target's token after each node: 11 after the anchor (node 2), 13 after node 2 (node 4), then 99: stop
+    assert accepted_paths(trees, [[11, 0, 13, 0, 99, 0]]) == [[0, 2, 4]]
+    assert accepted_paths(trees, [[50, 0, 0, 0, 0, 0]]) == [[0]]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for family in ("qwen3", "deepseek_v3"):
+        root = tmp_path_factory.mktemp(f"tree_{family}")
+        write_random_pair(root, family, block_size=8, seed=3)
+        out[family] = root
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(pairs, tmp_path_factory) -> dict[str, Path]:
+    return {f: build(p, tmp_path_factory.mktemp(f"tree_engine_{f}") / "engine", max_batch_size=4)
+            for f, p in pairs.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_one_tree_pass_equals_every_path_as_a_chain(pairs, family):
+    """Logits at every node of a 12-node tree after a 9-token prompt == those of a plain pass over the node's own path
+    (its ancestors and itself) from the same prompt: the ancestor mask, the nodes' RoPE positions and cache rows."""
+    ckpt = load_target(pairs[family] / "target")
+    model = TargetModel.from_state_dict(ckpt.spec, {n: ckpt.tensors.get(n).float() for n in ckpt.tensors.names()})
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, ckpt.spec.vocab_size, (1, 9), generator=g)
+    lps = torch.rand(5, 3, generator=g).log().sort(descending=True).values
+    cands = torch.randint(4, ckpt.spec.vocab_size, (5, 3), generator=g)
+    trees = build_trees([int(prompt[0, -1])], [cands.tolist()], [lps.tolist()], 12)
+    start = prompt.shape[1] - 1  # the prompt's last token is the anchor
+
+    def prefilled():
+        cache = model.new_cache(1, 64)
+        model(prompt[:, :-1], torch.arange(start)[None], torch.tensor([0]), cache)
+        return cache
+
+    tokens, depths = torch.tensor(trees.tokens), torch.tensor(trees.depths)
+    out = model(tokens, start + depths, torch.tensor([0]), prefilled(), tree=ancestor_mask(torch.tensor(trees.parents)))
+    for node in range(trees.nodes):
+        path, n = [], node
+        while n >= 0:
+            path.append(trees.tokens[0][n])
+            n = trees.parents[0][n]
+        path = torch.tensor([list(reversed(path))])
+        chain = model(path, start + torch.arange(path.shape[1])[None], torch.tensor([0]), prefilled())
+        torch.testing.assert_close(out.logits[0, node], chain.logits[0, -1], atol=2e-5, rtol=1e-4)
+
+
+class RankedCandidates:
+    """The real executor, whose drafter candidates are rewritten (instrumentation: every pass is the real one): at each
+    position the reference sequence's token is the best of 4 candidates, or at every third position (shifting by
+    step and row) the second best, the others wrong, so a chain of the best drafts would stop there while a tree
+    follows the side branch, and keep_path moves nodes from all over the tree."""
+
+    def __init__(self, executor, reference: dict[tuple[int, ...], list[int]]):
+        self.executor, self.reference, self.of_slot, self.step = executor, reference, {}, 0
+        self.ranks_accepted: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None):
+        if last_index is not None:  # a prefill (of a prompt's uncached part, or a preempted request's recompute)
+            for row, (slot, start, last) in enumerate(zip(slots.tolist(), starts.tolist(), last_index.tolist())):
+                ids = token_ids[row, : last + 1].tolist()
+                self.of_slot[slot] = next(seq for seq in self.reference.values() if seq[start:start + last + 1] == ids)
+        return self.executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
+
+    def draft_candidates(self, anchors, starts, slots, k, context=None, rows=None):
+        ids, lps = self.executor.draft_candidates(anchors, starts, slots, k, context, rows=rows)
+        vocab = self.executor.vocab_size
+        new = torch.empty_like(ids)
+        for row, (slot, start) in enumerate(zip(slots.tolist(), starts.tolist())):
+            seq = self.of_slot[slot]
+            for d in range(ids.shape[1]):
+                right = seq[start + 1 + d] if start + 1 + d < len(seq) else 0
+                rank = 1 if (d + self.step + row) % 3 == 2 else 0
+                wrong = [(right + 1 + j) % vocab for j in range(k - 1)]
+                new[row, d] = torch.tensor(wrong[:rank] + [right] + wrong[rank:])
+        self.step += 1
+        return new, torch.arange(k, dtype=lps.dtype).neg().expand_as(lps) * 0.7 - 0.1
+
+    def keep_path(self, slots, starts, nodes):
+        self.ranks_accepted += [n for n in nodes.flatten().tolist() if n > 0]
+        return self.executor.keep_path(slots, starts, nodes)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_trees_commit_the_targets_own_tokens(engines, family):
+    """Budget 24, the right token best or second best: greedy and sampled tree decoding == ar for the same seeds, paths
+    of several nodes accepted, through side branches."""
+    engine = Engine.load(engines[family], tree_budget=24)
+    base = [replace(r, max_new_tokens=30) for r in requests(engine.executor.vocab_size)]
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=3 + r.id)
+               for r in base]
+    for reqs in (base, sampled):
+        ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+        reference = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
+        ranked = RankedCandidates(engine.executor, reference)
+        results = list(Decoder(ranked, TreeDrafting(24, candidates=4), engine.config.eos_token_ids).generate(reqs))
+        assert {r.request.id: r.output_token_ids for r in results} == ar
+        lengths = [n for r in results for n in r.acceptance_lengths]
+        assert max(lengths) >= 4 and sum(lengths) / len(lengths) > 2, lengths
+        assert max(ranked.ranks_accepted) > 8  # nodes past the first branch's (depth-first) 7 were accepted
+
+
+def test_a_paged_cache_moves_the_path_too(engines, pairs, tmp_path):
+    """keep_path on a paged cache (blocks on demand, preemption): the static cache's tokens."""
+    engine = Engine.load(engines["qwen3"], tree_budget=24)
+    short = build(pairs["qwen3"], tmp_path / "engine", max_batch_size=4, max_seq_len=64)
+    per_block = 16 * (4 + 2) * 2 * 2 * 16 * 4  # target (4 layers) and drafter (2): K and V of 2 heads x 16, fp32
+    paged = Engine.load(short, tree_budget=24, kv_cache_memory=str(9 * per_block))  # 8 blocks: one request of 89
+    reqs = [replace(r, max_new_tokens=40) for r in requests(engine.executor.vocab_size)]
+    ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    reference = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
+    ranked = RankedCandidates(paged.executor, reference)
+    decoder = Decoder(ranked, TreeDrafting(24, candidates=4), engine.config.eos_token_ids)
+    assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == ar
+    assert decoder.preemptions > 0
+
+
+def test_bad_tree_budgets_are_one_sentence(engines, tmp_path, capsys):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    run = ["run", str(engines["qwen3"]), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")]
+    for extra, message in (
+            (["--tree-budget", "8", "--mode", "ar"], "--tree-budget drafts a tree every step of --mode dflash; it "
+                                                    "does not take --mode ar or --block-size."),
+            (["--tree-budget", "8", "--block-size", "4"], "--tree-budget drafts a tree every step of --mode dflash; it "
+                                                         "does not take --mode ar or --block-size."),
+            (["--tree-budget", "8", "--backend", "onnxruntime"],
+             "--tree-budget: only the torch executor verifies draft trees yet, and this run's backend is onnxruntime; "
+             "drop --tree-budget or use --backend torch.")):
+        assert main(run + extra) == EXIT_USER_ERROR
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        main(run + ["--tree-budget", "0"])
+    assert "--tree-budget: must be an integer from 1 to 1024, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_sliding_window_and_recurrent_targets_refuse_trees(tmp_path, capsys):
+    root = tmp_path / "pair"
+    write_random_pair(root, "gpt_oss", block_size=8)
+    engine = build(root, tmp_path / "engine", max_batch_size=2)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    assert main(["run", str(engine), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--tree-budget",
+                 "8"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "--tree-budget: this engine's gpt_oss target has sliding-window layers, which cannot verify a tree yet " \
+           "(their state follows one sequence of positions); drop --tree-budget." in err
