@@ -142,7 +142,7 @@ class DFlashDrafter(nn.Module):
             logprobs = torch.log_softmax(target_logits(hidden), dim=-1)
         else:
             logprobs = torch.log_softmax(self.draft_lm_head(hidden).float(), dim=-1)
-        values, ids = torch.topk(logprobs, k, dim=-1)
+        values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
         if self.draft_lm_head is not None and self.d2t is not None:
             ids = draft_to_target(ids, self.d2t)
         return ids, values
