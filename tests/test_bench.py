@@ -132,6 +132,26 @@ def test_ar_runs_beside_every_block_size(bench_engine, tmp_path):
         assert b["measured_tpot_speedup"] == p["tpot_speedup_vs_ar"] > 0
 
 
+def test_trees_are_points_of_their_own(bench_engine, tmp_path, capsys):
+    """--block-sizes 8,tree12: a DDTree of 12 nodes is a point beside the chain, with the same tokens as AR; a tree
+    with auto, or of 0 nodes, is refused in one sentence."""
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f():"}, {"id": "b", "prompt": "x = 1"}])
+    opts = BenchOptions((1, 2), ("ar", "dflash"), (8, "tree12"), num_requests=2, max_new_tokens=12, warmup=0,
+                        repeats=1)
+    report = bench(bench_engine, dataset, opts)
+    dflash = {(p["block_size"], p["concurrency"]): p for p in report["points"] if p["mode"] == "dflash"}
+    assert set(dflash) == {(8, 1), (8, 2), ("tree12", 1), ("tree12", 2)}
+    assert all(p["outputs_identical_to_ar"] for p in dflash.values())
+    assert [b["block_size"] for b in report["speedup_bound"]] == [8]  # (the bound models chains)
+    assert main(["bench", str(bench_engine), "--dataset", str(dataset), "--block-sizes", "auto,tree8"]) == \
+        EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "draft trees (--tree-budget, bench's treeN) and --block-size auto: choose one" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SystemExit):
+        main(["bench", str(bench_engine), "--dataset", str(dataset), "--block-sizes", "tree0"])
+    assert "argument --block-sizes: a tree has 1 to 1024 nodes, got 'tree0'" in capsys.readouterr().err
+
+
 def test_bench_refuses_more_concurrency_than_slots(bench_engine, tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"def f{i}():"} for i in range(8)])
     code = main(["bench", str(bench_engine), "--dataset", str(dataset), "--concurrency", "1,8"])

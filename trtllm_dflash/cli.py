@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -297,10 +298,14 @@ def _block_size(text: str) -> int | str:
 
 
 def _block_sizes(text: str) -> tuple[int | str, ...]:
-    """--block-sizes: comma-separated integers and/or auto, e.g. 4,8,16,auto."""
-    values = tuple(_block_size(x) for x in text.split(","))
-    if any(v != "auto" and v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"must be positive integers or auto, got {shown(text)}")
+    """--block-sizes: comma-separated integers, auto and / or treeN (a DDTree of N nodes), e.g. 4,8,16,tree32."""
+    trees = [re.fullmatch(r"tree(\d+)", x) for x in text.split(",")]
+    if any(t is not None and not 1 <= int(t[1]) <= 1024 for t in trees):
+        raise argparse.ArgumentTypeError(f"a tree has 1 to 1024 nodes, got {shown(text)}")
+    values = tuple(f"tree{int(t[1])}" if t is not None else _block_size(x) for t, x in zip(trees, text.split(",")))
+    if any(isinstance(v, int) and v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be positive integers, auto or treeN (N from 1 to 1024), got "
+                                         f"{shown(text)}")
     return values
 
 
@@ -342,7 +347,8 @@ def _add_bench(sub) -> None:
                         "(default: 1,2,4,... up to max_batch_size)")
     b.add_argument("--modes", type=_modes, default=d.modes, metavar="ar,dflash", help="decoding modes to run")
     b.add_argument("--block-sizes", type=_block_sizes, metavar="B,B,...",
-                   help="DFlash block sizes, 2 .. the engine's, and/or auto (e.g. 4,8,16,auto) (default: the engine's)")
+                   help="DFlash block sizes, 2 .. the engine's, auto and / or treeN: a DDTree of N draft nodes a step "
+                        "(run --tree-budget N; not with auto) (e.g. 4,8,16,tree16,tree32) (default: the engine's)")
     b.add_argument("--num-requests", type=_positive_int,
                    help="the first N prompts of the dataset (default: all)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, help="per request")

@@ -89,9 +89,11 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     # Duplicates would only repeat points; AR alone needs no block size. One loaded engine serves every block size
     # (each a decoder of its own); with "auto" among them, the engine is loaded with it (its pass costs measured).
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
+    trees = [int(b[4:]) for b in block_sizes if isinstance(b, str) and b.startswith("tree")]  # treeN: DDTree
     engine = Engine.load(engine_dir, block_size="auto" if "auto" in block_sizes else None, command="bench",
                          backend=opts.backend, report=progress, threads=opts.threads,
-                         kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache)
+                         kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache,
+                         tree_budget=max(trees) if trees else None)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests, system)
     conversations = (Conversations(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, system)
@@ -132,10 +134,9 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
         for c in concurrency:
             ar_all[c] += runs.get(("ar", c), [])
             if "dflash" in opts.modes:
-                points.append(_dflash_point(b, c, runs, categories,
-                                            engine.executor.block_size if b == "auto" else b))
+                points.append(_dflash_point(b, c, runs, categories, _longest_step(engine, b)))
                 progress(_progress_line(points[-1]))
-        if "dflash" in opts.modes and b != "auto":
+        if "dflash" in opts.modes and isinstance(b, int):  # (the bound models chains of a fixed block)
             bounds.append(_speedup_bound(engine, context_len, points, b))
         if costs is not None:
             cost_profile = {"context_len": context_len, "step_ms": _step_costs_ms(costs, concurrency, context_len)}
@@ -216,7 +217,14 @@ def _dflash_point(b: int | str, c: int, runs: dict[tuple[Mode, int], list[TimedR
 
 
 def _label(block_size: int | str) -> str:
-    return "auto" if block_size == "auto" else f"b{block_size}"
+    return block_size if isinstance(block_size, str) else f"b{block_size}"
+
+
+def _longest_step(engine: Engine, block_size: int | str) -> int:
+    """The most tokens a step of this point verifies: the block, auto's largest, a tree's nodes and anchor."""
+    if isinstance(block_size, int):
+        return block_size
+    return engine.executor.block_size if block_size == "auto" else int(block_size[4:]) + 1
 
 
 def _step_costs_ms(costs: PassCosts, concurrency: tuple[int, ...], context_len: int) -> dict:

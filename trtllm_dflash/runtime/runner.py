@@ -139,6 +139,12 @@ class Engine:
         eos = [*self.config.eos_token_ids, *stop_token_ids]
         if mode == "ar":
             policy: VerifyPolicy = PlainDecoding()
+        elif isinstance(block_size, str) and block_size.startswith("tree"):  # bench's treeN
+            budget = int(block_size[4:])
+            if budget > getattr(self.executor, "tree_budget", 0):
+                raise UserError(f"{block_size}: this engine was loaded for trees of at most "
+                                f"{getattr(self.executor, 'tree_budget', 0)} nodes.")
+            policy = TreeDrafting(budget)
         elif block_size is None and getattr(self.executor, "tree_budget", 0):
             policy = TreeDrafting(self.executor.tree_budget)
         elif block_size == "auto" or (block_size is None and self.auto_block is not None):
@@ -166,7 +172,8 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
         raise UserError(f"--tree-budget: only the torch executor verifies draft trees yet, and this run's backend is "
                         f"{backend}; drop --tree-budget or use --backend torch.")
     if auto:
-        raise UserError("--tree-budget and --block-size auto: choose one (auto does not price trees yet).")
+        raise UserError("draft trees (--tree-budget, bench's treeN) and --block-size auto: choose one (auto does not "
+                        "price trees yet).")
     target = engine_specs(cfg)[0]
     if target.sliding_window is not None or target.has_recurrent_state:
         raise UserError(f"--tree-budget: this engine's {target.model_type} target has "
