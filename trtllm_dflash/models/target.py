@@ -215,15 +215,22 @@ class TargetModel(nn.Module):
     ) -> TargetOutput:
         """With `tree`, `positions` are the nodes' RoPE positions (start + depth); node t is cached at start + t and
         sees the keys before start and the nodes the mask allows."""
-        if tree is not None:
-            return self._tree_forward(token_ids, positions, slots, cache, capture_layers, kv_len, run, tree)
-        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        cached_at = positions  # where each token's K/V goes: its position, or a tree node's own row
+        if tree is not None:  # (supports_trees: no sliding window, no recurrent state)
+            cached_at = positions[:, :1] + torch.arange(token_ids.shape[1], device=positions.device)
+        kv_len = int(cached_at.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
         if self.spec.embed_scale != 1.0:  # transformers rounds the scale to the weights' dtype first
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
         key_pos = torch.arange(kv_len, device=x.device)
-        causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
+        if tree is None:
+            causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
+        else:  # the keys before the anchor, and the nodes the tree's mask allows
+            b, t = token_ids.shape
+            offset = key_pos[None, None, :] - cached_at[:, :1, None]  # [B, 1, kv_len]
+            node = tree.gather(2, offset.clamp(0, t - 1).expand(b, t, kv_len))
+            causal = (offset < 0) | (node & (offset < t))
         window = self.spec.sliding_window
         if window:  # over keys window_key .. kv_len - 1 only: the mask is built for the keys the layers read
             seen = key_pos[None, None, window_key:]
@@ -240,7 +247,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             windowed = self.spec.is_sliding(i)
             cos, sin = rope[self.rope_keys[i]]
-            x = layer(x, cos, sin, cache, i, slots, positions, sliding if windowed else causal, run,
+            x = layer(x, cos, sin, cache, i, slots, cached_at, sliding if windowed else causal, run,
                       window_key if windowed else 0,
                       (states, self.linear_index[i], step) if i in self.linear_index else None)
             if i in capture_layers:
@@ -255,31 +262,6 @@ class TargetModel(nn.Module):
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]
-        return TargetOutput(logits=self.logits(x), hidden=hidden)
-
-    def _tree_forward(self, token_ids, positions, slots, cache, capture_layers, kv_len, run, tree) -> TargetOutput:
-        """A draft tree's verify pass (full-attention decoders without recurrent state: `supports_trees`)."""
-        b, t = token_ids.shape
-        starts = positions[:, 0]  # (node 0, the anchor, has depth 0)
-        rows = starts[:, None] + torch.arange(t, device=positions.device)  # where each node is cached
-        kv_len = int(rows.max()) + 1 if kv_len is None else kv_len
-        x = self.embed(token_ids)
-        if self.spec.embed_scale != 1.0:
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        rope = {key: r(positions, x.dtype) for key, r in self.rotary.items()}
-        offset = torch.arange(kv_len, device=x.device)[None, None, :] - starts[:, None, None]  # [B, 1, kv_len]
-        in_tree = (offset >= 0) & (offset < t)
-        mask = (offset < 0) | (tree.gather(2, offset.clamp(0, t - 1).expand(b, t, kv_len)) & in_tree)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = rope[self.rope_keys[i]]
-            x = layer(x, cos, sin, cache, i, slots, rows, mask, run)
-            if i in capture_layers:
-                captured[i] = x
-        x = self.model.norm(x)
-        if self.spec.num_layers - 1 in capture_layers:
-            captured[self.spec.num_layers - 1] = x
-        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return TargetOutput(logits=self.logits(x), hidden=hidden)
 
     @property
