@@ -378,3 +378,29 @@ def test_make_random_pair_offers_the_families_the_docs_use(tmp_path, capsys):
     assert main(["build", str(config)]) == 0
     assert json.loads((tmp_path / "built" / "config.json").read_text())["target"]["model_type"] == "gpt_oss"
     refused(capsys, ["make-random-pair", str(tmp_path / "other"), "--family", "mistral"], "invalid choice: 'mistral'")
+
+
+def test_a_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interrupt(monkeypatch, capsys, tmp_path):
+    """SIGINT inside a native library's call back into Python can surface as another exception (safetensors'
+    get_tensor under export: a ValueError about an UntypedStorage; seen once in CI under load): still one line and
+    exit 130. The same exception without a Ctrl-C is a bug, and is raised."""
+    from trtllm_dflash import cli
+
+    def interrupted_inside_a_library(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    monkeypatch.setattr(cli, "cmd_inspect", interrupted_inside_a_library)
+    assert cli.main(["inspect", str(tmp_path)]) == cli.EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C); nothing was written.\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    def a_bug(args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_inspect", a_bug)
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(["inspect", str(tmp_path)])

@@ -10,7 +10,9 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from trtllm_dflash import __version__
@@ -492,8 +494,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     r.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N",
                    help="DDTree: every dflash step verifies a tree of the N most likely draft paths' nodes, built from "
-                        "the drafter's 8 best tokens per position, instead of one chain (torch backend; targets without "
-                        "sliding-window or Gated DeltaNet layers; default: a chain)")
+                        "the drafter's 8 best tokens per position, instead of one chain; torch backend, targets without "
+                        "sliding-window or Gated DeltaNet layers (default: a chain)")
     _add_backend(r)
     r.set_defaults(func=cmd_run)
 
@@ -549,8 +551,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _SigintSeen:
+    """Python's SIGINT handler (KeyboardInterrupt), remembering that it ran: a KeyboardInterrupt raised while a
+    library's native code calls back into Python can come out of it as another exception (safetensors' get_tensor:
+    a ValueError about an UntypedStorage), which is still the user's Ctrl-C."""
+
+    def __init__(self):
+        self.seen = False
+
+    def __call__(self, signum, frame):
+        self.seen = True
+        signal.default_int_handler(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    sigint = _SigintSeen()
+    previous = signal.signal(signal.SIGINT, sigint) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return args.func(args)
     except KeyboardInterrupt as exc:
@@ -567,8 +585,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Exception:
+        if not sigint.seen:
+            raise
+        # (run and train-drafter keep what they finished, as their own Ctrl-C message says; the others write atomically)
+        left = "what was finished so far is kept" if args.func in (cmd_run, cmd_train_drafter) else \
+            "nothing was written"
+        print(f"error: interrupted (Ctrl-C); {left}.", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         release_outputs()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":
