@@ -10,7 +10,7 @@ after the anchor and the accepted drafts only. Two ways, both exact:
   state before it and the block's k, v, g, beta ([T, H, dk + dv + 2] per request and layer); the next pass first
   re-runs the accepted prefix from that state (a fixed T-step loop, the rejected positions' g and beta zeroed, so a
   batch needs no per-row lengths on the host);
-- snapshots (TensorRT-LLM's and vLLM's way): the pass keeps the state before it and after every token
+- snapshots: the pass keeps the state before it and after every token
   ([T + 1, H, dk, dv]); the next pass gathers the one its start selects.
 
 Per step and layer, the recurrence alone (the projections and the conv are the same either way), at one rank's

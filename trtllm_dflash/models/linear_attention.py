@@ -15,7 +15,7 @@ the device, without telling anyone what was accepted. A longer pass (a prompt) k
 real token (`valid`: padding columns of a batched prefill have g = 0 and beta = 0, which leave S exactly as it was).
 A request's first pass (start 0) starts from zeros, so a slot needs no clearing when it is reused.
 
-Replay, not per-token snapshots (TensorRT-LLM's and vLLM's way: the state after every token of the block kept):
+Replay, not per-token snapshots (the state after every token of the block kept, the next pass picking one):
 benchmarks/recurrent_rollback.py measured both at Qwen3.5-27B's per-rank shape. A snapshot per token costs (block + 1)
 states per request and layer (25.5 MiB at 24 heads of 128 x 128, block 16) and writing them every step; the replay
 keeps one state and the block's inputs (1.9 MiB) and re-runs a block of state updates, which on the CPU cost less
