@@ -12,9 +12,9 @@ r: kv_lora_rank):
 Since k_nope = W_UK[h] c and v = W_UV[h] c (the rows of kv_b_proj), q_nope . k_nope = (W_UK[h]^T q_nope) . c and
 softmax @ v = W_UV[h] (softmax @ c): every head attends over the same per-position vector [c ; rope(k_r)] with the
 query [W_UK[h]^T q_nope ; rope(q_rope)], and the result goes through W_UV[h]. So the cache holds that one vector per
-position and layer (r + rope values: 576 for DeepSeek-V3 and Kimi K2, against 128 x (192 + 128) for their heads' K and V),
-as one KV head whose V is its first r dims (the cache keeps no V of its own). Every pass (prefill, verify, plain step)
-uses this form; on a GPU a long prefill would rather expand the latent per head (fewer FLOPs): not done.
+position and layer (r + rope values: 576 for DeepSeek-V3 and Kimi K2, against 128 x (192 + 128) for their heads' K
+and V), as one KV head whose V is its first r dims (the cache keeps no V of its own). Every pass (prefill, verify,
+plain step) uses this form; on a GPU a long prefill would rather expand the latent per head (fewer FLOPs): not done.
 
 Under tensor parallelism each rank holds H / tp_size heads (q_b_proj / q_proj and kv_b_proj rows, o_proj columns) and
 the whole latent path (q_a_proj, kv_a_proj_with_mqa and their norms replicated): every rank caches the same latent.
