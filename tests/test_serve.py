@@ -99,6 +99,7 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
     ("max batch", ["--max-batch-size 9", "slots for 8 requests"]),
     ("max new tokens", ["--max-new-tokens 2048", "below the engine's max_seq_len 2048"]),
     ("kv cache memory", ["--kv-cache-memory lots: 'lots' is not a size"]),
+    ("tree with ar", ["--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar"]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, capsys, case, words):
     repo, engine, extra = tmp_path / "repo", str(engine_dir), []
@@ -116,7 +117,8 @@ def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, 
     else:
         extra = {"block size": ["--block-size", "17"], "max batch": ["--max-batch-size", "9"],
                  "max new tokens": ["--max-new-tokens", "2048"],
-                 "kv cache memory": ["--kv-cache-memory", "lots"]}[case]
+                 "kv cache memory": ["--kv-cache-memory", "lots"],
+                 "tree with ar": ["--tree-budget", "8", "--mode", "ar"]}[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(["serve", engine, "--model-repo", str(repo), *extra]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
@@ -236,12 +238,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(engine_dir, tmp_path_factory, request):
-    """{"decoupled": Server, "plain": Server} on the demo engine, started together."""
+    """{"decoupled": Server, "plain": Server, "tree": Server} on the demo engine, started together."""
     cli = _triton_cli()
     started = {"decoupled": Server(cli, engine_dir, tmp_path_factory.mktemp("decoupled")),
                # the plain model on a paged KV cache (48 MiB: one max_seq_len request or many short ones)
                "plain": Server(cli, engine_dir, tmp_path_factory.mktemp("plain"), "--no-streaming",
-                               "--kv-cache-memory", "48MiB")}
+                               "--kv-cache-memory", "48MiB"),
+               # DDTree steps (serve --tree-budget)
+               "tree": Server(cli, engine_dir, tmp_path_factory.mktemp("tree"), "--no-streaming", "--tree-budget",
+                              "16")}
     try:
         request.getfixturevalue("expected")  # `run` in this process while the servers load
         for s in started.values():
@@ -249,7 +254,7 @@ def servers(engine_dir, tmp_path_factory, request):
         yield started
     finally:
         codes = {name: s.stop() for name, s in started.items()}
-    assert codes == {"decoupled": 0, "plain": 0}, codes  # a graceful shutdown
+    assert codes == {"decoupled": 0, "plain": 0, "tree": 0}, codes  # a graceful shutdown
 
 
 @pytest.fixture(scope="module")
@@ -414,6 +419,26 @@ def test_sampling_matches_run_for_the_same_seed_and_id(servers, expected):
         result = client.infer(MODEL, _inputs(httpclient, rec["prompt"], temperature=SAMPLED["temperature"],
                                              seed=SEED), request_id=SAMPLED["id"])
     assert _text(result) == rec["text"]
+
+
+@pytest.mark.triton
+def test_a_tree_budget_serves_the_text_of_run(servers, expected):
+    """serve --tree-budget 16: the greedy and the sampled requests get `run`'s (chain) text and token count, in fewer
+    steps than tokens."""
+    import tritonclient.http as httpclient
+
+    tree = servers["tree"]
+    assert json.loads((tree.log.parent / "repo" / MODEL / "1" / SERVE_CONFIG).read_text())["tree_budget"] == 16
+    steps = tokens = 0
+    with closing(httpclient.InferenceServerClient(f"127.0.0.1:{tree.http}")) as client:
+        for rid, rec in expected.items():
+            sampled = {"temperature": SAMPLED["temperature"], "seed": SEED} if rid == SAMPLED["id"] else {}
+            result = client.infer(MODEL, _inputs(httpclient, rec["prompt"], **sampled), request_id=rid)
+            assert _text(result) == rec["text"], rid
+            assert int(result.as_numpy("num_output_tokens").reshape(-1)[0]) == rec["num_output_tokens"], rid
+            steps += len(result.as_numpy("acceptance_lengths").reshape(-1))
+            tokens += rec["num_output_tokens"]
+    assert steps < tokens
 
 
 @pytest.mark.triton

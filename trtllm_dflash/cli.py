@@ -19,7 +19,7 @@ from trtllm_dflash import __version__
 from trtllm_dflash.errors import Interrupted, UserError
 from trtllm_dflash.inputs import argv_text, shown
 from trtllm_dflash.outputs import is_user_os_error, reason, release_outputs, user_os_error
-from trtllm_dflash.runtime.options import MAX_TEMPERATURE, RunOptions
+from trtllm_dflash.runtime.options import MAX_TEMPERATURE, RunOptions, check_tree_options
 
 EXIT_USER_ERROR = 2  # bad config / checkpoint / engine / path: nothing was produced
 EXIT_BAD_LINES = 1  # `run` finished, but some input lines were rejected
@@ -99,9 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
                       args.threads, args.block_size, args.device, args.resume, args.progress, args.backend,
                       args.cuda_graphs, args.kv_cache_memory, args.prefix_cache, args.tree_budget)
-    if args.tree_budget is not None and (args.mode != "dflash" or args.block_size is not None):
-        raise UserError("--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar or "
-                        "--block-size.")
+    check_tree_options(args.tree_budget, args.mode, args.block_size)
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.stream is not None:
@@ -222,7 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(engine_dir=str(args.engine_dir.absolute()), mode=args.mode, block_size=args.block_size,
                       max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
                       threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
-                      prefix_cache=args.prefix_cache)
+                      prefix_cache=args.prefix_cache, tree_budget=args.tree_budget)
     endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
 
     engine = check_launch(cfg, args.launch)
@@ -263,6 +261,7 @@ def _add_serve(sub) -> None:
                    "shared among the ranks)")
     s.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
+    s.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N", help=TREE_BUDGET_HELP)
     _add_backend(s)
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
     s.add_argument("--host", default=e.host, help="address the endpoints bind to")
@@ -492,10 +491,7 @@ def parser() -> argparse.ArgumentParser:
                         "1; never run on a GPU by this project yet)")
     r.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
-    r.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N",
-                   help="DDTree: every dflash step verifies a tree of the N most likely draft paths' nodes, built from "
-                        "the drafter's 8 best tokens per position, instead of one chain; torch backend, targets without "
-                        "sliding-window or Gated DeltaNet layers (default: a chain)")
+    r.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N", help=TREE_BUDGET_HELP)
     _add_backend(r)
     r.set_defaults(func=cmd_run)
 
@@ -562,6 +558,11 @@ class _SigintSeen:
     def __call__(self, signum, frame):
         self.seen = True
         signal.default_int_handler(signum, frame)
+
+
+TREE_BUDGET_HELP = ("DDTree: every dflash step verifies a tree of the N most likely draft paths' nodes, built from "
+                    "the drafter's 8 best tokens per position, instead of one chain; torch backend, targets without "
+                    "sliding-window or Gated DeltaNet layers (default: a chain)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trtllm_dflash.config import Backend
+from trtllm_dflash.errors import UserError
 
 Mode = Literal["dflash", "ar"]  # dflash: speculative decoding; ar: plain autoregressive decoding
 # Tokens per DFlash block: 2 .. the engine's trained block_size, or "auto" (each step verifies the k in
@@ -35,3 +36,10 @@ class RunOptions:
     prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
     tree_budget: int | None = None  # dflash: verify a DDTree of this many draft nodes a step (None: a chain)
 
+
+
+def check_tree_options(tree_budget: int | None, mode: Mode, block_size: BlockSize | None) -> None:
+    """--tree-budget with what it cannot go with, in one sentence (`run` and `serve`)."""
+    if tree_budget is not None and (mode != "dflash" or block_size is not None):
+        raise UserError("--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar or "
+                        "--block-size.")

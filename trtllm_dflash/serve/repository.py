@@ -24,6 +24,7 @@ from trtllm_dflash.engine_dir import EngineConfig
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_text, shown
 from trtllm_dflash.outputs import atomic_directory, check_output_dir
+from trtllm_dflash.runtime.options import check_tree_options
 
 SERVE_CONFIG = "serve.json"
 MODEL_VERSION = "1"
@@ -75,6 +76,7 @@ class ServeConfig(BaseModel):
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
     prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
+    tree_budget: int | None = Field(None, ge=1, le=1024)  # dflash: verify a DDTree of this many nodes (None: a chain)
 
 
 def read_serve_config(path: Path) -> ServeConfig:
@@ -96,6 +98,7 @@ def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
         from trtllm_dflash.runtime.kv_blocks import check_budget_syntax  # torch: not at `--help` time
 
         check_budget_syntax(cfg.kv_cache_memory)
+    check_tree_options(cfg.tree_budget, cfg.mode, cfg.block_size)
     if cfg.max_new_tokens >= engine.max_seq_len:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: must be below the engine's max_seq_len "
                         f"{engine.max_seq_len} (which also holds the prompt).")
