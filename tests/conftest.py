@@ -9,13 +9,16 @@ every branch of acceptance and commit. Unbiased random pairs accept almost nothi
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.config import BuildConfig, load_build_config
@@ -25,6 +28,7 @@ from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.random_pair import write_random_pair
 
 ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 BIAS_TOKEN = 100
 
@@ -99,6 +103,49 @@ def assert_dflash_equals_ar_equals_generate(engine: Engine, hf, reqs: list[Reque
                            attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
         assert dflash[req.id].output_token_ids == ar[req.id].output_token_ids == want, req.id
     assert len({t for r in ar.values() for t in r.output_token_ids}) > 10  # varied tokens, not one repeated
+
+
+def assert_dflash_equals_ar_greedy_and_sampled(engine: Engine) -> None:
+    """Lossless against itself: the family requests' dflash tokens == ar's, greedy and sampled (temperature 0.9)."""
+    reqs = family_requests(engine.executor.vocab_size)
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
+    for batch in (reqs, sampled):
+        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
+                  for mode in ("dflash", "ar")}
+        assert tokens["dflash"] == tokens["ar"]
+
+
+def write_family_config(path: Path, pair: Path, **fields) -> Path:
+    """A build config of a random pair at float32, 4 slots, 256 positions (and `fields`)."""
+    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
+           "max_batch_size": 4, "max_seq_len": 256, **fields}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# The tensor-parallel family tests' requests (`run` JSONL lines): 5 prompts of different lengths
+TP_LINES = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
+            for i in range(5)]
+
+
+def assert_mpiexec_run_equals_one_process(one: Path, split: Path, tmp_path: Path, *run_args: str, ranks: int = 2,
+                                          lines: list[dict] = TP_LINES) -> None:
+    """`run` of the split engine under `mpiexec -n ranks` gives the tokens of `run` of the one-rank engine, for every
+    line (`run_args` passed to both)."""
+    from trtllm_dflash.cli import main
+
+    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref), *run_args]) == 0
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "trtllm_dflash.cli", "run", str(split), "--input",
+           str(prompts), "--output", str(out), *run_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+    def tokens(path: Path) -> dict:
+        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+    assert tokens(out) == tokens(ref) and len(tokens(ref)) == len(lines)
 
 
 def build(pair_dir: Path, out: Path, dtype: str = "float32", max_batch_size: int = 8,

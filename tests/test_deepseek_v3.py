@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import (
+    assert_dflash_equals_ar_equals_generate,
+    assert_dflash_equals_ar_greedy_and_sampled,
+    assert_mpiexec_run_equals_one_process,
+    build,
+    write_family_config,
+)
 from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_target, target_tensor_shapes
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
@@ -173,13 +177,6 @@ def test_a_kimi_k2_multimodal_directory_reads_as_its_text_model(pair, engine, tm
 # --- tensor parallelism, bad build options, the published shapes ----------------------------------------------
 
 
-def write_config(path: Path, pair: Path, **fields) -> Path:
-    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
-           "max_batch_size": 4, "max_seq_len": 256, **fields}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
 @pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
@@ -187,8 +184,8 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
     """2 ranks of 2 heads each (q_b_proj / kv_b_proj rows, o_proj columns; the latent path on both), the experts cut
     ("tp") or whole on their rank ("ep"), the shared expert cut: rank files exact slices, the tokens of one process."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2, moe_parallel=moe_parallel)),
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pair, tp_size=2, moe_parallel=moe_parallel)),
                  "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
     prefix = "target.model.layers.1."
@@ -205,20 +202,7 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
                  "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
         assert torch.equal(ranks[1][prefix + name], full[prefix + name]), name
 
-    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
-             for i in range(5)]
-    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input",
-           str(prompts), "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-
-    def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
-
-    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+    assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -229,7 +213,7 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
     out = tmp_path / "engine"
-    assert main(["build", str(write_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
+    assert main(["build", str(write_family_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
         EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
@@ -245,10 +229,10 @@ def test_nvfp4_through_modelopt_quantizes_the_experts_and_is_lossless(pair, tmp_
     pytest.importorskip("modelopt.torch.quantization")
     calibration = {"calibration_samples": 4, "calibration_max_tokens": 24}
     one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **calibration)),
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **calibration)),
                  "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
-                                           moe_parallel="ep", **calibration)), "--output", str(two)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
+                                                  moe_parallel="ep", **calibration)), "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
     layer = "target.model.layers.2."
     for name in ("mlp.experts.6.up_proj.weight", "mlp.shared_experts.down_proj.weight", "mlp.up_proj.weight"):
@@ -261,12 +245,7 @@ def test_nvfp4_through_modelopt_quantizes_the_experts_and_is_lossless(pair, tmp_
         name = f"{layer}mlp.shared_experts.down_proj.{leaf}"
         assert torch.equal(torch.cat([r[name].view(torch.uint8) for r in ranks], dim=dim), full[name].view(torch.uint8))
     engine = Engine.load(one)
-    reqs = requests(engine.executor.vocab_size)
-    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
-    for batch in (reqs, sampled):
-        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
-                  for mode in ("dflash", "ar")}
-        assert tokens["dflash"] == tokens["ar"]
+    assert_dflash_equals_ar_greedy_and_sampled(engine)
 
 
 FP8_BLOCK = (16, 16)  # (DeepSeek-V3's are 128 x 128; the tiny target's linears are narrower)
@@ -319,12 +298,7 @@ def test_deepseek_v3_fp8_blocks_are_read_as_published(pair, tmp_path):
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     assert torch.equal(load_file(str(engine_dir / rank_file(0)))["target." + name], expected[name].float())
     engine = Engine.load(engine_dir)
-    reqs = requests(engine.executor.vocab_size)
-    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
-    for batch in (reqs, sampled):
-        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
-                  for mode in ("dflash", "ar")}
-        assert tokens["dflash"] == tokens["ar"]
+    assert_dflash_equals_ar_greedy_and_sampled(engine)
 
 
 @pytest.mark.parametrize("quantization_config, message", [
@@ -348,7 +322,7 @@ def test_other_quantized_checkpoints_are_refused_in_one_sentence(pair, tmp_path,
     shutil.copytree(pair, bad)
     config = json.loads((bad / "target" / "config.json").read_text())
     (bad / "target" / "config.json").write_text(json.dumps(config | {"quantization_config": quantization_config}))
-    assert main(["build", str(write_config(tmp_path / "b.yaml", bad)), "--output", str(tmp_path / "e")]) == \
+    assert main(["build", str(write_family_config(tmp_path / "b.yaml", bad)), "--output", str(tmp_path / "e")]) == \
         EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
@@ -401,12 +375,7 @@ def test_kimi_int4_experts_are_read_as_published(pair, tmp_path):
     assert len(expected) == 3 * 8 * 3
     (tmp_path / "drafter").symlink_to(pair / "drafter")
     engine = Engine.load(build(tmp_path, tmp_path / "engine", max_batch_size=4))
-    reqs = requests(engine.executor.vocab_size)
-    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
-    for batch in (reqs, sampled):
-        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
-                  for mode in ("dflash", "ar")}
-        assert tokens["dflash"] == tokens["ar"]
+    assert_dflash_equals_ar_greedy_and_sampled(engine)
 
 
 KIMI_K2_TEXT_CONFIG = {  # moonshotai/Kimi-K2-Instruct's config.json (the text model of K2.5 / K2.6), as published

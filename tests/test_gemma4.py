@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
 
-from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import (
+    assert_dflash_equals_ar_equals_generate,
+    assert_mpiexec_run_equals_one_process,
+    build,
+    write_family_config,
+)
 from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_pair, load_target, target_tensor_shapes
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
@@ -143,15 +146,9 @@ def test_drafter_scales_its_block_embeddings(pair):
 # --- tensor parallelism -----------------------------------------------------------------------------------
 
 
-def write_config(path: Path, pair: Path, **fields) -> Path:
-    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
-           "max_batch_size": 4, "max_seq_len": 256, **fields}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 def cli_build(tmp: Path, pair: Path, name: str, **fields) -> Path:
-    assert main(["build", str(write_config(tmp / f"{name}.yaml", pair, **fields)), "--output", str(tmp / name)]) == 0
+    config = write_family_config(tmp / f"{name}.yaml", pair, **fields)
+    assert main(["build", str(config), "--output", str(tmp / name)]) == 0
     return tmp / name
 
 
@@ -171,20 +168,7 @@ def test_tp2_under_mpiexec_equals_one_process(multimodal_pair, tmp_path):
                        full["target.model.layers.1.self_attn.k_proj.weight"])
     assert torch.equal(ranks[1]["target.model.layers.1.layer_scalar"], full["target.model.layers.1.layer_scalar"])
 
-    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
-             for i in range(5)]
-    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input", str(prompts),
-           "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-
-    def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
-
-    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+    assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
 # --- bad inputs: one sentence, non-zero exit, nothing written ----------------------------------------------
@@ -202,7 +186,7 @@ def test_parts_outside_the_dense_text_model_are_refused(pair, tmp_path, capsys, 
     shutil.copytree(pair, bad)
     path = bad / "target" / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | change))
-    config = write_config(tmp_path / "b.yaml", bad)
+    config = write_family_config(tmp_path / "b.yaml", bad)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert f"{path}: {message}" in err and "only the dense Gemma 4 text model" in err, err
@@ -214,7 +198,7 @@ def test_parts_outside_the_dense_text_model_are_refused(pair, tmp_path, capsys, 
     ({"backend": "onnxruntime"}, None),  # onnx extra may be missing: either sentence is fine, one of them is given
 ], ids=["quantized", "onnx-backend"])
 def test_build_options_a_gemma4_target_cannot_take(pair, tmp_path, capsys, fields, message):
-    config = write_config(tmp_path / "b.yaml", pair, **fields)
+    config = write_family_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert str(config) in err and len(err.splitlines()) == 1, err

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import (
+    assert_dflash_equals_ar_equals_generate,
+    assert_mpiexec_run_equals_one_process,
+    build,
+    write_family_config,
+)
 from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import expert_weight_shapes, load_target
 from trtllm_dflash.checkpoint.mxfp4 import FP4_VALUES, dequantize_mxfp4
@@ -156,15 +159,9 @@ def test_greedy_dflash_equals_ar_equals_hf_generate(pair, mxfp4_pair, tmp_path, 
 # --- tensor / expert parallelism ---------------------------------------------------------------------------
 
 
-def write_config(path: Path, pair: Path, **fields) -> Path:
-    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
-           "max_batch_size": 4, "max_seq_len": 256, **fields}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 def cli_build(tmp: Path, pair: Path, name: str, **fields) -> Path:
-    assert main(["build", str(write_config(tmp / f"{name}.yaml", pair, **fields)), "--output", str(tmp / name)]) == 0
+    config = write_family_config(tmp / f"{name}.yaml", pair, **fields)
+    assert main(["build", str(config), "--output", str(tmp / name)]) == 0
     return tmp / name
 
 
@@ -183,20 +180,7 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, tp_size, moe_parall
     bias = "target.model.layers.1.mlp.experts.down_proj_bias"
     assert torch.equal(torch.cat([r[bias] for r in ranks]) if moe_parallel == "ep" else ranks[1][bias], full[bias])
 
-    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
-             for i in range(5)]
-    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
-    cmd = [str(MPIEXEC), "-n", str(tp_size), sys.executable, "-m", "trtllm_dflash.cli", "run", str(split), "--input",
-           str(prompts), "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-
-    def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
-
-    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+    assert_mpiexec_run_equals_one_process(one, split, tmp_path, ranks=tp_size)
 
 
 # --- bad inputs: one sentence, non-zero exit, nothing written ----------------------------------------------
@@ -210,7 +194,7 @@ def test_wrong_mxfp4_shape_is_one_sentence(mxfp4_pair, tmp_path, capsys):
     name = "model.layers.2.mlp.experts.down_proj_scales"
     state[name] = state[name][:, :, :-1].contiguous()
     save_file(state, str(path))
-    config = write_config(tmp_path / "b.yaml", bad)
+    config = write_family_config(tmp_path / "b.yaml", bad)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert f"{path}: MXFP4 tensor {name!r} has shape" in err and "expected [4, 64, 4] and U8" in err
@@ -223,7 +207,7 @@ def test_unsupported_model_type_lists_the_supported_ones(pair, tmp_path, capsys)
     shutil.copytree(pair, bad)
     config = json.loads((bad / "target" / "config.json").read_text())
     (bad / "target" / "config.json").write_text(json.dumps(config | {"model_type": "mixtral"}))
-    config = write_config(tmp_path / "b.yaml", bad)
+    config = write_family_config(tmp_path / "b.yaml", bad)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert ("model_type 'mixtral' is not supported; supported: qwen3, qwen3_moe, llama, gpt_oss, gemma4_text, "
@@ -238,7 +222,7 @@ def test_unsupported_model_type_lists_the_supported_ones(pair, tmp_path, capsys)
     ({"backend": "onnxruntime", "quantization": "nvfp4"}, "backend onnxruntime builds quantization none or fp8"),
 ], ids=["ep-not-divisible", "nvfp4-onnx-backend"])
 def test_build_options_a_gpt_oss_target_cannot_take(pair, tmp_path, capsys, fields, message):
-    config = write_config(tmp_path / "b.yaml", pair, **fields)
+    config = write_family_config(tmp_path / "b.yaml", pair, **fields)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert str(config) in err and len(err.splitlines()) == 1, err
@@ -298,7 +282,7 @@ def test_sliding_window_drafter_is_refused(pair, tmp_path, capsys):
     path = bad / "drafter" / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps(config | {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}))
-    config = write_config(tmp_path / "b.yaml", bad)
+    config = write_family_config(tmp_path / "b.yaml", bad)
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert f"{path}: layer_types has sliding_attention layers (sliding_window 4)" in err and len(err.splitlines()) == 1

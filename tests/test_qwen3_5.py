@@ -11,18 +11,22 @@ attention layer; the MoE one 8 routed experts (top 2) and a gated shared expert 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import (
+    assert_dflash_equals_ar_equals_generate,
+    assert_dflash_equals_ar_greedy_and_sampled,
+    assert_mpiexec_run_equals_one_process,
+    build,
+    write_family_config,
+)
 from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_target, target_tensor_shapes
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
@@ -213,21 +217,14 @@ def test_paged_cache_with_preemption_gives_the_static_tokens(engine, pair, tmp_p
 # --- tensor parallelism, bad build options, the published config -------------------------------------------
 
 
-def write_config(path: Path, pair: Path, **fields) -> Path:
-    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
-           "max_batch_size": 4, "max_seq_len": 256, **fields}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
 def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
     """2 ranks, each with one key head and two value heads of every Gated DeltaNet layer: in_proj_qkv and the conv cut
     in their q, k and v parts, the rank files exact slices; the tokens of one process."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2)), "--output", str(two)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pair, tp_size=2)), "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
     prefix = "target.model.layers.1.linear_attn."
     for leaf in ("in_proj_qkv.weight", "conv1d.weight"):
@@ -245,20 +242,7 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
         gate = "target.model.layers.1.mlp.shared_expert_gate.weight"
         assert torch.equal(ranks[1][gate], full[gate])
 
-    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
-             for i in range(5)]
-    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input",
-           str(prompts), "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-
-    def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
-
-    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+    assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -270,7 +254,7 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
     message = message.format(model_type(pair))
     out = tmp_path / "engine"
-    assert main(["build", str(write_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
+    assert main(["build", str(write_family_config(tmp_path / "b.yaml", pair, **fields)), "--output", str(out)]) == \
         EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
@@ -286,10 +270,10 @@ def test_nvfp4_and_fp8_through_modelopt_are_stored_as_exported_cut_exactly_and_l
     pytest.importorskip("modelopt.torch.quantization")
     calibration = {"calibration_samples": 4, "calibration_max_tokens": 24}
     one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **calibration)),
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **calibration)),
                  "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
-                                           **calibration)), "--output", str(two)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
+                                                  **calibration)), "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
     prefix = "target.model.layers.0.linear_attn."
     assert {k.removeprefix(prefix): v.dtype for k, v in full.items() if k.startswith(prefix + "in_proj_")} == {
@@ -307,16 +291,11 @@ def test_nvfp4_and_fp8_through_modelopt_are_stored_as_exported_cut_exactly_and_l
         assert torch.equal(torch.cat([r[f"{prefix}out_proj.{leaf}"].view(torch.uint8) for r in ranks], dim=1),
                            full[f"{prefix}out_proj.{leaf}"].view(torch.uint8))
     fp8 = tmp_path / "fp8"
-    assert main(["build", str(write_config(tmp_path / "3.yaml", pair, quantization="fp8", **calibration)),
+    assert main(["build", str(write_family_config(tmp_path / "3.yaml", pair, quantization="fp8", **calibration)),
                  "--output", str(fp8)]) == 0
     assert load_file(str(fp8 / rank_file(0)))[f"{prefix}in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
     for engine in (Engine.load(one), Engine.load(fp8)):
-        reqs = requests(engine.executor.vocab_size)
-        sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
-        for batch in (reqs, sampled):
-            tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
-                      for mode in ("dflash", "ar")}
-            assert tokens["dflash"] == tokens["ar"]
+        assert_dflash_equals_ar_greedy_and_sampled(engine)
 
 
 QWEN3_5_27B_TEXT_CONFIG = {  # Qwen/Qwen3.5-27B config.json's text_config, as published (vision_config left out)

@@ -9,21 +9,24 @@ The tiny target (train/random_pair.py) has 8 experts of half the dense width (to
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import assert_dflash_equals_ar_equals_generate, build
+from tests.conftest import (
+    assert_dflash_equals_ar_equals_generate,
+    assert_dflash_equals_ar_greedy_and_sampled,
+    assert_mpiexec_run_equals_one_process,
+    build,
+    write_family_config,
+)
 from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_target, target_tensor_shapes
-from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.cli import main
 from trtllm_dflash.engine_dir import rank_file
 from trtllm_dflash.models.moe import SparseMoE
 from trtllm_dflash.models.target import TargetModel
@@ -190,13 +193,6 @@ def test_greedy_dflash_equals_ar_equals_hf_generate_and_sampled_dflash_equals_ar
 # --- tensor parallelism, bad build options ---------------------------------------------------------------
 
 
-def write_config(path: Path, pair: Path, **fields) -> Path:
-    cfg = {"target": str(pair / "target"), "drafter": str(pair / "drafter"), "dtype": "float32",
-           "max_batch_size": 4, "max_seq_len": 256, **fields}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
 @pytest.mark.parametrize("moe_parallel", ["tp", "ep"])
@@ -204,8 +200,8 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
     """2 ranks: every expert cut by intermediate features ("tp": rank files exact slices) or whole on its own rank
     ("ep": rank 0 has experts 0-3, rank 1 4-7), the router replicated; the tokens of one process."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, tp_size=2, moe_parallel=moe_parallel)),
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pair)), "--output", str(one)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pair, tp_size=2, moe_parallel=moe_parallel)),
                  "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
     if moe_parallel == "tp":
@@ -220,20 +216,7 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
     router = "target.model.layers.0.mlp.gate.weight"
     assert torch.equal(ranks[1][router], full[router])
 
-    lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 6 + 2 * i}
-             for i in range(5)]
-    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref)]) == 0
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input",
-           str(prompts), "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-
-    def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
-
-    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+    assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
 # --- quantized (ModelOpt): per-expert NVFP4 / FP8 linears -------------------------------------------------
@@ -249,10 +232,10 @@ def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
     the torch executor's tokens."""
     pytest.importorskip("modelopt.torch.quantization")
     one, two = tmp_path / "nvfp4", tmp_path / "nvfp4_tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **CALIBRATION)),
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pair, quantization="nvfp4", **CALIBRATION)),
                  "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
-                                           **CALIBRATION)), "--output", str(two)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pair, quantization="nvfp4", tp_size=2,
+                                                  **CALIBRATION)), "--output", str(two)]) == 0
     full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
     expert = "target.model.layers.2.mlp.experts.6"
     h, m = 64, 64
@@ -275,17 +258,14 @@ def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
     stored = NVFP4Weight(*(full[f"{expert}.up_proj.{leaf}"] for leaf in ("weight", "weight_scale", "weight_scale_2")))
     loaded = engine.executor.target.model.layers[2].mlp.experts["6"].up_proj  # a QuantizedInput: input quantized too
     assert loaded.fmt == "nvfp4" and torch.equal(loaded.linear.weight, modelopt_dequantize(stored, torch.float32))
-    reqs = requests(engine.executor.vocab_size)
-    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id) for r in reqs]
-    for batch in (reqs, sampled):
-        tokens = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(batch)}
-                  for mode in ("dflash", "ar")}
-        assert tokens["dflash"] == tokens["ar"]
+    assert_dflash_equals_ar_greedy_and_sampled(engine)
 
     fp8 = tmp_path / "fp8"
-    assert main(["build", str(write_config(tmp_path / "3.yaml", pair, quantization="fp8", backend="onnxruntime",
-                                           **CALIBRATION)), "--output", str(fp8)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "3.yaml", pair, quantization="fp8", backend="onnxruntime",
+                                                  **CALIBRATION)), "--output", str(fp8)]) == 0
     ort, torch_engine = Engine.load(fp8), Engine.load(fp8, backend="torch")
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, seed=5 + r.id)
+               for r in requests(engine.executor.vocab_size)]
     for mode in ("dflash", "ar"):
         expected = {r.request.id: r.output_token_ids for r in torch_engine.decoder(mode).generate(sampled)}
         assert {r.request.id: r.output_token_ids for r in ort.decoder(mode).generate(sampled)} == expected, mode

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import build
+from tests.conftest import MPIEXEC, assert_mpiexec_run_equals_one_process, build, write_family_config
 from tests.conftest import family_requests as requests
 from trtllm_dflash.checkpoint.formats import load_target
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
@@ -25,9 +23,6 @@ from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.runtime.verify import TreeDrafting
 from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees
 from trtllm_dflash.train.random_pair import write_random_pair
-
-ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 def paths_of(trees, row: int) -> set[tuple[int, ...]]:
@@ -239,22 +234,10 @@ def test_sliding_window_and_recurrent_targets_refuse_trees(tmp_path, capsys):
 def test_trees_under_mpiexec_equal_one_process(pairs, tmp_path):
     """2 ranks build the same trees from the same gathered logits and take the same paths: `run --tree-budget 16`,
     greedy and sampled, gives one process's tokens."""
-    from tests.test_qwen3_moe import write_config
-
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    assert main(["build", str(write_config(tmp_path / "1.yaml", pairs["qwen3"])), "--output", str(one)]) == 0
-    assert main(["build", str(write_config(tmp_path / "2.yaml", pairs["qwen3"], tp_size=2)), "--output", str(two)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pairs["qwen3"])), "--output", str(one)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pairs["qwen3"], tp_size=2)), "--output",
+                 str(two)]) == 0
     lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 12 + 2 * i,
               "temperature": 0.8 if i % 2 else 0.0} for i in range(5)]
-    prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["run", str(one), "--input", str(prompts), "--output", str(ref), "--tree-budget", "16"]) == 0
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "trtllm_dflash.cli", "run", str(two), "--input",
-           str(prompts), "--output", str(out), "--tree-budget", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-
-    def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
-
-    assert tokens(out) == tokens(ref) and len(tokens(ref)) == 5
+    assert_mpiexec_run_equals_one_process(one, two, tmp_path, "--tree-budget", "16", lines=lines)
