@@ -350,12 +350,19 @@ class TorchExecutor:
                     kv_len: int | None, run: slice | None) -> torch.Tensor:
         """Drafts [B, num_drafts] of one drafter pass over blocks of `width`, attending `kv_len` context keys (None:
         read from the starts), its cache read as views of `run` (None: by index)."""
+        hidden = self._draft_hidden(anchors, starts, slots, width, context_hidden, context_starts, kv_len, run)
+        return self.drafter.greedy_tokens(hidden[:, 1:num_drafts + 1], self.target.logits)
+
+    def _draft_hidden(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, width: int,
+                      context_hidden: torch.Tensor | None, context_starts: torch.Tensor | None, kv_len: int | None,
+                      run: slice | None) -> torch.Tensor:
+        """The drafter's final-normed hidden states [B, width, hidden] of the blocks [anchor, MASK, ...], after adding
+        the context features to its cache."""
         block = block_input(anchors, self.drafter.params.mask_token_id, width)
         positions = starts[:, None] + torch.arange(width, device=self.device)
         context_positions = None if context_hidden is None else DraftContext(context_hidden, context_starts).positions()
-        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, context_hidden,
-                              context_positions, kv_len, run)
-        return self.drafter.greedy_tokens(hidden[:, 1:num_drafts + 1], self.target.logits)
+        return self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, context_hidden,
+                            context_positions, kv_len, run)
 
     @torch.inference_mode()
     def draft_candidates(self, anchors, starts, slots, k: int, context=None, rows=None
@@ -363,14 +370,10 @@ class TorchExecutor:
         """For tree drafting: one drafter pass over the trained block (after adding `context`, as `draft`), and per
         draft position its k best tokens and their log-probabilities, best first: [B, block - 1, k] each."""
         assert self.drafter is not None
-        width = self.drafter.params.block_size
         kv_len, run = self._attended(rows, 0, self.draft_cache)
-        block = block_input(anchors, self.drafter.params.mask_token_id, width)
-        positions = starts[:, None] + torch.arange(width, device=self.device)
-        hidden_ctx, starts_ctx = (None, None) if context is None else (context.hidden, context.starts)
-        context_positions = None if context is None else context.positions()
-        hidden = self.drafter(self.target.embed(block), positions, starts, slots, self.draft_cache, hidden_ctx,
-                              context_positions, kv_len, run)
+        context_hidden, context_starts = (None, None) if context is None else (context.hidden, context.starts)
+        hidden = self._draft_hidden(anchors, starts, slots, self.drafter.params.block_size, context_hidden,
+                                    context_starts, kv_len, run)
         return self.drafter.top_candidates(hidden[:, 1:], self.target.logits, k)
 
     @torch.inference_mode()
