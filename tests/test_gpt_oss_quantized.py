@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_gpt_oss import MPIEXEC, ROOT, cli_build, requests, write_config
+from tests.conftest import MPIEXEC, ROOT
+from tests.conftest import write_family_config as write_config
+from tests.test_gpt_oss import cli_build, requests
 from tests.test_quantize import modelopt_dequantize
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
