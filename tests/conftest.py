@@ -186,6 +186,15 @@ def biased_pairs(tmp_path_factory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="session")
+def dflash2_pair(biased_pairs, tmp_path_factory) -> Path:
+    """The biased block-8 target with a random DFlash2 drafter (convolutions and selector far from the identity)."""
+    root = tmp_path_factory.mktemp("dflash2_pair")
+    write_random_pair(root, "qwen3", block_size=8, seed=2, dflash2=True)
+    shutil.copy(biased_pairs[8] / "target" / "model.safetensors", root / "target" / "model.safetensors")
+    return root
+
+
+@pytest.fixture(scope="session")
 def biased_engines(biased_pairs, tmp_path_factory) -> dict[int, Engine]:
     out = tmp_path_factory.mktemp("biased_engines")
     return {b: Engine.load(build(p, out / f"b{b}", max_batch_size=4)) for b, p in biased_pairs.items()}

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.nn.utils.rnn import pad_sequence
 
-from tests.conftest import build
+from tests.conftest import assert_dflash_equals_ar_greedy_and_sampled, build
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.corpus import code_prompts, stdlib_modules
@@ -23,8 +23,10 @@ from trtllm_dflash.train.drafter import (
     default_target_layer_ids,
     load_frozen_target,
     sample_blocks,
+    selector_loss,
     target_features,
 )
+from trtllm_dflash.models.drafter import CandidateSelector
 
 ARGS = ["--block-size", "8", "--num-layers", "2", "--target-layer-ids", "1", "3", "--batch-size", "4",
         "--anchors", "8", "--response-tokens", "24", "--held-out", "4", "--lr", "3e-3"]
@@ -112,6 +114,53 @@ def test_loss_falls_and_build_accepts_the_drafter(biased_pairs, data, tmp_path):
     (pair / "drafter").symlink_to(out)
     engine = Engine.load(build(pair, tmp_path / "engine"))
     assert engine.config.dflash.target_layer_ids == [1, 3] and engine.config.dflash.block_size == 8
+
+
+def test_dflash2_training_learns_and_builds(biased_pairs, data, tmp_path):
+    """--arch dflash2: the loss (block + selector) falls, the convolutions and the selector leave their initial
+    values, and the written DFlash2 drafter builds and decodes losslessly."""
+    pair = biased_pairs[8]
+    out = tmp_path / "drafter"
+    assert train(pair / "target", data, out, 30, "--arch", "dflash2") == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    losses = json.loads((out / "training.json").read_text())["state"]["losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    weights = load_file(str(out / "model.safetensors"))
+    identity = torch.zeros_like(weights["layers.0.mlp_conv.base_kernel"])
+    identity[:, 0] = 1.0
+    assert not torch.equal(weights["layers.0.mlp_conv.base_kernel"], identity)
+    assert weights["layers.1.attention_conv.kernel_projection.weight"].abs().max() > 0
+    both = tmp_path / "pair"
+    both.mkdir()
+    (both / "target").symlink_to(pair / "target")
+    (both / "drafter").symlink_to(out)
+    engine = Engine.load(build(both, tmp_path / "engine", max_batch_size=4))
+    assert engine.config.dflash.dflash2 is not None
+    assert_dflash_equals_ar_greedy_and_sampled(engine)
+
+
+def test_selector_loss_is_cross_entropy_over_the_candidates():
+    """With a selector that adds nothing (zero codebooks) the loss is the weighted cross-entropy of the candidates'
+    logits; a label outside the top k replaces the last candidate; slot 1's predecessor is the anchor."""
+    selector = CandidateSelector(hidden_size=4, vocab_size=6, rank=3, top_k=2)
+    with torch.no_grad():
+        selector.predecessor_codebook.zero_()
+    logits = torch.tensor([[[0.0, 1, 2, 3, 4, 5], [5.0, 4, 3, 2, 1, 0], [0.0, 0, 9, 1, 0, 8]]])
+    labels = torch.tensor([[-100, 1, 0]])  # slot 1: 1 is the 2nd candidate of (0, 1); slot 2: 0 is not in (2, 5)
+    loss = selector_loss(selector, logits, torch.randn(1, 3, 4), torch.tensor([[3, 9, 9]]), labels, block=3,
+                         gamma=1.0)
+    ce1 = -torch.log_softmax(torch.tensor([5.0, 4.0]), 0)[1]
+    ce2 = -torch.log_softmax(torch.tensor([9.0, 0.0]), 0)[1]  # (2, 0): the label in the last candidate's place
+    w2 = torch.exp(torch.tensor(-1.0))
+    torch.testing.assert_close(loss, (ce1 + w2 * ce2) / (1 + w2))
+    with torch.no_grad():  # the edges: slot 1's predecessor must be the anchor (3), slot 2's the label before it (1)
+        selector.predecessor_codebook.normal_()
+    seen = []
+    original = selector.scores
+    selector.scores = lambda unary, hidden, prev, cands: seen.append(prev.tolist()) or original(unary, hidden, prev,
+                                                                                                  cands)
+    selector_loss(selector, logits, torch.randn(1, 3, 4), torch.tensor([[3, 9, 9]]), labels, block=3, gamma=1.0)
+    assert seen[0][0][1:] == [3, 1]
 
 
 @pytest.mark.slow

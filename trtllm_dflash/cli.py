@@ -151,7 +151,8 @@ def cmd_make_random_pair(args: argparse.Namespace) -> int:
     from trtllm_dflash.train.random_pair import write_random_pair
 
     with atomic_directory(args.output, "random pair", args.force) as tmp:
-        write_random_pair(tmp, args.family, block_size=args.block_size, seed=args.seed)
+        write_random_pair(tmp, args.family, block_size=args.block_size, seed=args.seed,
+                          dflash2=args.drafter_arch == "dflash2")
     print(f"random target written to {args.output / 'target'}, drafter to {args.output / 'drafter'}", file=sys.stderr)
     return 0
 
@@ -405,6 +406,9 @@ def _add_train_drafter(sub) -> None:
     t.add_argument("--seed", type=_seed, default=d.seed, help="sampling seed")
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype,
                    help="dtype of the written drafter")
+    t.add_argument("--arch", choices=("dflash", "dflash2"), default=d.arch,
+                   help="dflash2: a convolution around each sublayer and a candidate selector over the top 16 drafts "
+                        "per position (the reference's DFlash2 defaults: 2 taps, groups of 16 channels, rank 256)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "
                         "(4 x len(target_layer_ids) x hidden_size bytes per token) instead of running the target "
@@ -541,6 +545,8 @@ def parser() -> argparse.ArgumentParser:
                                          "gpt_oss", "gemma4"), default="qwen3",
                    help="target architecture")
     m.add_argument("--block-size", type=_int_in(2, 64), default=8, help="the drafter's block size")
+    m.add_argument("--drafter-arch", choices=("dflash", "dflash2"), default="dflash",
+                   help="a DFlash drafter, or a DFlash2 one (convolutions + candidate selector)")
     m.add_argument("--seed", type=_seed, default=0, help="weight seed")
     m.add_argument("--force", action="store_true", help="replace an OUTPUT that make-random-pair wrote")
     m.set_defaults(func=cmd_make_random_pair)

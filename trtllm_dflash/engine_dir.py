@@ -32,6 +32,18 @@ GRAPHS = "onnx"  # folder of the ONNX graphs, one subfolder per rank
 TARGET_PREFIX, DRAFTER_PREFIX = "target.", "drafter."
 
 
+class DFlash2Section(BaseModel):
+    """A DFlash2 drafter's settings (models/spec.py DFlash2Params)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+
 class DFlashSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     block_size: int
@@ -41,13 +53,16 @@ class DFlashSection(BaseModel):
     # not the target's): with fewer rows than the target's vocabulary, `drafter.d2t` maps drafts to target ids.
     # Absent (None): the drafter uses the target's lm_head.
     draft_vocab_size: int | None = None
+    dflash2: DFlash2Section | None = None  # a DFlash2 drafter; absent: DFlash
 
     @model_serializer(mode="wrap")
-    def _omit_default_vocab(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """Engines whose drafter uses the target's lm_head keep the config they had before the field existed."""
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Engines whose drafter uses the target's lm_head (and is DFlash) keep the config they had before these
+        fields existed."""
         data = handler(self)
-        if data.get("draft_vocab_size") is None:
-            data.pop("draft_vocab_size", None)
+        for key in ("draft_vocab_size", "dflash2"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

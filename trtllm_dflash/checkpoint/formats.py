@@ -25,12 +25,14 @@ from trtllm_dflash.inputs import read_json_object, require_dir
 from trtllm_dflash.models.spec import (
     MULTIMODAL,
     DecoderSpec,
+    DFlash2Params,
     DFlashParams,
     build_target_layer_ids,
     hf_config_from_dict,
 )
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 
 
 def _layer_shapes(spec: DecoderSpec, prefix: str, layer: int = 0) -> dict[str, tuple[int, ...]]:
@@ -157,13 +159,22 @@ DRAFT_LM_HEAD, D2T = "draft_lm_head.weight", "d2t"
 
 def drafter_tensor_shapes(spec: DecoderSpec, params: DFlashParams,
                           draft_vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
-    """z-lab DFlash drafter tensors -> shapes (58 tensors for 5 layers; no embedding, no lm_head), plus
-    DRAFT_LM_HEAD when the drafter has its own lm_head of `draft_vocab_size` rows."""
+    """z-lab DFlash drafter tensors -> shapes (58 tensors for 5 layers; no embedding, no lm_head; DFlash2: 4 more per
+    layer and 3 of the selector), plus DRAFT_LM_HEAD when the drafter has its own lm_head of `draft_vocab_size` rows."""
     h = spec.hidden_size
     shapes = {"fc.weight": (h, len(params.target_layer_ids) * h), "hidden_norm.weight": (h,)}
     for i in range(spec.num_layers):
         shapes |= _layer_shapes(spec, f"layers.{i}.")
     shapes["norm.weight"] = (h,)
+    if (d2 := params.dflash2) is not None:
+        taps, groups = d2.conv_kernel_size, h // d2.conv_group_size
+        for i in range(spec.num_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, taps, h)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * groups, h)
+        shapes |= {"candidate_selector.hidden_projection.weight": (d2.selector_rank, h),
+                   "candidate_selector.predecessor_codebook": (spec.vocab_size, d2.selector_rank),
+                   "candidate_selector.successor_codebook": (spec.vocab_size, d2.selector_rank)}
     if draft_vocab_size is not None:
         shapes[DRAFT_LM_HEAD] = (draft_vocab_size, h)
     return shapes
@@ -299,12 +310,43 @@ def load_target(directory: Path) -> TargetCheckpoint:
     return TargetCheckpoint(directory, raw, spec, tensors, eos)
 
 
+def parse_dflash2(fields: dict, raw: dict, config_path: Path, prefix: str, spec: DecoderSpec,
+                  block_size: int) -> DFlash2Params:
+    """A DFlash2 drafter's convolution and selector settings from `fields` (z-lab: dflash_config, speculators: the top
+    level; `prefix` names it in messages), its logit scalars from there or the top level of `raw`; one sentence per
+    bad value."""
+    values = {}
+    for key, default in (("conv_kernel_size", 2), ("conv_group_size", 16), ("selector_rank", 256),
+                         ("selector_top_k", 16)):
+        value = fields.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{config_path}: field '{prefix}{key}' must be a positive integer, got {value!r}.")
+        values[key] = value
+    for key, default in (("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        value = fields.get(key, raw.get(key, default))
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not 0 < value < float("inf")):
+            raise UserError(f"{config_path}: field '{prefix}{key}' must be a positive number, got {value!r}.")
+        values[key] = None if value is None else float(value)
+    d2 = DFlash2Params(**values)
+    if spec.hidden_size % d2.conv_group_size:
+        raise UserError(f"{config_path}: field '{prefix}conv_group_size' {d2.conv_group_size} does not divide "
+                        f"hidden_size {spec.hidden_size}.")
+    if d2.conv_kernel_size > block_size:
+        raise UserError(f"{config_path}: field '{prefix}conv_kernel_size' {d2.conv_kernel_size} is more taps than the "
+                        f"block has tokens (block_size {block_size}).")
+    if d2.selector_top_k > spec.vocab_size:
+        raise UserError(f"{config_path}: field '{prefix}selector_top_k' {d2.selector_top_k} is more candidates than "
+                        f"the vocabulary has tokens (vocab_size {spec.vocab_size}).")
+    return d2
+
+
 def parse_drafter_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFlashParams, int | None]:
     archs = raw.get("architectures") or []
-    if DRAFTER_ARCHITECTURE not in archs:
+    if DRAFTER_ARCHITECTURE not in archs and DFLASH2_ARCHITECTURE not in archs:
         raise UserError(
             f"{config_path}: field 'architectures' is {archs!r}, expected [{DRAFTER_ARCHITECTURE!r}] "
-            "(a z-lab DFlash drafter)."
+            f"or [{DFLASH2_ARCHITECTURE!r}] (a z-lab DFlash or DFlash2 drafter)."
         )
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
@@ -341,7 +383,9 @@ def parse_drafter_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFl
                         f"got {scale!r}.")
     raw = {**raw, "model_type": "qwen3", "input_embedding_scale": float(scale)}
     spec = dataclasses.replace(_spec_from(raw, config_path), qk_norm=True)
-    params = DFlashParams(block_size, mask_token_id, tuple(layer_ids))
+    dflash2 = (parse_dflash2(dflash, raw, config_path, "dflash_config.", spec, block_size)
+               if DFLASH2_ARCHITECTURE in archs else None)
+    params = DFlashParams(block_size, mask_token_id, tuple(layer_ids), dflash2)
     return spec, params, num_target_layers if isinstance(num_target_layers, int) else None
 
 
@@ -396,6 +440,11 @@ def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
             f"{dcfg}: num_target_layers is {drafter.num_target_layers} but the target has "
             f"num_hidden_layers {t.num_layers}; this drafter was trained for another target."
         )
+    if (d2 := p.dflash2) is not None:
+        if d2.final_logit_softcapping is not None and t.final_logit_softcapping is not None:
+            raise UserError(f"{dcfg}: final_logit_softcapping {d2.final_logit_softcapping} caps the drafter's logits, "
+                            f"and the target caps its own ({t.final_logit_softcapping}); whether a DFlash2 drafter "
+                            "caps them again is not settled, so the pair is refused.")
     window = drafter.hf_config.get("sliding_window")
     if "sliding_attention" in (drafter.hf_config.get("layer_types") or []) and window is not None:
         # The z-lab reference keeps such layers non-causal, vLLM / SpecForge make them causal within the block;
@@ -441,6 +490,9 @@ def load_pair(target_dir: Path, drafter_dir: Path,
     check_tensors(target.tensors, target_tensor_shapes(target.spec), "target")
     if drafter.format == "speculators":
         drafter = share_target_vocab(target, drafter)
+        if drafter.params.dflash2 is not None and drafter.draft_vocab_size is not None:
+            raise UserError(f"{drafter.directory}: tensor 'lm_head.weight' differs from the target's lm_head; a DFlash2 "
+                            "drafter's candidate selector ranks the target's own logits.")
     check_tensors(drafter.tensors, drafter_tensor_shapes(drafter.spec, drafter.params, drafter.draft_vocab_size),
                   "drafter")
     return target, drafter
@@ -452,13 +504,15 @@ def save_drafter(directory: Path, spec: DecoderSpec, params: DFlashParams, num_t
     directory.mkdir(parents=True, exist_ok=True)
     fields = spec.to_hf_dict()
     scale = {"input_embedding_scale": fields.pop("input_embedding_scale")} if "input_embedding_scale" in fields else {}
+    d2 = {} if params.dflash2 is None else {k: v for k, v in dataclasses.asdict(params.dflash2).items()
+                                            if v is not None}
     config = {
-        "architectures": [DRAFTER_ARCHITECTURE],
+        "architectures": [DRAFTER_ARCHITECTURE if params.dflash2 is None else DFLASH2_ARCHITECTURE],
         **fields,
         "model_type": "qwen3",
         "block_size": params.block_size,
         "dflash_config": {"mask_token_id": params.mask_token_id,
-                          "target_layer_ids": list(params.target_layer_ids), **scale},
+                          "target_layer_ids": list(params.target_layer_ids), **scale, **d2},
         "num_target_layers": num_target_layers,
         "layer_types": ["full_attention"] * spec.num_layers,
         "dtype": dtype,

@@ -79,12 +79,15 @@ from trtllm_dflash.checkpoint.formats import (
     TargetCheckpoint,
     _spec_from,
     drafter_tensor_shapes,
+    parse_dflash2,
 )
 from trtllm_dflash.checkpoint.tensors import SafetensorsDir, check_tensors, save_safetensors
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
 
-MODEL_TYPE = "dflash"  # the one `speculators_model_type` read here
+MODEL_TYPE = "dflash"  # the `speculators_model_type` of a DFlash drafter
+DFLASH2_MODEL_TYPE = "dflash2"  # and of a DFlash2 one (DFlash2SpeculatorConfig: DFlash's fields + conv_kernel_size,
+# conv_group_size, selector_rank, selector_top_k at the top level; tensors: the z-lab DFlash2 body's names)
 DEFAULT_BLOCK_SIZE = 8  # DFlashSpeculatorConfig.block_size's default
 
 # speculators name -> ours for the tensors we may keep; the body (fc, hidden_norm, layers.*, norm) keeps its
@@ -130,9 +133,9 @@ def _int_field(raw: dict, key: str, config_path: Path, default: int | None = Non
 def parse_speculators_config(raw: dict, config_path: Path) -> tuple[DecoderSpec, DFlashParams, int]:
     """(draft layers' spec, DFlash parameters in z-lab terms, draft_vocab_size) of a speculators config.json."""
     kind = raw.get("speculators_model_type")
-    if kind != MODEL_TYPE:
+    if kind not in (MODEL_TYPE, DFLASH2_MODEL_TYPE):
         raise UserError(f"{config_path}: field 'speculators_model_type' is {kind!r}; trtllm-dflash reads only "
-                        f"{MODEL_TYPE!r} speculators drafters.")
+                        f"{MODEL_TYPE!r} and {DFLASH2_MODEL_TYPE!r} speculators drafters.")
     layers = raw.get("transformer_layer_config")
     if not isinstance(layers, dict):
         raise UserError(f"{config_path}: field 'transformer_layer_config' is missing or not an object.")
@@ -165,7 +168,13 @@ def parse_speculators_config(raw: dict, config_path: Path) -> tuple[DecoderSpec,
     if target_hidden is not None and target_hidden != spec.hidden_size:
         raise UserError(f"{config_path}: field 'target_hidden_size' is {target_hidden} but the draft layers' "
                         f"hidden_size is {spec.hidden_size}; a DFlash drafter must match its target.")
-    params = DFlashParams(block_size, mask_token_id, tuple(i - 1 for i in aux))
+    dflash2 = None
+    if kind == DFLASH2_MODEL_TYPE:
+        if draft_vocab_size != spec.vocab_size:
+            raise UserError(f"{config_path}: field 'draft_vocab_size' is {draft_vocab_size}; a DFlash2 drafter's "
+                            f"candidate selector needs the verifier's whole vocabulary ({spec.vocab_size}).")
+        dflash2 = parse_dflash2(raw, raw, config_path, "", spec, block_size)
+    params = DFlashParams(block_size, mask_token_id, tuple(i - 1 for i in aux), dflash2)
     return spec, params, draft_vocab_size
 
 
@@ -276,6 +285,10 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
     if drafter.format != "z-lab":
         raise UserError(f"{drafter.directory}: already a {drafter.format} drafter; convert a z-lab drafter.")
     spec, params, vocab = drafter.spec, drafter.params, target.spec.vocab_size
+    kind = MODEL_TYPE if params.dflash2 is None else DFLASH2_MODEL_TYPE
+    if keep_ids is not None and params.dflash2 is not None:
+        raise UserError(f"{drafter.directory}: a DFlash2 drafter's candidate selector needs the whole vocabulary; "
+                        "convert it without --prune-vocab.")
     dtype = drafter.tensors.get("fc.weight").dtype
     tensors = {name: drafter.tensors.get(name) for name in drafter_tensor_shapes(spec, params)}
     embed = target.tensors.get("model.embed_tokens.weight")
@@ -293,8 +306,8 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
         tensors |= {"lm_head.weight": head[kept].to(dtype).contiguous(), "t2d": t2d,
                     "d2t": kept - torch.arange(draft_vocab_size)}
     config = {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": MODEL_TYPE,
+        "architectures": ["DFlashSpeculator" if params.dflash2 is None else "DFlash2DraftModel"],
+        "speculators_model_type": kind,
         "transformer_layer_config": {**spec.to_hf_dict(), "model_type": "qwen3",
                                      "layer_types": ["full_attention"] * spec.num_layers},
         "draft_vocab_size": draft_vocab_size,
@@ -305,8 +318,10 @@ def write_speculators_drafter(target: TargetCheckpoint, drafter: DrafterCheckpoi
         # Non-causal within the block, as trained; false would make vLLM draft causally (module docstring).
         "sliding_window_non_causal": True,
         "sample_from_anchor": False,
+        **({} if params.dflash2 is None else
+           {k: v for k, v in dataclasses.asdict(params.dflash2).items() if v is not None}),
         "speculators_config": {
-            "algorithm": MODEL_TYPE,
+            "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": params.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": str(target.directory),

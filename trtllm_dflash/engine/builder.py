@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from trtllm_dflash import __version__
 from trtllm_dflash.checkpoint.formats import (
+    DrafterCheckpoint,
     load_pair,
     target_tensor_shapes,
 )
@@ -121,6 +123,19 @@ def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: st
         raise UserError(f"{what}, which quantize_drafter does not support yet; use quantize_drafter: false.")
 
 
+def check_dflash2(cfg: BuildConfig, drafter: DrafterCheckpoint, source: str) -> None:
+    """A DFlash2 drafter runs on the torch executor, unquantized: the exported graphs draft by an argmax (no candidate
+    selector walk) and the drafter's quantization calibrates DFlash's modules only."""
+    if drafter.params.dflash2 is None:
+        return
+    what = f"{source}: drafter {cfg.drafter} is a DFlash2 drafter"
+    if cfg.backend != "torch":
+        raise UserError(f"{what}, which backend {cfg.backend} does not support yet (its graphs have no convolutions "
+                        "or candidate selector); use backend: torch.")
+    if cfg.quantize_drafter:
+        raise UserError(f"{what}, which quantize_drafter does not support yet; use quantize_drafter: false.")
+
+
 def export_graphs(root: Path, cfg: EngineConfig, workers: int | None = None) -> None:
     """Every rank's graphs (ROOT holds config.json and the rank files). One rank is exported here; several run in
     up to `workers` (default: the CPU cores) processes of their own (engine/export_rank.py), since an export is
@@ -216,6 +231,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                  cfg.moe_parallel)
         check_tp(drafter.spec, cfg.tp_size, f"{source}: drafter {cfg.drafter}", cfg.quantize_drafter)
         check_own_lm_head(cfg, drafter.draft_vocab_size, source)
+        check_dflash2(cfg, drafter, source)
         tokenizer = load_tokenizer(cfg.target)
         batches = [] if cfg.quantization == "none" else calibration_batches(
             tokenizer, cfg.calibration, cfg.calibration_samples, cfg.calibration_max_tokens)
@@ -274,7 +290,9 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             dflash=DFlashSection(block_size=drafter.params.block_size,
                                  mask_token_id=drafter.params.mask_token_id,
                                  target_layer_ids=list(drafter.params.target_layer_ids),
-                                 draft_vocab_size=drafter.draft_vocab_size),
+                                 draft_vocab_size=drafter.draft_vocab_size,
+                                 dflash2=(None if drafter.params.dflash2 is None
+                                          else dataclasses.asdict(drafter.params.dflash2))),
             quantization=quantization_section(cfg.quantization, quantized[TARGET_PREFIX], quantized[DRAFTER_PREFIX]),
             mapping=Mapping(world_size=cfg.tp_size, tp_size=cfg.tp_size),
             max_batch_size=cfg.max_batch_size,

@@ -129,6 +129,9 @@ def check_exportable(cfg: EngineConfig, root: Path) -> None:
     if cfg.dflash.draft_vocab_size is not None:
         raise UserError(f"{root}: the drafter has its own lm_head over {cfg.dflash.draft_vocab_size} tokens, which "
                         "the z-lab drafter format TensorRT-LLM loads cannot hold.")
+    if cfg.dflash.dflash2 is not None:
+        raise UserError(f"{root}: the drafter is DFlash2 (convolutions and a candidate selector), which TensorRT-LLM's "
+                        "DFlash (DFlashDraftModel layers, argmax drafts) does not run.")
     algo = cfg.quantization.get("quant_algo")
     if algo is not None:
         quantized = set(cfg.quantization.get("quantized_modules", []))

@@ -75,7 +75,7 @@ class OurPair:
         self.drafter.append_context(features[None].to(self.dtype), torch.arange(P)[None], slots, cache)
         block = torch.tensor([[anchor] + [self.params.mask_token_id] * (B - 1)])
         hidden = self.drafter(self.target.embed(block), (P + torch.arange(B))[None], torch.tensor([P]), slots, cache)
-        return self.drafter.greedy_tokens(hidden[:, 1:], self.target.logits)[0].tolist()
+        return self.drafter.greedy_tokens(hidden[:, 1:], self.target.logits, block[:, 0])[0].tolist()
 
 
 def prompt_ids(target_dir: Path, prompts: Path, index: int) -> list[int]:

@@ -420,12 +420,30 @@ class DecoderSpec:
 
 
 @dataclass(frozen=True)
+class DFlash2Params:
+    """What a DFlash2 drafter adds (z-lab `dflash_config` / speculators `DFlash2SpeculatorConfig`; docs/algorithm.md
+    §DFlash2 drafters): a grouped dynamic causal convolution of `conv_kernel_size` taps over the block around every
+    attention and MLP sublayer (one kernel per `conv_group_size` hidden channels), and a candidate selector that
+    re-ranks the `selector_top_k` best tokens per position by a rank-`selector_rank` bilinear score of the
+    predecessor token, the position's hidden state and the candidate. The drafter's logits are
+    `output_multiplier` x the lm_head's, soft-capped at `final_logit_softcapping` (None: not capped)."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+
+@dataclass(frozen=True)
 class DFlashParams:
     """The drafter's DFlash parameters (z-lab config.json: `block_size`, `dflash_config`)."""
 
     block_size: int  # tokens per block: the anchor + block_size-1 drafts
     mask_token_id: int  # a row of the target's embedding, used for every not-yet-drafted slot
     target_layer_ids: tuple[int, ...]  # outputs of these 0-based target decoder layers feed the drafter
+    dflash2: DFlash2Params | None = None  # a DFlash2 drafter's convolutions and candidate selector; None: DFlash
 
 
 def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:

@@ -20,7 +20,7 @@ from trtllm_dflash.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, EngineConfig
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.layers import KVCache
 from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
-from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, hf_config_from_dict
+from trtllm_dflash.models.spec import DecoderSpec, DFlash2Params, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.parallel.group import TPGroup
 from trtllm_dflash.runtime.cuda_graphs import StaticPasses
@@ -41,7 +41,8 @@ def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashPar
     target = DecoderSpec.from_hf(hf_config_from_dict(cfg.target, "engine target"))
     drafter = DecoderSpec.from_hf(hf_config_from_dict(cfg.drafter, "engine drafter"))
     d = cfg.dflash
-    return target, drafter, DFlashParams(d.block_size, d.mask_token_id, tuple(d.target_layer_ids))
+    dflash2 = None if d.dflash2 is None else DFlash2Params(**d.dflash2.model_dump())
+    return target, drafter, DFlashParams(d.block_size, d.mask_token_id, tuple(d.target_layer_ids), dflash2)
 
 
 @dataclass(frozen=True)
@@ -351,7 +352,7 @@ class TorchExecutor:
         """Drafts [B, num_drafts] of one drafter pass over blocks of `width`, attending `kv_len` context keys (None:
         read from the starts), its cache read as views of `run` (None: by index)."""
         hidden = self._draft_hidden(anchors, starts, slots, width, context_hidden, context_starts, kv_len, run)
-        return self.drafter.greedy_tokens(hidden[:, 1:num_drafts + 1], self.target.logits)
+        return self.drafter.greedy_tokens(hidden[:, 1:num_drafts + 1], self.target.logits, anchors)
 
     def _draft_hidden(self, anchors: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, width: int,
                       context_hidden: torch.Tensor | None, context_starts: torch.Tensor | None, kv_len: int | None,

@@ -174,7 +174,10 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
     if auto:
         raise UserError("draft trees (--tree-budget, bench's treeN) and --block-size auto: choose one (auto does not "
                         "price trees yet).")
-    target = engine_specs(cfg)[0]
+    target, _, params = engine_specs(cfg)
+    if params.dflash2 is not None:
+        raise UserError("--tree-budget: this engine's drafter is DFlash2, whose candidate selector walks one chain of "
+                        "drafts (a tree of it is not defined yet); drop --tree-budget.")
     if target.sliding_window is not None or target.has_recurrent_state:
         raise UserError(f"--tree-budget: this engine's {target.model_type} target has "
                         f"{'sliding-window' if target.sliding_window is not None else 'Gated DeltaNet'} layers, which "

@@ -31,6 +31,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"  # dtype of the written drafter
     cache_features: bool = False  # compute the target's features of every sequence once, keep them in memory
+    arch: str = "dflash"  # "dflash2": convolutions around each sublayer and a candidate selector (DFlash2Params)
 
     def __post_init__(self) -> None:
         """Refuse, before any work, settings that cannot train (each message names the option)."""
@@ -45,6 +46,8 @@ class TrainConfig:
         if self.anchors > self.response_tokens:
             raise UserError(f"--anchors {self.anchors}: more blocks per sequence than --response-tokens "
                             f"{self.response_tokens} has positions to anchor them.")
+        if self.arch not in ("dflash", "dflash2"):
+            raise UserError(f"--arch {self.arch!r}: must be dflash or dflash2.")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed {self.seed}: must be from 0 to {MAX_SEED}.")
 

@@ -9,6 +9,8 @@ Recipe (SpecForge / the paper):
     features of positions < p (strictly) and every key of their own block, nothing else;
   * same-position labels: slot k (1 <= k < B) predicts x_{p+k}; slot 0 is not trained;
   * loss: cross-entropy weighted by exp(-(k-1)/gamma), normalised by the weights of valid labels;
+  * `--arch dflash2`: the convolutions start as the identity (a DFlash drafter) and the loss adds the candidate
+    selector's (`selector_loss`), as speculators' DFlash2 trainer does;
   * AdamW, cosine schedule with warm-up, gradient clipping 1.0. The target, its embedding and its
     lm_head stay frozen.
 
@@ -38,8 +40,8 @@ from trtllm_dflash.checkpoint.tensors import check_tensors, save_safetensors
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import require_file
-from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.spec import DecoderSpec, DFlashParams, build_target_layer_ids
+from trtllm_dflash.models.drafter import CandidateSelector, DFlashDrafter
+from trtllm_dflash.models.spec import DecoderSpec, DFlash2Params, DFlashParams, build_target_layer_ids
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.outputs import check_output_dir, marker_kind, write_marker
 from trtllm_dflash.runtime.decoding import Decoder, Request
@@ -186,6 +188,28 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, block: int, gamma: fl
     return (ce * weights).sum() / weights.sum().clamp_min(1e-9)
 
 
+def selector_loss(selector: CandidateSelector, logits: torch.Tensor, hidden: torch.Tensor, block_ids: torch.Tensor,
+                  labels: torch.Tensor, block: int, gamma: float) -> torch.Tensor:
+    """DFlash2's selector objective, as the reference trains it (speculators dflash2/metrics.py): at every labelled
+    slot, cross-entropy over the selector's scores of the top_k candidates of the drafter's logits, the label put in
+    place of the last candidate where it is not among them, each slot's predecessor the token before it (the anchor
+    for slot 1: teacher forcing); weighted over the slots as `block_loss`."""
+    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # [B, Q, k]
+    target = labels.clamp_min(0)
+    hit = candidates.eq(target[..., None])
+    found = hit.any(-1)
+    index = torch.where(found, hit.long().argmax(-1), selector.top_k - 1)
+    candidates[..., -1] = torch.where(found, candidates[..., -1], target)
+    slot = torch.arange(labels.shape[1]) % block
+    before_label = torch.cat([target[:, :1], target[:, :-1]], dim=1)
+    before_block = torch.cat([block_ids[:, :1], block_ids[:, :-1]], dim=1)  # (the anchor, at slot 1)
+    predecessors = torch.where(slot == 1, before_block, before_label)
+    scores = selector.scores(logits.gather(-1, candidates), hidden, predecessors, candidates)
+    weights = torch.exp(-(slot - 1).clamp_min(0) / gamma) * (labels != -100)
+    ce = F.cross_entropy(scores.flatten(0, 1), index.flatten(), reduction="none").view_as(labels)
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-9)
+
+
 @torch.no_grad()
 def acceptance_estimate(target: TargetModel, drafter: DFlashDrafter, eos, prompts: list[Request],
                         max_seq_len: int) -> float:
@@ -263,7 +287,11 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     bad = [i for i in layer_ids if not 0 <= i < tspec.num_layers]
     if bad:
         raise UserError(f"--target-layer-ids {list(layer_ids)}: {bad} outside the target's layers 0..{tspec.num_layers - 1}.")
-    params = DFlashParams(cfg.block_size, mask_id, tuple(layer_ids))
+    dflash2 = DFlash2Params() if cfg.arch == "dflash2" else None
+    if dflash2 is not None and tspec.hidden_size % dflash2.conv_group_size:
+        raise UserError(f"--arch dflash2: the target's hidden_size {tspec.hidden_size} is not a multiple of the "
+                        f"convolution's groups of {dflash2.conv_group_size} channels.")
+    params = DFlashParams(cfg.block_size, mask_id, tuple(layer_ids), dflash2)
     if tspec.num_layers - 1 in layer_ids:
         Console(stderr=True).print(
             f"warning: --target-layer-ids {list(layer_ids)} include the target's last layer ({tspec.num_layers - 1}), "
@@ -288,9 +316,9 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
 
         torch.manual_seed(cfg.seed)
         drafter = DFlashDrafter(drafter_spec(tspec, cfg.num_layers), params)
-        with torch.no_grad():  # HF-style init: N(0, 0.02) linears, unit norms
+        with torch.no_grad():  # HF-style init: N(0, 0.02) linears, unit norms; DFlash2's convolutions the identity
             for name, p in drafter.named_parameters():
-                if p.ndim == 2:
+                if p.ndim == 2 and "_conv." not in name:
                     p.normal_(0.0, 0.02)
         drafter.train()
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -321,7 +349,11 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
             feats = (pad_sequence([cached[i] for i in pick], batch_first=True) if cached is not None
                      else computed.clone())
             hidden = drafter.forward_blocks(feats, embeds.clone(), block_pos, mask)
-            loss = block_loss(F.linear(hidden, lm_head), labels, cfg.block_size, cfg.decay)
+            logits = F.linear(hidden, lm_head)
+            loss = block_loss(logits, labels, cfg.block_size, cfg.decay)
+            if drafter.candidate_selector is not None:
+                loss = loss + selector_loss(drafter.candidate_selector, logits, hidden, block_ids, labels,
+                                            cfg.block_size, cfg.decay)
             if not torch.isfinite(loss):
                 raise UserError(f"training diverged at step {state.step + 1} of {cfg.steps} (loss {loss.item()}); "
                                 f"no drafter was written. Lower --lr (it is {cfg.lr}) and use a new --output.")

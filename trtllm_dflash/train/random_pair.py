@@ -33,7 +33,7 @@ from transformers import (
 
 from trtllm_dflash.checkpoint.formats import save_drafter
 from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.spec import DecoderSpec, DFlashParams
+from trtllm_dflash.models.spec import DecoderSpec, DFlash2Params, DFlashParams
 from trtllm_dflash.train.corpus import stdlib_modules, train_bpe_tokenizer
 
 
@@ -155,8 +155,9 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
                       num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                       intermediate_size: int = 128, draft_layers: int = 2, block_size: int = 8,
                       target_layer_ids: list[int] | None = None, tie_word_embeddings: bool = False,
-                      seed: int = 0, shard: bool = False) -> tuple[Path, Path]:
-    """Write `out_dir/target` (HF) and `out_dir/drafter` (z-lab); returns both paths."""
+                      seed: int = 0, shard: bool = False, dflash2: bool = False) -> tuple[Path, Path]:
+    """Write `out_dir/target` (HF) and `out_dir/drafter` (z-lab; `dflash2`: a DFlash2 drafter whose convolutions and
+    selector are far from their identity initialization, so that they change the drafts); returns both paths."""
     out_dir = Path(out_dir)
     target_dir, drafter_dir = out_dir / "target", out_dir / "drafter"
     tokenizer = train_bpe_tokenizer(vocab_size, tuple(stdlib_modules(held_out=False, include_tests=False)[:40]))
@@ -200,11 +201,18 @@ def write_random_pair(out_dir: Path, family: str = "qwen3", *, vocab_size: int =
         # (a Gemma drafter sees the embedding rows as Gemma's own layers do: scaled by sqrt(hidden))
         input_embedding_scale=hidden_size**0.5 if family == "gemma4" else 1.0,
     )
-    params = DFlashParams(block_size, mask_id, tuple(ids))
+    d2 = DFlash2Params(conv_group_size=16, selector_rank=32, selector_top_k=8) if dflash2 else None
+    params = DFlashParams(block_size, mask_id, tuple(ids), d2)
     drafter = DFlashDrafter(draft_spec, params)
     with torch.no_grad():  # RMSNorm weights away from 1 so the tests see them
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("base_kernel"):
+                p.add_(torch.randn_like(p) * 0.3)
+            elif "_conv.kernel_projection" in name:
+                p.normal_(0.0, 0.05)
+            elif name.startswith("candidate_selector."):  # edges of about the logits' spread
+                p.normal_(0.0, 0.1 if "hidden_projection" in name else 0.3)
     save_drafter(drafter_dir, draft_spec, params, num_layers, drafter.state_dict(), "float32")
     return target_dir, drafter_dir
