@@ -139,6 +139,28 @@ def test_dflash2_training_learns_and_builds(biased_pairs, data, tmp_path):
     assert_dflash_equals_ar_greedy_and_sampled(engine)
 
 
+def test_init_from_upgrades_a_dflash_drafter(biased_pairs, data, tmp_path, capsys):
+    """--init-from a DFlash drafter with --arch dflash2: its weights carried over (one step at a negligible learning
+    rate moves them by ~1e-9), the convolutions the identity; settings that do not match it are one sentence."""
+    pair = biased_pairs[8]
+    source = pair / "drafter"  # 2 layers reading target layers 0, 2, 3 (make-random-pair's)
+    out = tmp_path / "upgraded"
+    assert train(pair / "target", data, out, 1, "--arch", "dflash2", "--init-from", str(source),
+                 "--target-layer-ids", "0", "2", "3", "--lr", "1e-9") == 0
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.allclose(after[k], before[k], atol=1e-6) for k in before)
+    identity = torch.zeros_like(after["layers.1.attention_conv.base_kernel"])
+    identity[:, 0] = 1.0
+    torch.testing.assert_close(after["layers.1.attention_conv.base_kernel"], identity, atol=1e-6, rtol=0)
+    capsys.readouterr()
+    assert train(pair / "target", data, tmp_path / "bad", 1, "--init-from", str(source)) == EXIT_USER_ERROR
+    assert (f"--init-from {source}: its target_layer_ids is [0, 2, 3], and this run's --target-layer-ids gives "
+            "[1, 3]; pass --target-layer-ids to match it.") in capsys.readouterr().err
+    assert train(pair / "target", data, tmp_path / "bad2", 1, "--init-from", str(out), "--target-layer-ids", "0", "2",
+                 "3") == EXIT_USER_ERROR
+    assert "it is a DFlash2 drafter; pass --arch dflash2 to continue training it." in capsys.readouterr().err
+
+
 def test_selector_loss_is_cross_entropy_over_the_candidates():
     """With a selector that adds nothing (zero codebooks) the loss is the weighted cross-entropy of the candidates'
     logits; a label outside the top k replaces the last candidate; slot 1's predecessor is the anchor."""

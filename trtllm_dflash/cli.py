@@ -409,6 +409,10 @@ def _add_train_drafter(sub) -> None:
     t.add_argument("--arch", choices=("dflash", "dflash2"), default=d.arch,
                    help="dflash2: a convolution around each sublayer and a candidate selector over the top 16 drafts "
                         "per position (the reference's DFlash2 defaults: 2 taps, groups of 16 channels, rank 256)")
+    t.add_argument("--init-from", metavar="DRAFTER_DIR",
+                   help="start from this drafter's weights (same target, --block-size, --num-layers and "
+                        "--target-layer-ids); with --arch dflash2 from a DFlash drafter, the convolutions start as "
+                        "the identity and the selector afresh (default: random initialization)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "
                         "(4 x len(target_layer_ids) x hidden_size bytes per token) instead of running the target "

@@ -32,6 +32,7 @@ class TrainConfig:
     dtype: str = "float32"  # dtype of the written drafter
     cache_features: bool = False  # compute the target's features of every sequence once, keep them in memory
     arch: str = "dflash"  # "dflash2": convolutions around each sublayer and a candidate selector (DFlash2Params)
+    init_from: str | None = None  # a drafter for this target to start from (a DFlash one to continue, or to upgrade)
 
     def __post_init__(self) -> None:
         """Refuse, before any work, settings that cannot train (each message names the option)."""

@@ -35,7 +35,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file
 
-from trtllm_dflash.checkpoint.formats import LAST_LAYER_READERS, load_target, save_drafter, target_tensor_shapes
+from trtllm_dflash.checkpoint.formats import (
+    LAST_LAYER_READERS,
+    load_drafter,
+    load_target,
+    save_drafter,
+    target_tensor_shapes,
+)
 from trtllm_dflash.checkpoint.tensors import check_tensors, save_safetensors
 from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.errors import UserError
@@ -188,6 +194,39 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, block: int, gamma: fl
     return (ce * weights).sum() / weights.sum().clamp_min(1e-9)
 
 
+def start_from(drafter: DFlashDrafter, source: Path, cfg: TrainConfig) -> None:
+    """--init-from: copy a drafter's weights into `drafter` (made for the same target and settings); the modules it
+    lacks (DFlash2's, when it is a DFlash drafter) keep their initial values. One sentence where it does not fit."""
+    ckpt = load_drafter(source)
+    where = f"--init-from {source}"
+    p, q = ckpt.params, drafter.params
+    for what, theirs, ours, option in (("block_size", p.block_size, q.block_size, "--block-size"),
+                                       ("target_layer_ids", list(p.target_layer_ids), list(q.target_layer_ids),
+                                        "--target-layer-ids"),
+                                       ("num_hidden_layers", ckpt.spec.num_layers, drafter.spec.num_layers,
+                                        "--num-layers")):
+        if theirs != ours:
+            raise UserError(f"{where}: its {what} is {theirs}, and this run's {option} gives {ours}; pass "
+                            f"{option} to match it.")
+    if p.mask_token_id != q.mask_token_id:
+        raise UserError(f"{where}: its mask_token_id is {p.mask_token_id}, not this target's <|MASK|> token "
+                        f"{q.mask_token_id}; it was trained for another target.")
+    if p.dflash2 is not None and cfg.arch != "dflash2":
+        raise UserError(f"{where}: it is a DFlash2 drafter; pass --arch dflash2 to continue training it.")
+    if ckpt.draft_vocab_size is not None:
+        raise UserError(f"{where}: it has its own lm_head over {ckpt.draft_vocab_size} tokens, which train-drafter "
+                        "does not train; start from a drafter that uses the target's.")
+    ours = drafter.state_dict()
+    for name in ckpt.tensors.names():
+        tensor = ckpt.tensors.get(name)
+        if name not in ours or ours[name].shape != tensor.shape:
+            raise UserError(f"{where}: tensor {name!r} {list(tensor.shape)} does not fit this run's drafter (its "
+                            f"layers are the target's width and attention shape: "
+                            f"{list(ours[name].shape) if name in ours else 'no such tensor'}).")
+        ours[name] = tensor.float()
+    drafter.load_state_dict(ours)
+
+
 def selector_loss(selector: CandidateSelector, logits: torch.Tensor, hidden: torch.Tensor, block_ids: torch.Tensor,
                   labels: torch.Tensor, block: int, gamma: float) -> torch.Tensor:
     """DFlash2's selector objective, as the reference trains it (speculators dflash2/metrics.py): at every labelled
@@ -270,7 +309,8 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
     OUTPUT is checked before any work: it must be new, empty, or a drafter directory of an earlier run
     (which is resumed). A run whose loss stops being finite raises and writes no drafter."""
     require_file(data, "--data file")
-    output = check_output_dir(output, "drafter", "--output", inputs=(target_dir, data), reuse=True)
+    output = check_output_dir(output, "drafter", "--output", reuse=True,
+                              inputs=(target_dir, data, *(() if cfg.init_from is None else (Path(cfg.init_from),))))
     target, tokenizer, eos = load_frozen_target(Path(target_dir))
     tspec = target.spec
     mask_id = tokenizer.convert_tokens_to_ids("<|MASK|>") if "<|MASK|>" in tokenizer.get_vocab() else None
@@ -320,6 +360,8 @@ def train_drafter(target_dir: Path, data: Path, output: Path, cfg: TrainConfig, 
             for name, p in drafter.named_parameters():
                 if p.ndim == 2 and "_conv." not in name:
                     p.normal_(0.0, 0.02)
+        if cfg.init_from is not None:
+            start_from(drafter, Path(cfg.init_from), cfg)
         drafter.train()
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         warmup = max(1, int(cfg.steps * cfg.warmup_ratio))
