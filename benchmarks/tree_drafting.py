@@ -1,9 +1,9 @@
 """DDTree against the chain on the demo pair (issue 31): acceptance, tokens/s and the verify pass's cost per node.
 
-    python benchmarks/tree_drafting.py --engine /tmp/kv/demo --rounds 3
+    python benchmarks/tree_drafting.py --engine /tmp/kv/demo --rounds 3 [--backend onnxruntime]
 
-One loaded engine (torch executor, 1 thread, greedy), one executor sized for the largest tree, so every policy runs
-the same weights and caches: the chain of the trained block (16: the anchor and 15 drafts) and trees of 16, 32 and 64
+One loaded engine (the torch executor, or onnxruntime's on an engine built for it; 1 thread, greedy), sized for the
+largest tree, so every policy runs the same weights and caches: the chain of the trained block (16: the anchor and 15 drafts) and trees of 16, 32 and 64
 nodes built from the drafter's 8 best tokens per position (`--tree-budget`). The held-out prompts (never trained on)
 decode `--max-new-tokens` each, at batch 1 (one request after another) and batch 8 (all at once); the policies
 alternate within every round, medians over rounds. Reported per policy: committed tokens per step (acceptance length:
@@ -11,7 +11,7 @@ all the requests' committed tokens over all their steps; at batch 8 the steps wh
 commit fewer count alike),
 tokens/s, and whether the tokens are plain decoding's. Then the target pass alone at 1 + {1, 15, 16, 32, 64} tokens a
 row for batch 1 and 8 after a 256-token context, medians: what a node costs on this CPU, which decides where trees pay.
-Results: benchmarks/results/tree_drafting.json.
+Results: benchmarks/results/tree_drafting.json (torch), tree_drafting_onnxruntime.json.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trtllm_dflash.runtime.decoding import Decoder, Request
-from trtllm_dflash.runtime.executor import HostRows, TorchExecutor
+from trtllm_dflash.runtime.executor import HostRows
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.runtime.verify import FixedBlock, PlainDecoding, TreeDrafting
 
@@ -37,7 +37,7 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def decode(executor: TorchExecutor, policy, stop, requests: list[Request]) -> dict:
+def decode(executor, policy, stop, requests: list[Request]) -> dict:
     start = time.perf_counter()
     results = list(Decoder(executor, policy, stop).generate(requests))
     seconds = time.perf_counter() - start
@@ -48,7 +48,7 @@ def decode(executor: TorchExecutor, policy, stop, requests: list[Request]) -> di
             "outputs": {r.request.id: r.output_token_ids for r in results}}
 
 
-def pass_cost(executor: TorchExecutor, batch: int, tokens: int, context: int, repeats: int) -> float:
+def pass_cost(executor, batch: int, tokens: int, context: int, repeats: int) -> float:
     """Median seconds of one target pass of `tokens` a row over `batch` rows after `context` cached positions."""
     ids = torch.randint(4, executor.vocab_size, (batch, tokens))
     starts = torch.full((batch,), context)
@@ -68,12 +68,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "tree_drafting.json")
+    ap.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
+    ap.add_argument("--output", type=Path)
     args = ap.parse_args()
-    engine = Engine.load(args.engine, backend="torch", threads=1)
-    cfg, ex = engine.config, engine.executor
-    executor = TorchExecutor(ex.target, ex.drafter, cfg.max_batch_size, cfg.max_seq_len, tree_budget=max(BUDGETS))
-    block = ex.drafter.params.block_size
+    results = ROOT / "benchmarks" / "results"
+    args.output = args.output or results / ("tree_drafting.json" if args.backend == "torch" else
+                                            f"tree_drafting_{args.backend}.json")
+    engine = Engine.load(args.engine, backend=args.backend, threads=1, tree_budget=max(BUDGETS))
+    cfg, executor = engine.config, engine.executor
+    block = cfg.dflash.block_size
     policies = {f"chain {block}": FixedBlock(block), **{f"tree {b}": TreeDrafting(b) for b in BUDGETS}}
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
                if line.strip()][: args.num_prompts]
@@ -110,7 +113,7 @@ def main() -> None:
                        for name, rs in by_policy.items()}
              for setting, by_policy in runs.items()}
     chain = f"chain {block}"
-    report = {"engine": str(args.engine), "threads": 1, "prompts": len(requests), "max_new_tokens": args.max_new_tokens,
+    report = {"engine": str(args.engine), "backend": args.backend, "threads": 1, "prompts": len(requests), "max_new_tokens": args.max_new_tokens,
               "rounds": args.rounds, "candidates_per_position": 8, "load_before": load_before, "load_after": load(),
               "results": table,
               "tokens_per_s_over_chain": {s: {n: round(v["tokens_per_s"] / t[chain]["tokens_per_s"], 2)

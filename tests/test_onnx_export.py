@@ -19,9 +19,11 @@ import torch
 from trtllm_dflash.compile.onnx_export import (
     ACCEPT,
     ACCEPT_PLUGIN,
+    DRAFTER_CANDIDATES,
     DRAFTER_CONTEXT,
     DRAFTER_DRAFT,
     TARGET_STEP,
+    TARGET_TREE,
     WEIGHTS_FILE,
     cache_names,
     export_engine_graphs,
@@ -110,7 +112,8 @@ def export_family(ort_engine_dir):
         if family not in done:
             engine_dir = ort_engine_dir(family)
             out = graph_dir(engine_dir, 0)
-            files = [out / f"{name}.onnx" for name in (TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT)]
+            files = [out / f"{name}.onnx" for name in (TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT,
+                                                       DRAFTER_CANDIDATES, TARGET_TREE)]
             files += [out / WEIGHTS_FILE, out / f"{ACCEPT}.onnx", out / f"{ACCEPT_PLUGIN}.onnx"]
             # A fresh torch executor: its caches start empty, like the onnxruntime ones.
             done[family] = Engine.load(engine_dir, backend="torch"), out, files
@@ -136,17 +139,18 @@ def test_tensor_scatter_writes_each_row_at_its_index():
 def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     engine, out, files = exported
     assert [f.name for f in files] == [f"{TARGET_STEP}.onnx", f"{DRAFTER_CONTEXT}.onnx", f"{DRAFTER_DRAFT}.onnx",
-                                       WEIGHTS_FILE, f"{ACCEPT}.onnx", f"{ACCEPT_PLUGIN}.onnx"]
-    for f in files[:3]:  # which rank of which split (compile checks it)
+                                       f"{DRAFTER_CANDIDATES}.onnx", f"{TARGET_TREE}.onnx", WEIGHTS_FILE,
+                                       f"{ACCEPT}.onnx", f"{ACCEPT_PLUGIN}.onnx"]
+    for f in files[:5]:  # which rank of which split (compile checks it)
         meta = {p.key: p.value for p in onnx.load(str(f), load_external_data=False).metadata_props}
         assert (meta["rank"], meta["tp_size"]) == ("0", "1")
     layers, draft_layers = engine.executor.target.spec.num_layers, engine.executor.drafter.spec.num_layers
     ops = {}
-    for f in files[:3]:
+    for f in files[:5]:
         onnx.checker.check_model(str(f), full_check=True)
         ops[f.stem] = Counter(n.op_type for n in onnx.load(str(f), load_external_data=False).graph.node)
     # No size inside a graph comes from an input's values: the attended length is key_positions' length.
-    for f in files[:3]:
+    for f in files[:5]:
         graph = onnx.load(str(f), load_external_data=False).graph
         assert "NonZero" not in {n.op_type for n in graph.node}, f.name
         keys = [[d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input if i.name == "key_positions"]
@@ -162,6 +166,12 @@ def test_graphs_are_valid_and_use_the_onnx_llm_ops(exported):
     # and ends in the greedy ArgMax.
     assert (ops[DRAFTER_DRAFT]["Attention"], ops[DRAFTER_DRAFT]["RotaryEmbedding"], ops[DRAFTER_DRAFT]["TensorScatter"],
             ops[DRAFTER_DRAFT]["ArgMax"]) == (draft_layers, 2 * draft_layers, 2 * draft_layers, 1)
+    # The draft trees' graphs: the same attention, RoPE and cache writes (the tree's mask an input), and the
+    # candidates' TopK in place of the ArgMax.
+    assert (ops[TARGET_TREE]["Attention"], ops[TARGET_TREE]["RotaryEmbedding"], ops[TARGET_TREE]["TensorScatter"]) \
+        == (layers, 2 * layers, 2 * layers)
+    assert (ops[DRAFTER_CANDIDATES]["Attention"], ops[DRAFTER_CANDIDATES]["TopK"], ops[DRAFTER_CANDIDATES]["ArgMax"]) \
+        == (draft_layers, 1, 0)
     # Embedding and lm_head are in both target_step and drafter_draft, stored once in the shared file.
     external = {f.stem: {t.name: {e.key: e.value for e in t.external_data}
                          for t in onnx.load(str(f), load_external_data=False).graph.initializer if t.external_data}
@@ -249,7 +259,7 @@ def test_onnxruntime_equals_the_torch_executor(exported):
 def test_export_is_deterministic(export_family, tmp_path):
     """Exporting the modules again gives the build's files byte for byte."""
     engine, _, files = export_family("qwen3")
-    again = export_engine_graphs(engine.executor.target, engine.executor.drafter, tmp_path)
+    again = export_engine_graphs(engine.executor.target, engine.executor.drafter, tmp_path, trees=True)
     assert [f.name for f in again] == [f.name for f in files]
     assert [f.read_bytes() for f in again] == [f.read_bytes() for f in files]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -180,6 +181,47 @@ def test_trees_commit_the_targets_own_tokens(engines, family):
         assert max(ranked.ranks_accepted) > 8  # nodes past the first branch's (depth-first) 7 were accepted
 
 
+def test_onnxruntime_trees_are_the_torch_executors(ort_engine_dir):
+    """The exported graphs (drafter_candidates, target_tree) and the onnxruntime executor's keep_path: with the
+    drafter's own candidates, the same trees, paths and tokens as the torch executor; with ranked candidates (right
+    tokens on side branches), greedy and sampled == ar through paths of several nodes."""
+    root = ort_engine_dir("qwen3")
+    ort, eager = (Engine.load(root, backend=b, tree_budget=24) for b in ("onnxruntime", "torch"))
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    base = [replace(r, max_new_tokens=24) for r in requests(ort.executor.vocab_size)]
+    own = [{r.request.id: (r.output_token_ids, r.acceptance_lengths)
+            for r in Decoder(e.executor, TreeDrafting(12), e.config.eos_token_ids).generate(base)} for e in (ort, eager)]
+    assert own[0] == own[1]
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=3 + r.id)
+               for r in base]
+    for reqs in (base, sampled):
+        ar = {r.request.id: r.output_token_ids for r in eager.decoder("ar").generate(reqs)}
+        reference = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
+        ranked = RankedCandidates(ort.executor, reference)
+        results = list(Decoder(ranked, TreeDrafting(24, candidates=4), ort.config.eos_token_ids).generate(reqs))
+        assert {r.request.id: r.output_token_ids for r in results} == ar
+        lengths = [n for r in results for n in r.acceptance_lengths]
+        assert max(lengths) >= 4 and sum(lengths) / len(lengths) > 2, lengths
+        assert max(ranked.ranks_accepted) > 8
+
+
+def test_graphs_without_the_tree_graphs_refuse_trees(ort_engine_dir, tmp_path):
+    """An onnxruntime engine exported before the tree graphs existed: --tree-budget is one sentence."""
+    from trtllm_dflash.engine_dir import graph_dir
+    from trtllm_dflash.errors import UserError
+    from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
+
+    root = ort_engine_dir("qwen3")
+    old = tmp_path / "engine"
+    shutil.copytree(root, old)
+    (graph_dir(old, 0) / "target_tree.onnx").unlink()
+    cfg = Engine.load(root, backend="torch").config
+    with pytest.raises(UserError, match=r"target_tree\.onnx, which engines built by an earlier trtllm-dflash lack; "
+                                        r"build it again with `trtllm-dflash build CONFIG --force`\.$"):
+        OnnxRuntimeExecutor.from_engine(old, cfg, 0, None, 1, tree_budget=8)
+    assert OnnxRuntimeExecutor.from_engine(old, cfg, 0, None, 1).tree_budget == 0  # chains still run
+
+
 def test_a_paged_cache_moves_the_path_too(engines, pairs, tmp_path):
     """keep_path on a paged cache (blocks on demand, preemption): the static cache's tokens."""
     engine = Engine.load(engines["qwen3"], tree_budget=24)
@@ -204,9 +246,9 @@ def test_bad_tree_budgets_are_one_sentence(engines, tmp_path, capsys):
                                                     "does not take --mode ar or --block-size."),
             (["--tree-budget", "8", "--block-size", "4"], "--tree-budget drafts a tree every step of --mode dflash; it "
                                                          "does not take --mode ar or --block-size."),
-            (["--tree-budget", "8", "--backend", "onnxruntime"],
-             "--tree-budget: only the torch executor verifies draft trees yet, and this run's backend is onnxruntime; "
-             "drop --tree-budget or use --backend torch.")):
+            (["--tree-budget", "8", "--backend", "tensorrt"],
+             "--tree-budget: the tensorrt executor does not verify draft trees yet; drop --tree-budget or use --backend "
+             "torch or onnxruntime.")):
         assert main(run + extra) == EXIT_USER_ERROR
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

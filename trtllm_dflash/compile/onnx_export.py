@@ -43,6 +43,18 @@ drafter_context.onnx
          positions    int64  [batch, ctx]     start_b + arange(ctx)
          past_key_i, past_value_i    the drafter's caches, i = 0 .. drafter layers - 1
     out  present_key_i, present_value_i
+drafter_candidates.onnx (engines built for onnxruntime: draft trees, speculative/tree.py)
+    in   as drafter_draft's, and candidates int64 [k] (any values: its length is k, the tokens kept per position)
+    out  candidate_ids int64 [batch, block - 1, k], candidate_logprobs float32 [batch, block - 1, k]: the k most
+                             likely drafts per position, best first, and their log-probabilities (top_candidates)
+         present_key_i, present_value_i   as drafter_draft's
+target_tree.onnx (engines built for onnxruntime)
+    in   token_ids    int64  [batch, nodes]   a draft tree per row, node 0 the anchor
+         positions    int64  [batch, nodes]   start_b + depth: the nodes' RoPE positions (node t is cached at start_b + t)
+         tree         bool   [batch, nodes, nodes]   ancestor mask: node t sees node u iff tree[b, t, u]
+         key_positions int64 [keys]           as target_step's (keys >= max_b(start_b) + nodes)
+         past_key_i, past_value_i   the target's caches
+    out  logits, hidden, present_key_i, present_value_i   as target_step's
 drafter_draft.onnx
     in   block_ids    int64  [batch, block]   [anchor, MASK, ...] (speculative.core.block_input), block >= 2
          positions    int64  [batch, block]   start_b + arange(block); the context is positions < start_b
@@ -142,6 +154,7 @@ from trtllm_dflash.models.target import TargetModel
 OPSET = 24  # TensorScatter; Attention and RotaryEmbedding are opset 23
 WEIGHTS_FILE = "weights.onnx.data"
 TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT = "target_step", "drafter_context", "drafter_draft"
+TARGET_TREE, DRAFTER_CANDIDATES = "target_tree", "drafter_candidates"
 ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
 _EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
 _ALIGN = 4096  # external tensors start on page boundaries, so a runtime can map them
@@ -200,6 +213,39 @@ class DrafterDraft(nn.Module):
         return (self.target.logits(hidden).argmax(dim=-1)[:, 1:], *cache.present())
 
 
+class TargetTree(nn.Module):
+    """target_tree.onnx: TorchExecutor.verify_tree's pass (TargetModel.forward with a draft tree's ancestor mask)."""
+
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]):
+        super().__init__()
+        self.target, self.capture_layers = target, capture_layers
+
+    def forward(self, token_ids, positions, tree, key_positions, past: list[torch.Tensor]):
+        cache = GraphKVCache(past)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0],
+                          tree=tree)
+        return (out.logits, out.hidden, *cache.present())
+
+
+class DrafterCandidates(nn.Module):
+    """drafter_candidates.onnx: TorchExecutor.draft_candidates' drafter pass (as drafter_draft's) + the `k` best
+    tokens per draft position and their log-probabilities, k the length of the `candidates` input."""
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter):
+        super().__init__()
+        self.target, self.drafter = target, drafter
+
+    def forward(self, block_ids, positions, context_hidden, context_positions, key_positions, candidates,
+                past: list[torch.Tensor]):
+        cache = GraphKVCache(past)
+        rows = torch.arange(block_ids.shape[0], device=block_ids.device)
+        hidden = self.drafter(self.target.embed(block_ids), positions, positions[:, 0], rows, cache,
+                              context_hidden, context_positions, kv_len=key_positions.shape[0])
+        ids, logprobs = self.drafter.top_candidates(hidden, self.target.logits, candidates.shape[0])
+        return (ids[:, 1:], logprobs[:, 1:], *cache.present())  # (row 0 dropped last, as drafter_draft's)
+
+
 @dataclass(frozen=True)
 class _Graph:
     name: str
@@ -215,8 +261,8 @@ def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, b
     return [torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype) for _ in range(2 * num_layers)]
 
 
-def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
-    """The graphs to export, with their sample inputs and dynamic dimensions."""
+def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False) -> list[_Graph]:
+    """The graphs to export, with their sample inputs and dynamic dimensions (`trees`: the draft trees' too)."""
     batch, max_len = Dim("batch", min=1), Dim("max_len", min=2)
     b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
     cache_axes = {0: batch, 2: max_len}
@@ -267,6 +313,37 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None) -> list[_Graph]:
         ["draft_tokens", *cache_names(d_layers, "present")],
         {("block_ids", 0): "batch", ("block_ids", 1): "block", ("context_hidden", 1): "ctx",
          ("key_positions", 0): "keys", **names(d_layers)},
+    ))
+    if not trees:
+        return graphs
+    # Draft trees (speculative/tree.py): the drafter's candidates, and a target pass over the trees' nodes
+    nodes, k = Dim("nodes", min=2), Dim("candidates", min=1)
+    graphs.append(_Graph(
+        DRAFTER_CANDIDATES, DrafterCandidates(target, drafter),
+        (torch.zeros(b, 7, dtype=torch.long), starts[:, None] + torch.arange(7),
+         torch.zeros(b, 5, features, dtype=drafter.norm.weight.dtype), context_starts[:, None] + torch.arange(5),
+         torch.arange(13), torch.arange(4), d_past),
+        ({0: batch, 1: block}, {0: batch, 1: block}, {0: batch, 1: ctx}, {0: batch, 1: ctx}, {0: keys}, {0: k},
+         [cache_axes] * len(d_past)),
+        ["block_ids", "positions", "context_hidden", "context_positions", "key_positions", "candidates",
+         *cache_names(d_layers, "past")],
+        ["candidate_ids", "candidate_logprobs", *cache_names(d_layers, "present")],
+        {("block_ids", 0): "batch", ("block_ids", 1): "block", ("context_hidden", 1): "ctx",
+         ("key_positions", 0): "keys", ("candidates", 0): "candidates", **names(d_layers)},
+    ))
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]] * b)  # a tree of 6 nodes: 0 -> (1, 2), 1 -> 3, 2 -> 4, 3 -> 5
+    tree = torch.eye(6, dtype=torch.bool).expand(b, 6, 6).clone()
+    for node, parent in ((1, 0), (2, 0), (3, 1), (4, 2), (5, 3)):
+        tree[:, node] |= tree[:, parent]
+    graphs.append(_Graph(
+        TARGET_TREE, TargetTree(target, capture),
+        (torch.zeros(b, 6, dtype=torch.long), starts[:, None] + depths, tree, torch.arange(17), t_past),
+        ({0: batch, 1: nodes}, {0: batch, 1: nodes}, {0: batch, 1: nodes, 2: nodes}, {0: keys},
+         [cache_axes] * len(t_past)),
+        ["token_ids", "positions", "tree", "key_positions", *cache_names(target.spec.num_layers, "past")],
+        ["logits", "hidden", *cache_names(target.spec.num_layers, "present")],
+        {("token_ids", 0): "batch", ("token_ids", 1): "nodes", ("key_positions", 0): "keys",
+         **names(target.spec.num_layers)},
     ))
     return graphs
 
@@ -347,8 +424,9 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
 
 
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
-                         experts_op: bool = False) -> list[Path]:
-    """Export target_step (and, with a drafter, drafter_context and drafter_draft) into `out_dir`.
+                         experts_op: bool = False, trees: bool = False) -> list[Path]:
+    """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
+    drafter_candidates and target_tree) into `out_dir`.
 
     Returns the written files: the .onnx graphs, then their shared external data. Without a drafter,
     target_step has no `hidden` output (plain autoregressive engines). `experts_op` (graphs for onnxruntime): every
@@ -364,7 +442,7 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     try:
         for m in one_op:
             m.export_as_one_op = True
-        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter)}
+        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees)}
     finally:
         for m in one_op:
             m.export_as_one_op = False

@@ -178,7 +178,7 @@ def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
         warnings.simplefilter("ignore", FutureWarning)
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank),
-                                    experts_op=cfg.backend == "onnxruntime")
+                                    experts_op=cfg.backend == "onnxruntime", trees=cfg.backend == "onnxruntime")
 
 
 @contextmanager

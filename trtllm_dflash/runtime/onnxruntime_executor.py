@@ -30,6 +30,7 @@ from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_ke
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
+TREE_GRAPHS = ("target_tree.onnx", "drafter_candidates.onnx")  # loaded for draft trees (tree_budget) only
 
 
 def _onnxruntime():
@@ -40,7 +41,7 @@ def _onnxruntime():
     return onnxruntime
 
 
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
 
 
 def _where(tensor: torch.Tensor) -> tuple[str, int]:
@@ -93,7 +94,9 @@ class OnnxRuntimeExecutor:
     `cuda` device (onnxruntime-gpu; written, never run: no GPU here), with the caches on that device."""
 
     def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tree_budget: int = 0):
+        """`tree_budget`: the most draft nodes a tree step verifies (target_tree.onnx, drafter_candidates.onnx; its
+        nodes are written past a request's positions, so the caches hold that many more); 0: no trees."""
         ort = _onnxruntime()
         if cfg.quantization.get("quant_algo") == "NVFP4":
             raise UserError("--backend onnxruntime cannot run NVFP4 graphs (TensorRT's FP4 quantize node); use "
@@ -105,10 +108,13 @@ class OnnxRuntimeExecutor:
         self.device = torch.device(device)
         self.num_slots, self.vocab_size, self.max_seq_len = cfg.max_batch_size, target.vocab_size, cfg.max_seq_len
         self.block_size = block_size or params.block_size
+        self.trained_block = params.block_size
         self.mask_token_id = params.mask_token_id
+        self.tree_budget = tree_budget
         self._dtype = dtype
         self._hidden_features = len(params.target_layer_ids) * target.hidden_size
-        max_len = cfg.max_seq_len + params.block_size  # as the torch executor: a verify writes a block past the end
+        # as the torch executor: a verify writes a block (or a tree's nodes) past the end
+        max_len = cfg.max_seq_len + max(params.block_size, tree_budget + 1)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
@@ -120,7 +126,7 @@ class OnnxRuntimeExecutor:
         stream = self._stream.cuda_stream if self._stream is not None else 0
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
                                                      providers=providers(ort, self.device, stream))
-                          for name in GRAPHS}
+                          for name in GRAPHS + (TREE_GRAPHS if tree_budget else ())}
         for graph in ("target_step", "drafter_draft"):
             inputs = [i.name for i in self._sessions[f"{graph}.onnx"].get_inputs()]
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
@@ -134,13 +140,17 @@ class OnnxRuntimeExecutor:
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
-                    threads: int | None, device: str = "cpu") -> "OnnxRuntimeExecutor":
+                    threads: int | None, device: str = "cpu", tree_budget: int = 0) -> "OnnxRuntimeExecutor":
         graphs = graph_dir(Path(root), rank)
         missing = [name for name in GRAPHS if not (graphs / name).is_file()]
         if missing:
             raise UserError(f"{root}: the engine has no ONNX graphs ({graphs / missing[0]} is missing); build it "
                             "with `backend: onnxruntime` to run it with --backend onnxruntime.")
-        return cls(graphs, cfg, block_size, threads, device)
+        missing = [name for name in TREE_GRAPHS if tree_budget and not (graphs / name).is_file()]
+        if missing:
+            raise UserError(f"{root}: --tree-budget needs {graphs / missing[0]}, which engines built by an earlier "
+                            "trtllm-dflash lack; build it again with `trtllm-dflash build CONFIG --force`.")
+        return cls(graphs, cfg, block_size, threads, device, tree_budget)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -202,6 +212,68 @@ class OnnxRuntimeExecutor:
                 drafts.append(out)
             drafts = batch_order(runs, drafts)[:, :num_drafts]
         return drafts
+
+    def draft_candidates(self, anchors, starts, slots, k: int, context=None, rows=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For tree drafting (drafter_candidates.onnx): one drafter pass over the trained block, as `draft`'s, and per
+        draft position its k best tokens and their log-probabilities, best first: [B, block - 1, k] each."""
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
+        with self._on_own_stream():
+            width = self.trained_block
+            block = block_input(anchors, self.mask_token_id, width)
+            positions = starts[:, None] + torch.arange(width, device=self.device)
+            if context is None:
+                context = DraftContext.padding(starts, self._hidden_features, self._dtype)
+            keys = self._key_positions(rows, starts, 0)
+            candidates = torch.arange(k, device=self.device)  # (its length is k)
+            ids, logprobs = [], []
+            for run in runs:
+                binding = self._binding("drafter_candidates.onnx", self._drafter, run)
+                inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
+                          "context_positions": context.positions()}
+                inputs = {name: run.take(tensor.to(self.device)) for name, tensor in inputs.items()}  # alive until run
+                for name, tensor in inputs.items():
+                    _bind_input(binding, name, tensor)
+                _bind_input(binding, "key_positions", keys)
+                _bind_input(binding, "candidates", candidates)
+                ids.append(torch.empty(run.rows, width - 1, k, dtype=torch.int64, device=self.device))
+                logprobs.append(torch.empty(run.rows, width - 1, k, dtype=torch.float32, device=self.device))
+                _bind_output(binding, "candidate_ids", ids[-1])
+                _bind_output(binding, "candidate_logprobs", logprobs[-1])
+                self._sessions["drafter_candidates.onnx"].run_with_iobinding(binding)
+        return batch_order(runs, ids), batch_order(runs, logprobs)
+
+    def verify_tree(self, token_ids, depths, tree, starts, slots, capture, rows=None) -> StepOutput:
+        """One target pass over draft trees (target_tree.onnx): node t of row b at RoPE position starts + depths[b, t],
+        cached at starts + t, seeing the keys before its start and the nodes `tree` [B, N, N] allows."""
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
+        N = token_ids.shape[1]
+        with self._on_own_stream():
+            positions = starts[:, None] + depths
+            keys = self._key_positions(rows, starts, N)
+            logits, hidden = [], []
+            for run in runs:
+                binding = self._binding("target_tree.onnx", self._target, run)
+                inputs = {"token_ids": run.take(token_ids), "positions": run.take(positions), "tree": run.take(tree)}
+                for name, tensor in inputs.items():
+                    _bind_input(binding, name, tensor)
+                _bind_input(binding, "key_positions", keys)
+                logits.append(torch.empty(run.rows, N, self.vocab_size, dtype=torch.float32, device=self.device))
+                hidden.append(torch.empty(run.rows, N, self._hidden_features, dtype=self._dtype, device=self.device))
+                _bind_output(binding, "logits", logits[-1])
+                _bind_output(binding, "hidden", hidden[-1])
+                self._sessions["target_tree.onnx"].run_with_iobinding(binding)
+        return StepOutput(batch_order(runs, logits), batch_order(runs, hidden) if capture else None)
+
+    def keep_path(self, slots: torch.Tensor, starts: torch.Tensor, nodes: torch.Tensor) -> None:
+        """After a tree's verify pass: the accepted nodes [B, n] (node 0 first; rows padded with 0) move in the
+        target's caches from positions starts + node to starts + 0 .. n - 1 (TorchExecutor.keep_path's contract)."""
+        with self._on_own_stream():
+            rows = torch.tensor(self._rows.rows_of(slots), device=self.device)[:, None]
+            src = starts[:, None] + nodes
+            dst = torch.where(nodes > 0, starts[:, None] + torch.arange(nodes.shape[1], device=self.device), src)
+            for _, buf in self._target.named():
+                buf[rows, :, dst] = buf[rows, :, src]  # (the right side is gathered first: a copy)
 
     def append_context(self, hidden, starts, slots, rows=None) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""

@@ -109,7 +109,8 @@ class Engine:
         if backend == "onnxruntime":
             from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
-            executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None, device=device)
+            executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None, device=device,
+                                                       tree_budget=tree_budget or 0)
         elif backend == "tensorrt":
             from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
@@ -168,9 +169,9 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
     """--tree-budget: one sentence where a tree cannot run."""
     if type(budget) is not int or not 1 <= budget <= MAX_TREE_BUDGET:
         raise UserError(f"--tree-budget {budget}: must be an integer from 1 to {MAX_TREE_BUDGET}.")
-    if backend != "torch":
-        raise UserError(f"--tree-budget: only the torch executor verifies draft trees yet, and this run's backend is "
-                        f"{backend}; drop --tree-budget or use --backend torch.")
+    if backend == "tensorrt":
+        raise UserError("--tree-budget: the tensorrt executor does not verify draft trees yet; drop --tree-budget or "
+                        "use --backend torch or onnxruntime.")
     if auto:
         raise UserError("draft trees (--tree-budget, bench's treeN) and --block-size auto: choose one (auto does not "
                         "price trees yet).")
