@@ -1,4 +1,5 @@
-"""The DFlashAccept TensorRT plugin (plugins/dflash/) against the torch reference, on the CPU.
+"""The DFlashAccept TensorRT plugin (plugins/dflash/) against the torch reference, on the CPU; the draft trees' walk
+(dflash_tree_path, launchDFlashTreeAccept) against speculative/tree.py.
 
 The plugin's per-request logic (dflash_accept_logic.h) is built with g++ into a small shared library
 (host_reference.cpp) and compared, output for output, with speculative/core.py used the way
@@ -26,6 +27,7 @@ from trtllm_dflash.speculative.core import (
     request_seed,
     sample_tokens,
 )
+from trtllm_dflash.speculative.tree import accepted_paths, build_trees
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins" / "dflash"
 MASK = 31_999  # mask_token_id attribute; any int32 works
@@ -170,6 +172,55 @@ def test_host_logic_equals_torch_reference(host):
     assert cases >= 10_000
     assert ties > 10_000 and sampled_rows > 10_000  # first-index tie-breaks and sampling really exercised
     assert all(seen[bs] == set(range(bs)) for bs in seen), seen  # accepted 0..K for every block size
+
+
+def test_tree_host_logic_equals_the_decoders_paths(host):
+    """Draft trees (dflash_tree_path, the kernel's walk): per request the accepted path and the bonus equal
+    Decoder._tree_step's (sample_tokens at start + depth + 1, then speculative/tree.py accepted_paths), on trees from
+    build_trees (padded rows included), greedy and sampled, with the target following a child at most nodes so that
+    paths of every length occur."""
+    host.dflash_tree_accept_host.restype = ctypes.c_int32
+    host.dflash_tree_accept_host.argtypes = [ctypes.c_int32] * 3 + [ctypes.c_void_p] * 8
+    gen = torch.Generator().manual_seed(99)
+    B, depth, k, vocab = 300, 6, 3, 40
+    lengths = set()
+    for budget in (1, 5, 14, 30):
+        anchors = torch.randint(0, vocab, (B,), generator=gen).tolist()
+        cands = [[torch.randperm(vocab, generator=gen)[:k].tolist() for _ in range(depth)] for _ in range(B)]
+        lps = [[torch.rand(k, generator=gen).log().sort(descending=True).values.tolist() for _ in range(depth)]
+               for _ in range(B)]
+        trees = build_trees(anchors, cands, lps, budget)
+        N = trees.nodes
+        parents, tokens, depths = (torch.tensor(x) for x in (trees.parents, trees.tokens, trees.depths))
+        logits = torch.randn(B, N, vocab, generator=gen)
+        for b in range(B):  # at 70% of the nodes with children, the target's token is one child's
+            for node in range(N):
+                children = [c for c in range(N) if trees.parents[b][c] == node]
+                if children and torch.rand(1, generator=gen) < 0.7:
+                    pick = children[int(torch.randint(0, len(children), (1,), generator=gen))]
+                    logits[b, node, trees.tokens[b][pick]] += 60.0
+        temperature = torch.tensor([0.0, 1.0, -1.0, 0.8])[torch.randint(0, 4, (B,), generator=gen)]
+        seeds = [request_seed(int(torch.randint(0, 1000, (1,), generator=gen)), f"t{b}") for b in range(B)]
+        starts = torch.randint(0, 1 << 20, (B,), generator=gen)
+        positions = starts[:, None] + depths + 1  # as Decoder._tree_step
+        target = sample_tokens(logits, Sampling.plain(temperature, seeds), positions).tolist()
+        want = accepted_paths(trees, target)
+        noise = torch.full((B, N, vocab), float("nan"))  # NaN: greedy rows must never read it
+        for b in torch.nonzero(temperature > 0).flatten().tolist():
+            for node in range(N):
+                noise[b, node] = gumbel_noise(seeds[b], int(positions[b, node]), vocab)
+        ins = [logits.float().contiguous(), temperature.float(), noise.contiguous(), parents.int().contiguous(),
+               tokens.int().contiguous()]
+        path, length, bonus = torch.empty(B, N, dtype=torch.int32), torch.empty(B, dtype=torch.int32), \
+            torch.empty(B, dtype=torch.int32)
+        assert host.dflash_tree_accept_host(B, N, vocab, *[t.data_ptr() for t in ins + [path, length, bonus]]) == 0
+        for b in range(B):
+            assert path[b, : length[b]].tolist() == want[b] and (path[b, length[b]:] == -1).all()
+            assert int(bonus[b]) == target[b][want[b][-1]]
+        lengths.update(length.tolist())
+    assert lengths >= set(range(1, depth + 2)), lengths  # from the anchor alone to a full-depth path
+    z = torch.zeros(1)
+    assert host.dflash_tree_accept_host(1, 0, 5, *[z.data_ptr()] * 8) == 1  # a tree has its anchor
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -532,6 +532,25 @@ def test_tensorrt_rtx_builds_plans_for_sm89_and_sm120(rtx, ort_engine):
                    shapes=engine_shapes(cfg), targets=["SM90"])
 
 
+@pytest.mark.slow
+def test_tensorrt_rtx_parses_and_builds_the_tree_graphs(rtx, ort_engine):
+    """target_tree (the ancestor mask an input of IAttention) and drafter_candidates parse into the same native layers
+    as the chain's graphs and build plans: TensorRT takes the trees' graphs (its executor does not run them yet)."""
+    cfg = read_engine_config(ort_engine)
+    target, drafter, _ = engine_specs(cfg)
+    L, D = target.num_layers, drafter.num_layers
+    expected = {"target_tree": {"ATTENTION_OUTPUT": L, "KV_CACHE_UPDATE": 2 * L, "ROTARY_EMBEDDING": 2 * L},
+                "drafter_candidates": {"ATTENTION_OUTPUT": D, "KV_CACHE_UPDATE": 2 * D, "ROTARY_EMBEDDING": 2 * D,
+                                       "TOPK": 1}}
+    for g, counts in expected.items():
+        parsed = parse_graph(rtx, graph_dir(ort_engine, 0) / f"{g}.onnx", static_dims={"max_len": cache_length(cfg)})
+        types_ = layer_types(parsed.network)
+        assert {k: types_[k] for k in counts} == counts, (g, types_)
+        plan = build_plan(rtx, graph_dir(ort_engine, 0) / f"{g}.onnx", dtype_note=cfg.dtype,
+                          shapes=engine_shapes(cfg), targets=["SM120"])
+        assert len(plan) > 100_000, g
+
+
 def test_tensorrt_rtx_parser_errors_are_in_the_exception(rtx, tmp_path):
     import onnx
     from onnx import TensorProto, helper

@@ -149,7 +149,63 @@ cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
     return cudaGetLastError();
 }
 
+// Draft trees: the block walks the tree from node 0, reducing the current node's row to t and stepping to the
+// child whose token is t (every thread finds the same child), so a request costs (path length) rows.
+template <typename T>
+__global__ void __launch_bounds__(kThreadsPerBlock) dflashTreeAcceptKernel(DFlashTreeAcceptParams p)
+{
+    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
+    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
+    __shared__ int32_t target;
+
+    int32_t const b = blockIdx.x;
+    int64_t const first = static_cast<int64_t>(b) * p.numNodes;
+    float const temperature = p.temperature[b];
+    T const* logits = static_cast<T const*>(p.targetLogits);
+    auto targetAt = [&](int32_t node) {
+        int64_t const row = (first + node) * p.vocabSize;
+        return blockRowArgmax(
+            logits + row, p.gumbelNoise + row, p.vocabSize, temperature, warpValues, warpIndices, &target);
+    };
+    // Every thread runs the walk (the reductions synchronize the block; the path's writes are the same values).
+    int32_t bonus = 0;
+    int32_t const n = dflash_tree_path(p.parents + first, p.tokens + first, p.numNodes, targetAt,
+        p.pathNodes + first, &bonus);
+    if (threadIdx.x == 0)
+    {
+        p.pathLength[b] = n;
+        p.bonus[b] = bonus;
+    }
+}
+
+template <typename T>
+cudaError_t launchTree(DFlashTreeAcceptParams const& p, cudaStream_t stream)
+{
+    dflashTreeAcceptKernel<T><<<p.batchSize, kThreadsPerBlock, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
 } // namespace
+
+cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStream_t stream)
+{
+    if (params.batchSize < 0 || params.numNodes < 1 || params.numNodes > kDFlashMaxBlockSize
+        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize)
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (params.batchSize == 0)
+    {
+        return cudaSuccess;
+    }
+    switch (params.logitsType)
+    {
+    case DFlashLogitsType::kFLOAT32: return launchTree<float>(params, stream);
+    case DFlashLogitsType::kFLOAT16: return launchTree<__half>(params, stream);
+    case DFlashLogitsType::kBFLOAT16: return launchTree<__nv_bfloat16>(params, stream);
+    }
+    return cudaErrorInvalidValue;
+}
 
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream)
 {

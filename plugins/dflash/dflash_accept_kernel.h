@@ -51,4 +51,30 @@ struct DFlashAcceptParams
 // batchSize < 0), else the launch's error.
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream);
 
+// Draft trees: the accepted path of each request's tree (dflash_accept_logic.h dflash_tree_path). B = batchSize,
+// N = numNodes (node 0 the anchor), V = vocabSize.
+struct DFlashTreeAcceptParams
+{
+    // Inputs.
+    void const* targetLogits;  // [B, N, V], float32 / float16 / bfloat16 (see logitsType)
+    float const* temperature;  // [B]; <= 0 is greedy
+    float const* gumbelNoise;  // [B, N, V]; read only for rows with temperature > 0
+    int32_t const* parents;    // [B, N]: parents[b, 0] = -1, parents[b, c] < c
+    int32_t const* tokens;     // [B, N]: the nodes' tokens (node 0: the anchor)
+
+    // Outputs.
+    int32_t* pathNodes;  // [B, N]: the accepted path's nodes (0 first), then -1
+    int32_t* pathLength; // [B]: nodes on the path, 1..N
+    int32_t* bonus;      // [B]: the target's token after the path's last node
+
+    int32_t batchSize;
+    int32_t numNodes;
+    int32_t vocabSize;
+    DFlashLogitsType logitsType;
+};
+
+// One CUDA block per request; only the rows of the path's nodes are reduced. cudaErrorInvalidValue for numNodes
+// outside 1..kDFlashMaxBlockSize, vocabSize outside 1..kDFlashMaxVocabSize or batchSize < 0.
+cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStream_t stream);
+
 } // namespace trtllm_dflash

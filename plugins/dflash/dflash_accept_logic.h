@@ -161,4 +161,53 @@ DFLASH_HD inline void dflash_write_request(int32_t const* draft, int32_t const* 
     *newContextLength = dflash_next_start(start, a);
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Draft trees (DDTree; trtllm_dflash/speculative/tree.py accepted_paths, Decoder._tree_step). A request's tree
+// has N nodes: node 0 the anchor, node c > 0 a draft token whose parent parents[c] < c; t_i is the target's
+// token at node i (it follows the path to node i). From node 0 the accepted path steps to the child whose token
+// is t of the current node while one exists (siblings never share a token); the bonus is t of its last node.
+// ---------------------------------------------------------------------------------------------------------
+
+// The child of `node` whose token is `targetToken`, or -1. Children have larger indices than their parent.
+// Example: parents [-1, 0, 0, 1], tokens [a, 5, 7, 9]: child of 0 with token 7 -> 2; of 1 with 9 -> 3.
+DFLASH_HD inline int32_t dflash_tree_child(
+    int32_t const* parents, int32_t const* tokens, int32_t numNodes, int32_t node, int32_t targetToken)
+{
+    for (int32_t c = node + 1; c < numNodes; ++c)
+    {
+        if (parents[c] == node && tokens[c] == targetToken)
+        {
+            return c;
+        }
+    }
+    return -1;
+}
+
+// The accepted path of one request, written as its nodes path[0..n-1] (path[0] = 0) then -1 up to N; returns n.
+// `targetAt(i)` gives t_i (computed on demand: only the path's nodes are needed). bonus = t of path[n-1].
+// (A host or a device functor: nvcc checks the call in the instantiation that runs, not in both.)
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename TargetAt>
+DFLASH_HD inline int32_t dflash_tree_path(int32_t const* parents, int32_t const* tokens, int32_t numNodes,
+    TargetAt targetAt, int32_t* path, int32_t* bonus)
+{
+    int32_t n = 0;
+    int32_t node = 0;
+    int32_t t = 0;
+    while (node >= 0)
+    {
+        path[n++] = node;
+        t = targetAt(node);
+        node = dflash_tree_child(parents, tokens, numNodes, node, t);
+    }
+    for (int32_t j = n; j < numNodes; ++j)
+    {
+        path[j] = -1;
+    }
+    *bonus = t;
+    return n;
+}
+
 } // namespace trtllm_dflash

@@ -109,3 +109,27 @@ extern "C" void dflash_scores_host(
         out[i] = dflash_score(logits[i], temperature, noise[i]);
     }
 }
+
+// Draft trees (dflash_tree_path): logits [B, N, V] of the tree's nodes, parents / tokens [B, N] (parents[0] = -1),
+// temperature [B], gumbelNoise [B, N, V]; outputs pathNodes [B, N] (the accepted path, then -1), pathLength [B]
+// (nodes on it, the anchor included) and bonus [B]. Returns 0, or 1 for shapes the kernel refuses.
+extern "C" int32_t dflash_tree_accept_host(int32_t batchSize, int32_t numNodes, int32_t vocabSize,
+    float const* targetLogits, float const* temperature, float const* gumbelNoise, int32_t const* parents,
+    int32_t const* tokens, int32_t* pathNodes, int32_t* pathLength, int32_t* bonus)
+{
+    if (batchSize < 0 || numNodes < 1 || vocabSize < 1)
+    {
+        return 1;
+    }
+    for (int32_t b = 0; b < batchSize; ++b)
+    {
+        int64_t const first = static_cast<int64_t>(b) * numNodes;
+        auto targetAt = [&](int32_t node) {
+            int64_t const row = (first + node) * vocabSize;
+            return dflash_row_argmax(targetLogits + row, gumbelNoise + row, vocabSize, temperature[b]);
+        };
+        pathLength[b] = dflash_tree_path(parents + first, tokens + first, numNodes, targetAt, pathNodes + first,
+            &bonus[b]);
+    }
+    return 0;
+}

@@ -1,5 +1,5 @@
 /*
- * GPU check of the DFlashAccept kernel against the host logic, for a machine with a GPU:
+ * GPU check of the DFlashAccept kernels (chains and draft trees) against the host logic, for a machine with a GPU:
  *
  *   nvcc -std=c++17 -O2 -arch=sm_90a plugins/dflash/kernel_check.cu plugins/dflash/dflash_accept_kernel.cu \
  *       -o /tmp/dflash_kernel_check && /tmp/dflash_kernel_check
@@ -196,6 +196,93 @@ bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt
     return mismatches == 0;
 }
 
+// Trees: random trees of N nodes (each node's parent among the earlier ones) whose tokens follow the target's
+// own at a chosen share of nodes, so paths of every length occur; launchDFlashTreeAccept == dflash_tree_path.
+template <typename T>
+bool runTreeCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt19937& rng)
+{
+    int32_t const B = c.batch, N = c.blockSize, V = c.vocab;
+    size_t const n = static_cast<size_t>(B) * N * V;
+    std::normal_distribution<float> gauss(0.0f, 3.0f);
+    std::uniform_real_distribution<double> uniform(1e-12, 1.0);
+    std::uniform_int_distribution<int32_t> token(0, V - 1), pct(0, 99);
+    std::vector<float> logits(n), noise(n);
+    for (size_t i = 0; i < n; ++i)
+    {
+        logits[i] = roundTrip<T>(gauss(rng));
+        noise[i] = static_cast<float>(-std::log(-std::log(uniform(rng))));
+    }
+    std::vector<float> temperature(B);
+    std::vector<int32_t> parents(static_cast<size_t>(B) * N), tokens(parents.size());
+    for (int32_t b = 0; b < B; ++b)
+    {
+        temperature[b] = pct(rng) < 50 ? 0.0f : 0.8f;
+        int32_t const* par = &parents[static_cast<size_t>(b) * N];
+        for (int32_t i = 0; i < N; ++i)
+        {
+            parents[b * N + i] = i == 0 ? -1 : std::uniform_int_distribution<int32_t>(0, i - 1)(rng);
+            size_t const row = (static_cast<size_t>(b) * N + (i == 0 ? 0 : par[i])) * V;
+            int32_t const t = dflash_row_argmax(&logits[row], &noise[row], V, temperature[b]);
+            tokens[b * N + i] = i == 0 ? token(rng) : pct(rng) < 60 ? t : token(rng);
+        }
+        for (int32_t i = 1; i < N; ++i) // siblings never share a token (as speculative/tree.py builds them)
+            for (int32_t j = 1; j < i; ++j)
+                if (par[j] == par[i] && tokens[b * N + j] == tokens[b * N + i])
+                    tokens[b * N + i] = -1 - i;
+    }
+    std::vector<int32_t> path(parents.size()), length(B), bonus(B);
+    for (int32_t b = 0; b < B; ++b)
+    {
+        auto targetAt = [&](int32_t node) {
+            size_t const row = (static_cast<size_t>(b) * N + node) * V;
+            return dflash_row_argmax(&logits[row], &noise[row], V, temperature[b]);
+        };
+        length[b] = dflash_tree_path(&parents[b * N], &tokens[b * N], N, targetAt, &path[b * N], &bonus[b]);
+    }
+    std::vector<T> typedLogits(n);
+    for (size_t i = 0; i < n; ++i)
+        typedLogits[i] = fromFloat<T>(logits[i]);
+    DFlashTreeAcceptParams p{};
+    p.targetLogits = toDevice(typedLogits);
+    p.temperature = static_cast<float const*>(toDevice(temperature));
+    p.gumbelNoise = static_cast<float const*>(toDevice(noise));
+    p.parents = static_cast<int32_t const*>(toDevice(parents));
+    p.tokens = static_cast<int32_t const*>(toDevice(tokens));
+    std::vector<int32_t> zerosB(B), zerosBN(parents.size());
+    p.pathNodes = static_cast<int32_t*>(toDevice(zerosBN));
+    p.pathLength = static_cast<int32_t*>(toDevice(zerosB));
+    p.bonus = static_cast<int32_t*>(toDevice(zerosB));
+    p.batchSize = B;
+    p.numNodes = N;
+    p.vocabSize = V;
+    p.logitsType = type;
+    CHECK_CUDA(launchDFlashTreeAccept(p, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    auto fetch = [](int32_t const* device, size_t count) {
+        std::vector<int32_t> host(count);
+        CHECK_CUDA(cudaMemcpy(host.data(), device, count * sizeof(int32_t), cudaMemcpyDeviceToHost));
+        return host;
+    };
+    int64_t mismatches = 0, longest = 0;
+    auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
+        for (size_t i = 0; i < got.size(); ++i)
+            mismatches += got[i] != want[i];
+    };
+    compare(fetch(p.pathNodes, path.size()), path);
+    compare(fetch(p.pathLength, B), length);
+    compare(fetch(p.bonus, B), bonus);
+    for (int32_t l : length)
+        longest = l > longest ? l : longest;
+    for (void const* ptr : {p.targetLogits, static_cast<void const*>(p.temperature),
+             static_cast<void const*>(p.gumbelNoise), static_cast<void const*>(p.parents),
+             static_cast<void const*>(p.tokens), static_cast<void const*>(p.pathNodes),
+             static_cast<void const*>(p.pathLength), static_cast<void const*>(p.bonus)})
+        CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
+    std::printf("%-10s %-9s B=%-4d nodes=%-3d V=%-7d mismatches=%lld  longest path %lld\n", c.name, typeName, B, N,
+        V, static_cast<long long>(mismatches), static_cast<long long>(longest));
+    return mismatches == 0;
+}
+
 } // namespace
 
 int main()
@@ -215,6 +302,16 @@ int main()
         ok &= runCase<float>(c, DFlashLogitsType::kFLOAT32, "float32", rng);
         ok &= runCase<__half>(c, DFlashLogitsType::kFLOAT16, "float16", rng);
         ok &= runCase<__nv_bfloat16>(c, DFlashLogitsType::kBFLOAT16, "bfloat16", rng);
+    }
+    Case const trees[] = {
+        {"tree", 64, 17, 1000, Kind::kRandom},
+        {"tree", 16, 65, 151936, Kind::kRandom},
+    };
+    for (Case const& c : trees)
+    {
+        ok &= runTreeCase<float>(c, DFlashLogitsType::kFLOAT32, "float32", rng);
+        ok &= runTreeCase<__half>(c, DFlashLogitsType::kFLOAT16, "float16", rng);
+        ok &= runTreeCase<__nv_bfloat16>(c, DFlashLogitsType::kBFLOAT16, "bfloat16", rng);
     }
     std::printf(ok ? "OK: kernel == host logic\n" : "FAILED: kernel != host logic\n");
     return ok ? 0 : 1;

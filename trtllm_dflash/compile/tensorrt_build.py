@@ -129,6 +129,9 @@ def pass_tokens(cfg: EngineConfig) -> int:
     return max(block, min(cfg.max_seq_len, PASS_TOKENS))
 
 
+TREE_NODES, TREE_CANDIDATES = 65, 8
+
+
 def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
     """The profile of the graphs' named dimensions for this engine (one dict for all three graphs).
 
@@ -149,6 +152,10 @@ def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
         "drafts": DimRange(1, block - 1, block - 1),
         "drafts + 1": DimRange(2, block, block),
         "vocab": DimRange.fixed(int(cfg.target["vocab_size"])),
+        # the draft trees' graphs (target_tree, drafter_candidates; engines built for onnxruntime export them): the
+        # anchor and up to 64 nodes, and the candidates kept per position (TreeDrafting's 8)
+        "nodes": DimRange(2, block, TREE_NODES),
+        "candidates": DimRange(1, TREE_CANDIDATES, TREE_CANDIDATES),
     }
 
 
