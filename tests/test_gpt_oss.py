@@ -289,6 +289,39 @@ def test_sliding_window_drafter_is_refused(pair, tmp_path, capsys):
     assert not (tmp_path / "e").exists()
 
 
+def test_a_sliding_window_drafter_whose_window_covers_the_engine_builds(pair, tmp_path, capsys):
+    """is_causal: false and a window of at least max_seq_len + block_size (256 + 8): the layers attend as full-attention
+    ones, so the drafter builds into the very engine its full-attention twin does (same drafts); a window one short, or
+    no is_causal, is one sentence."""
+    slid = tmp_path / "slid"
+    shutil.copytree(pair, slid)
+    path = slid / "drafter" / "config.json"
+    config = json.loads(path.read_text())
+    sliding = {"layer_types": ["sliding_attention"] * config["num_hidden_layers"], "is_causal": False}
+    for window, causal, ok in ((264, False, True), (263, False, False), (4096, None, False)):
+        fields = sliding | {"sliding_window": window}
+        if causal is None:
+            fields.pop("is_causal")
+        path.write_text(json.dumps(config | fields))
+        out = tmp_path / f"e{window}{causal}"
+        assert main(["build", str(write_family_config(tmp_path / "b.yaml", slid)), "--output", str(out)]) == \
+            (0 if ok else EXIT_USER_ERROR)
+        err = capsys.readouterr().err
+        if not ok:
+            assert (f"{path}: layer_types has sliding_attention layers (sliding_window {window}); such a drafter runs "
+                    "only where its window covers every position (max_seq_len 256 + block_size 8 = 264 must be at "
+                    f"most {window}) and its config says is_causal: false (it says "
+                    f"{'False' if causal is False else 'nothing'}), where it attends as a full-attention one.") in err
+            assert not out.exists()
+    full = tmp_path / "full"
+    assert main(["build", str(write_family_config(tmp_path / "f.yaml", pair)), "--output", str(full)]) == 0
+    engines = [Engine.load(e) for e in (full, tmp_path / "e264False")]
+    assert engines[1].config.drafter.get("layer_types") in (None, ["full_attention"] * config["num_hidden_layers"])
+    reqs = requests(engines[0].executor.vocab_size)
+    steps = [[r.acceptance_lengths for r in e.decoder("dflash").generate(reqs)] for e in engines]
+    assert steps[0] == steps[1]
+
+
 # --- the compiled backends: ONNX graphs of gpt-oss (sinks, sliding window, experts) ---------------------------
 
 

@@ -409,8 +409,9 @@ _DFLASH_FIELDS = {"z-lab": ("dflash_config.mask_token_id", "dflash_config.target
                   "speculators": ("mask_token_id", "aux_hidden_state_layer_ids", 1)}
 
 
-def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
-    """Everything that must hold for this drafter to run on this target; one sentence per failure."""
+def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint, max_seq_len: int | None = None) -> None:
+    """Everything that must hold for this drafter to run on this target (in an engine of `max_seq_len` positions, when
+    given); one sentence per failure."""
     t, d, p = target.spec, drafter.spec, drafter.params
     dcfg = drafter.directory / "config.json"
     mask_field, ids_field, id_offset = _DFLASH_FIELDS[drafter.format]
@@ -447,10 +448,19 @@ def validate_pair(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> None:
                             "caps them again is not settled, so the pair is refused.")
     window = drafter.hf_config.get("sliding_window")
     if "sliding_attention" in (drafter.hf_config.get("layer_types") or []) and window is not None:
-        # The z-lab reference keeps such layers non-causal, vLLM / SpecForge make them causal within the block;
-        # rather than guess, refuse (docs/algorithm.md §Sliding-window drafters).
-        raise UserError(f"{dcfg}: layer_types has sliding_attention layers (sliding_window {window}); "
-                        "sliding-window DFlash drafters are not supported yet, only full-attention ones.")
+        # The z-lab reference keeps such layers non-causal, vLLM / SpecForge make them causal within the block; a
+        # config that says is_causal: false settles it, and a window that covers every position of the engine never
+        # hides a key, so the layers attend exactly as full-attention ones (docs/algorithm.md §Sliding-window drafters).
+        covered = (isinstance(window, int) and max_seq_len is not None
+                   and max_seq_len + p.block_size <= window)
+        if not covered or drafter.hf_config.get("is_causal") is not False:
+            where = (f"max_seq_len {max_seq_len} + block_size {p.block_size} = {max_seq_len + p.block_size}"
+                     if max_seq_len is not None else "an engine's max_seq_len + block_size")
+            raise UserError(f"{dcfg}: layer_types has sliding_attention layers (sliding_window {window}); such a "
+                            f"drafter runs only where its window covers every position ({where} must be at most "
+                            f"{window}) and its config says is_causal: false (it says "
+                            f"{drafter.hf_config.get('is_causal', 'nothing')}), where it attends as a full-attention "
+                            "one.")
 
 
 # Who reads a target_layer_id equal to the target's last layer differently from the z-lab reference and us
@@ -477,14 +487,18 @@ def last_layer_warning(target: TargetCheckpoint, drafter: DrafterCheckpoint) -> 
             "train-drafter's default layer ids (1 .. L-3) to move the drafter between engines.")
 
 
-def load_pair(target_dir: Path, drafter_dir: Path,
-              warn: Callable[[str], None] | None = None) -> tuple[TargetCheckpoint, DrafterCheckpoint]:
-    """Load both checkpoints, validate the pair from their configs, then check every tensor's shape.
-    `warn` receives the pair's portability warnings (last_layer_warning)."""
+def load_pair(target_dir: Path, drafter_dir: Path, warn: Callable[[str], None] | None = None,
+              max_seq_len: int | None = None) -> tuple[TargetCheckpoint, DrafterCheckpoint]:
+    """Load both checkpoints, validate the pair from their configs (for an engine of `max_seq_len` positions, when
+    given), then check every tensor's shape. `warn` receives the pair's portability warnings (last_layer_warning)."""
     from trtllm_dflash.checkpoint.speculators import share_target_vocab
 
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
-    validate_pair(target, drafter)
+    validate_pair(target, drafter, max_seq_len)
+    if drafter.spec.layer_types is not None or drafter.spec.sliding_window is not None:
+        # (a sliding-window drafter whose window covers the engine: full attention, exactly)
+        drafter = dataclasses.replace(drafter, spec=dataclasses.replace(drafter.spec, layer_types=None,
+                                                                         sliding_window=None))
     if warn is not None and (message := last_layer_warning(target, drafter)) is not None:
         warn(message)
     check_tensors(target.tensors, target_tensor_shapes(target.spec), "target")

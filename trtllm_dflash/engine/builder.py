@@ -220,7 +220,7 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                      inputs=(cfg.target, cfg.drafter, cfg.calibration, config_file))
     with _stage(report, "checked the target + drafter pair and the build options"):
         warnings_ = []  # said once the engine is written: a build that fails prints its error alone
-        target, drafter = load_pair(cfg.target, cfg.drafter, warn=warnings_.append)
+        target, drafter = load_pair(cfg.target, cfg.drafter, warn=warnings_.append, max_seq_len=cfg.max_seq_len)
         if cfg.max_seq_len > target.spec.max_position_embeddings:
             raise UserError(
                 f"{source}: max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings "
