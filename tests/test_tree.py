@@ -205,6 +205,20 @@ def test_onnxruntime_trees_are_the_torch_executors(ort_engine_dir):
         assert max(ranked.ranks_accepted) > 8
 
 
+def test_compare_with_a_tree_budget(engines, tmp_path, capsys):
+    """`compare --tree-budget N`: dflash decodes with trees, identical to ar; with --block-size, one sentence."""
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [5 + i, 6, 7], "max_new_tokens": 12}) + "\n"
+                               for i in range(3)))
+    compare = ["compare", str(engines["qwen3"]), "--input", str(prompts), "--show", "0"]
+    assert main(compare + ["--tree-budget", "12"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (rich wraps lines)
+    assert "a tree of 12 draft nodes a step, 3 prompts" in out and "outputs identical: yes" in out
+    assert main(compare + ["--tree-budget", "12", "--block-size", "4"]) == EXIT_USER_ERROR
+    assert "--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar or --block-size." \
+        in capsys.readouterr().err
+
+
 def test_graphs_without_the_tree_graphs_refuse_trees(ort_engine_dir, tmp_path):
     """An onnxruntime engine exported before the tree graphs existed: --tree-budget is one sentence."""
     from trtllm_dflash.engine_dir import graph_dir

@@ -209,8 +209,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from trtllm_dflash.runtime.report import compare_and_print
 
+    check_tree_options(args.tree_budget, "dflash", args.block_size)
     compare_and_print(args.engine_dir, args.input, args.num_prompts, args.max_new_tokens, args.show,
-                      args.repeats, args.threads, args.block_size, args.backend)
+                      args.repeats, args.threads, args.block_size, args.backend, args.tree_budget)
     return 0
 
 
@@ -517,6 +518,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=_threads, help="CPU threads, up to the CPUs (default: 1 for a model under 256 MB a rank, else the CPUs "
                    "shared among the ranks)")
     c.add_argument("--block-size", type=_block_size, help=BLOCK_SIZE_HELP)
+    c.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N", help=TREE_BUDGET_HELP)
     _add_backend(c)
     c.set_defaults(func=cmd_compare)
 

@@ -19,11 +19,13 @@ from trtllm_dflash.runtime.runner import Engine
 
 def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_new_tokens: int, show: int,
                       repeats: int, threads: int | None, block_size: BlockSize | None = None,
-                      backend: Backend | None = None) -> None:
+                      backend: Backend | None = None, tree_budget: int | None = None) -> None:
+    """`compare`: both modes side by side; dflash with a tree of `tree_budget` draft nodes a step when given."""
     require_file(input_path, "input file")
     console = Console()
     engine = Engine.load(engine_dir, block_size=block_size, command="compare", backend=backend,
-                         report=lambda line: console.print(line, markup=False, highlight=False), threads=threads)
+                         report=lambda line: console.print(line, markup=False, highlight=False), threads=threads,
+                         tree_budget=tree_budget)
     cfg = engine.config
     defaults = Defaults(max_new_tokens, 0.0, 0, cfg.max_seq_len, engine.executor.vocab_size)
     requests, errors = read_requests(input_path, engine.tokenizer, defaults)
@@ -33,7 +35,8 @@ def compare_and_print(engine_dir: Path, input_path: Path, num_prompts: int, max_
     if not requests:
         raise UserError(f"{input_path}: no greedy prompts (compare runs the lines without a temperature > 0).")
     blocks = f"auto (k = 1 .. {engine.executor.block_size})" if engine.auto_block else engine.executor.block_size
-    console.print(f"[bold]{engine_dir}[/]: block_size {blocks}, {len(requests)} prompts, "
+    blocks = f"a tree of {tree_budget} draft nodes a step" if tree_budget else f"block_size {blocks}"
+    console.print(f"[bold]{engine_dir}[/]: {blocks}, {len(requests)} prompts, "
                   f"batch size 1, greedy, up to {max_new_tokens} new tokens, {torch.get_num_threads()} threads")
     cmp = side_by_side(engine, requests, repeats)
     tok = engine.tokenizer
