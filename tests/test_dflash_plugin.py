@@ -304,7 +304,8 @@ def test_gpu_check_program_builds(tmp_path):
 
 
 @needs_trt
-@pytest.mark.parametrize("source", ["dflash_accept_plugin.cpp", "dflash_accept_creator.cpp"])
+@pytest.mark.parametrize("source", ["dflash_accept_plugin.cpp", "dflash_tree_accept_plugin.cpp",
+                                    "dflash_accept_creator.cpp"])
 def test_plugin_wrapper_compiles_against_tensorrt_headers(source):
     cuda_include = Path("/usr/local/cuda/include")
     if not (cuda_include / "cuda_runtime_api.h").exists():
@@ -317,7 +318,7 @@ def test_plugin_wrapper_compiles_against_tensorrt_headers(source):
 @needs_nvcc
 def test_cmake_builds_a_library_that_needs_no_libnvinfer(tmp_path):
     """CMake configure + build; the link refuses undefined symbols, and the library loads without TensorRT
-    (and without a GPU) and hands out one creator."""
+    (and without a GPU) and hands out its two creators (DFlashAccept, DFlashTreeAccept)."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
     build = tmp_path / "build"
@@ -327,4 +328,4 @@ def test_cmake_builds_a_library_that_needs_no_libnvinfer(tmp_path):
     lib = ctypes.CDLL(str(build / "libtrtllm_dflash_plugins.so"))
     count = ctypes.c_int32(0)
     lib.getCreators.restype = ctypes.c_void_p
-    assert lib.getCreators(ctypes.byref(count)) and count.value == 1
+    assert lib.getCreators(ctypes.byref(count)) and count.value == 2

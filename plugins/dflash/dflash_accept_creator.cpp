@@ -1,5 +1,5 @@
 /*
- * The DFlashAccept plugin's creator and the library's entry points (getCreators, setLoggerFinder), as in
+ * The DFlashAccept and DFlashTreeAccept plugins' creators and the library's entry points (getCreators, setLoggerFinder), as in
  * NVIDIA TensorRT's plugin/vc/vfcCommon.cpp.
  */
 #include "dflash_accept_plugin.h"
@@ -25,11 +25,11 @@ ILoggerFinder* gLoggerFinder{nullptr};
 
 // TensorRT's logger when the library was loaded by TensorRT (setLoggerFinder), else stderr: an error of a
 // noexcept interface method must leave a message somewhere, since all TensorRT sees is a status code.
-void logPluginError(std::string const& message) noexcept
+void logPluginError(std::string const& message, char const* plugin) noexcept
 {
     try
     {
-        std::string const line = std::string(kPluginName) + ": " + message;
+        std::string const line = std::string(plugin) + ": " + message;
         ILogger* logger{nullptr};
         {
             std::lock_guard<std::mutex> lock(gLoggerMutex);
@@ -147,13 +147,50 @@ IPluginV3* DFlashAcceptPluginCreator::createPlugin(
     return nullptr;
 }
 
+// DFlashTreeAccept's creator: no attributes.
+
+char const* DFlashTreeAcceptPluginCreator::getPluginName() const noexcept
+{
+    return kTreePluginName;
+}
+
+char const* DFlashTreeAcceptPluginCreator::getPluginVersion() const noexcept
+{
+    return kPluginVersion;
+}
+
+char const* DFlashTreeAcceptPluginCreator::getPluginNamespace() const noexcept
+{
+    return kPluginNamespace;
+}
+
+PluginFieldCollection const* DFlashTreeAcceptPluginCreator::getFieldNames() noexcept
+{
+    return &mNoFields;
+}
+
+IPluginV3* DFlashTreeAcceptPluginCreator::createPlugin(
+    char const* /* name */, PluginFieldCollection const* /* fc */, TensorRTPhase /* phase */) noexcept
+{
+    try
+    {
+        return new DFlashTreeAcceptPlugin();
+    }
+    catch (std::exception const& e)
+    {
+        logPluginError(std::string("cannot create the plugin: ") + e.what(), kTreePluginName);
+    }
+    return nullptr;
+}
+
 } // namespace trtllm_dflash
 
 extern "C" DFLASH_PLUGIN_EXPORT IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
     static trtllm_dflash::DFlashAcceptPluginCreator sCreator;
-    static IPluginCreatorInterface* const sCreators[] = {&sCreator};
-    nbCreators = 1;
+    static trtllm_dflash::DFlashTreeAcceptPluginCreator sTreeCreator;
+    static IPluginCreatorInterface* const sCreators[] = {&sCreator, &sTreeCreator};
+    nbCreators = 2;
     return sCreators;
 }
 

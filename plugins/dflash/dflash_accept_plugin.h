@@ -19,8 +19,8 @@ constexpr char const* kPluginNamespace = "trtllm_dflash";
 constexpr char const* kBlockSizeField = "block_size";
 constexpr char const* kMaskTokenIdField = "mask_token_id";
 
-// Reports an error of a noexcept TensorRT method, which TensorRT only sees as a status code.
-void logPluginError(std::string const& message) noexcept;
+// Reports an error of a noexcept TensorRT method, which TensorRT only sees as a status code, as "<plugin>: message".
+void logPluginError(std::string const& message, char const* plugin = kPluginName) noexcept;
 
 class DFlashAcceptPlugin : public nvinfer1::IPluginV3,
                            public nvinfer1::IPluginV3OneCore,
@@ -99,6 +99,75 @@ public:
 private:
     std::vector<nvinfer1::PluginField> mFields;
     nvinfer1::PluginFieldCollection mFieldCollection{};
+};
+
+// Draft trees (README.md §Draft trees): plugin `DFlashTreeAccept`, version "1", same namespace, no attributes.
+// Inputs target_logits [B, N, V], temperature [B], gumbel_noise [B, N, V], tree_parents [B, N], tree_tokens [B, N];
+// outputs path_nodes [B, N], path_length [B], bonus [B] (int32).
+constexpr char const* kTreePluginName = "DFlashTreeAccept";
+
+class DFlashTreeAcceptPlugin : public nvinfer1::IPluginV3,
+                               public nvinfer1::IPluginV3OneCore,
+                               public nvinfer1::IPluginV3OneBuild,
+                               public nvinfer1::IPluginV3OneRuntime
+{
+public:
+    DFlashTreeAcceptPlugin() = default;
+    ~DFlashTreeAcceptPlugin() override = default;
+
+    // IPluginV3
+    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    // IPluginV3OneCore
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+
+    // IPluginV3OneBuild
+    int32_t getNbOutputs() const noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+
+    // IPluginV3OneRuntime
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+private:
+    // Why these 5 input shapes are wrong (empty when they fit); a negative dimension matches anything.
+    static std::string shapeError(nvinfer1::Dims const* inputDims);
+
+    template <typename InputDims>
+    static int32_t checkShapes(InputDims inputDims, int32_t nbInputs, int32_t nbOutputs) noexcept;
+
+    nvinfer1::PluginFieldCollection mNoFields{};
+};
+
+class DFlashTreeAcceptPluginCreator : public nvinfer1::IPluginCreatorV3One
+{
+public:
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    nvinfer1::IPluginV3* createPlugin(
+        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
+
+private:
+    nvinfer1::PluginFieldCollection mNoFields{};
 };
 
 } // namespace trtllm_dflash
