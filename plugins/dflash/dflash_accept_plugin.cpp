@@ -6,6 +6,7 @@
  */
 #include "dflash_accept_plugin.h"
 #include "dflash_accept_kernel.h"
+#include "plugin_common.h"
 
 #include <exception>
 #include <memory>
@@ -37,21 +38,6 @@ enum Output : int32_t
     kNewContextLengths = 4, // int32 [B]
     kNbOutputs = 5,
 };
-
-bool sameOrUnknown(int64_t a, int64_t b)
-{
-    return a < 0 || b < 0 || a == b;
-}
-
-std::string dimsToString(Dims const& dims)
-{
-    std::string text = "[";
-    for (int32_t i = 0; i < dims.nbDims; ++i)
-    {
-        text += (i > 0 ? ", " : "") + std::to_string(dims.d[i]);
-    }
-    return text + "]";
-}
 
 } // namespace
 
@@ -146,13 +132,7 @@ int32_t DFlashAcceptPlugin::checkShapes(InputDims inputDims, int32_t nbInputs, i
 
 IPluginCapability* DFlashAcceptPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
 {
-    switch (type)
-    {
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    }
-    return nullptr;
+    return capabilityOf(this, type);
 }
 
 IPluginV3* DFlashAcceptPlugin::clone() noexcept
@@ -295,12 +275,10 @@ int32_t DFlashAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTen
     params.blockSize = mBlockSize;
     params.vocabSize = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[2]);
     params.maskTokenId = mMaskTokenId;
-    switch (inputDesc[kTargetLogits].type)
+    if (!logitsTypeOf(inputDesc[kTargetLogits].type, params.logitsType))
     {
-    case DataType::kFLOAT: params.logitsType = DFlashLogitsType::kFLOAT32; break;
-    case DataType::kHALF: params.logitsType = DFlashLogitsType::kFLOAT16; break;
-    case DataType::kBF16: params.logitsType = DFlashLogitsType::kBFLOAT16; break;
-    default: logPluginError("target_logits must be float32, float16 or bfloat16"); return -1;
+        logPluginError("target_logits must be float32, float16 or bfloat16");
+        return -1;
     }
     cudaError_t const status = launchDFlashAccept(params, stream);
     if (status != cudaSuccess)

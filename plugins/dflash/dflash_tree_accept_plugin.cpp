@@ -4,6 +4,7 @@
  * from the shapes). Its creator is in dflash_accept_creator.cpp.
  */
 #include "dflash_accept_kernel.h"
+#include "plugin_common.h"
 #include "dflash_accept_plugin.h"
 
 #include <exception>
@@ -34,21 +35,6 @@ enum Output : int32_t
     kNbOutputs = 3,
 };
 
-bool sameOrUnknown(int64_t a, int64_t b)
-{
-    return a < 0 || b < 0 || a == b;
-}
-
-std::string shapeText(Dims const& dims)
-{
-    std::string text = "[";
-    for (int32_t i = 0; i < dims.nbDims; ++i)
-    {
-        text += (i > 0 ? ", " : "") + std::to_string(dims.d[i]);
-    }
-    return text + "]";
-}
-
 } // namespace
 
 std::string DFlashTreeAcceptPlugin::shapeError(Dims const* dims)
@@ -60,7 +46,7 @@ std::string DFlashTreeAcceptPlugin::shapeError(Dims const* dims)
         if (dims[i].nbDims != ranks[i])
         {
             return std::string(names[i]) + " must have rank " + std::to_string(ranks[i]) + ", got shape "
-                + shapeText(dims[i]);
+                + dimsToString(dims[i]);
         }
         if (!sameOrUnknown(dims[i].d[0], dims[kTargetLogits].d[0]))
         {
@@ -73,14 +59,14 @@ std::string DFlashTreeAcceptPlugin::shapeError(Dims const* dims)
     {
         if (!sameOrUnknown(dims[i].d[1], logits.d[1]))
         {
-            return std::string(names[i]) + " " + shapeText(dims[i]) + " must have one entry per node of target_logits "
-                + shapeText(logits);
+            return std::string(names[i]) + " " + dimsToString(dims[i]) + " must have one entry per node of target_logits "
+                + dimsToString(logits);
         }
     }
     Dims const& noise = dims[kGumbelNoise];
     if (!sameOrUnknown(noise.d[1], logits.d[1]) || !sameOrUnknown(noise.d[2], logits.d[2]))
     {
-        return "gumbel_noise " + shapeText(noise) + " must have the shape of target_logits " + shapeText(logits);
+        return "gumbel_noise " + dimsToString(noise) + " must have the shape of target_logits " + dimsToString(logits);
     }
     if (logits.d[1] == 0 || logits.d[1] > kDFlashMaxBlockSize)
     {
@@ -128,13 +114,7 @@ int32_t DFlashTreeAcceptPlugin::checkShapes(InputDims inputDims, int32_t nbInput
 
 IPluginCapability* DFlashTreeAcceptPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
 {
-    switch (type)
-    {
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    }
-    return nullptr;
+    return capabilityOf(this, type);
 }
 
 IPluginV3* DFlashTreeAcceptPlugin::clone() noexcept
@@ -262,12 +242,10 @@ int32_t DFlashTreeAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     params.batchSize = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[0]);
     params.numNodes = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[1]);
     params.vocabSize = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[2]);
-    switch (inputDesc[kTargetLogits].type)
+    if (!logitsTypeOf(inputDesc[kTargetLogits].type, params.logitsType))
     {
-    case DataType::kFLOAT: params.logitsType = DFlashLogitsType::kFLOAT32; break;
-    case DataType::kHALF: params.logitsType = DFlashLogitsType::kFLOAT16; break;
-    case DataType::kBF16: params.logitsType = DFlashLogitsType::kBFLOAT16; break;
-    default: logPluginError("target_logits must be float32, float16 or bfloat16", kTreePluginName); return -1;
+        logPluginError("target_logits must be float32, float16 or bfloat16", kTreePluginName);
+        return -1;
     }
     cudaError_t const status = launchDFlashTreeAccept(params, stream);
     if (status != cudaSuccess)
