@@ -95,6 +95,28 @@ def test_speculators_format_both_ways(dflash2_pair, engine, tmp_path):
     assert steps[0] == steps[1]
 
 
+@pytest.mark.slow
+def test_onnxruntime_walks_the_selector_as_the_torch_executor(dflash2_pair, engine, tmp_path):
+    """backend onnxruntime: the drafter graph convolves and walks the selector over the trained block (static); the
+    same drafts as the torch executor (acceptance lengths step for step), tokens == ar, and a shorter verify length
+    reads the first drafts of the whole block."""
+    pytest.importorskip("onnxruntime")
+    config = write_family_config(tmp_path / "ort.yaml", dflash2_pair, backend="onnxruntime",
+                                 output=str(tmp_path / "ort"))
+    assert main(["build", str(config)]) == 0
+    ort = Engine.load(tmp_path / "ort")
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    reqs = family_requests(ort.executor.vocab_size)
+    runs = [{r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in e.decoder("dflash").generate(reqs)}
+            for e in (ort, engine)]
+    assert runs[0] == runs[1]
+    assert {i: tokens for i, (tokens, _) in runs[0].items()} == \
+        {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    assert_dflash_equals_ar_greedy_and_sampled(ort)
+    short = {r.request.id: r.output_token_ids for r in ort.decoder("dflash", block_size=4).generate(reqs)}
+    assert short == {i: tokens for i, (tokens, _) in runs[0].items()}
+
+
 def _edited_drafter(pair, tmp_path, **dflash_config):
     """A copy of the pair whose drafter config.json has these dflash_config values."""
     root = tmp_path / "edited"
@@ -138,8 +160,8 @@ def test_a_speculators_dflash2_drafter_needs_the_whole_vocabulary(dflash2_pair, 
 
 
 def test_what_dflash2_does_not_run_with_is_refused(dflash2_pair, engine_dir, tmp_path, capsys):
-    for fields, says in (({"backend": "onnxruntime"}, "is a DFlash2 drafter, which backend onnxruntime does not "
-                                                      "support yet"),
+    for fields, says in (({"backend": "tensorrt"}, "is a DFlash2 drafter, which backend tensorrt does not support "
+                                                   "yet"),
                          ({"quantization": "fp8", "quantize_drafter": True}, "is a DFlash2 drafter, which "
                                                                             "quantize_drafter does not support yet")):
         config = write_family_config(tmp_path / "build.yaml", dflash2_pair, output=str(tmp_path / "out"), **fields)

@@ -65,6 +65,8 @@ drafter_draft.onnx
          key_positions int64 [keys]           arange(keys): the context keys attended, max_b(start_b) <= keys <= max_len
          past_key_i, past_value_i    the drafter's caches, i = 0 .. drafter layers - 1
     out  draft_tokens int64  [batch, block - 1]   argmax of the target's lm_head on the drafter's hidden states
+                             (a DFlash2 drafter: its candidate selector's walk; block is then the trained block_size,
+                             static, and no drafter_candidates / target_tree graphs are exported)
          present_key_i, present_value_i   the caches with the context rows written (the block's are not)
 
 Cache invariant (as TorchExecutor's): row b's positions < start_b hold its request's K/V; positions at or
@@ -208,6 +210,9 @@ class DrafterDraft(nn.Module):
         rows = torch.arange(block_ids.shape[0], device=block_ids.device)
         hidden = self.drafter(self.target.embed(block_ids), positions, positions[:, 0], rows, cache,
                               context_hidden, context_positions, kv_len=key_positions.shape[0])
+        if self.drafter.candidate_selector is not None:  # DFlash2: the selector's walk (the block is static)
+            return (self.drafter.greedy_tokens(hidden[:, 1:], self.target.logits, block_ids[:, 0]),
+                    *cache.present())
         # lm_head over the whole block, then drop row 0: any op on the [B, block - 1, ...] slice makes
         # torch.export assume block - 1 != 1, and block 2 (one draft token) is a valid run-time block size.
         return (self.target.logits(hidden).argmax(dim=-1)[:, 1:], *cache.present())
@@ -301,20 +306,23 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
     ))
     starts = torch.tensor([4, 6, 9])
     context_starts = starts - torch.tensor([2, 1, 4])  # 2, 1 and 4 new positions, padded to 5 rows
+    # A DFlash2 drafter's walk runs once per draft position: its graph has the trained block, static.
+    dflash2 = drafter.params.dflash2 is not None
+    width, block_axis = (drafter.params.block_size, {0: batch}) if dflash2 else (7, {0: batch, 1: block})
     graphs.append(_Graph(
         DRAFTER_DRAFT, DrafterDraft(target, drafter),
-        (torch.zeros(b, 7, dtype=torch.long), starts[:, None] + torch.arange(7),
+        (torch.zeros(b, width, dtype=torch.long), starts[:, None] + torch.arange(width),
          torch.zeros(b, 5, features, dtype=drafter.norm.weight.dtype), context_starts[:, None] + torch.arange(5),
          torch.arange(13), d_past),
-        ({0: batch, 1: block}, {0: batch, 1: block}, {0: batch, 1: ctx}, {0: batch, 1: ctx}, {0: keys},
+        (block_axis, block_axis, {0: batch, 1: ctx}, {0: batch, 1: ctx}, {0: keys},
          [cache_axes] * len(d_past)),
         ["block_ids", "positions", "context_hidden", "context_positions", "key_positions",
          *cache_names(d_layers, "past")],
         ["draft_tokens", *cache_names(d_layers, "present")],
-        {("block_ids", 0): "batch", ("block_ids", 1): "block", ("context_hidden", 1): "ctx",
+        {("block_ids", 0): "batch", **({} if dflash2 else {("block_ids", 1): "block"}), ("context_hidden", 1): "ctx",
          ("key_positions", 0): "keys", **names(d_layers)},
     ))
-    if not trees:
+    if not trees or dflash2:  # (a DFlash2 drafter's walk is one chain: no trees)
         return graphs
     # Draft trees (speculative/tree.py): the drafter's candidates, and a target pass over the trees' nodes
     nodes, k = Dim("nodes", min=2), Dim("candidates", min=1)

@@ -124,14 +124,15 @@ def check_own_lm_head(cfg: BuildConfig, draft_vocab_size: int | None, source: st
 
 
 def check_dflash2(cfg: BuildConfig, drafter: DrafterCheckpoint, source: str) -> None:
-    """A DFlash2 drafter runs on the torch executor, unquantized: the exported graphs draft by an argmax (no candidate
-    selector walk) and the drafter's quantization calibrates DFlash's modules only."""
+    """A DFlash2 drafter runs on the torch and onnxruntime executors, unquantized: its graph (the selector's walk over
+    the trained block) is not compiled for TensorRT yet, and the drafter's quantization calibrates DFlash's modules
+    only."""
     if drafter.params.dflash2 is None:
         return
     what = f"{source}: drafter {cfg.drafter} is a DFlash2 drafter"
-    if cfg.backend != "torch":
-        raise UserError(f"{what}, which backend {cfg.backend} does not support yet (its graphs have no convolutions "
-                        "or candidate selector); use backend: torch.")
+    if cfg.backend == "tensorrt":
+        raise UserError(f"{what}, which backend tensorrt does not support yet (its plans are not built from the "
+                        "candidate selector's graph); use backend: onnxruntime or torch.")
     if cfg.quantize_drafter:
         raise UserError(f"{what}, which quantize_drafter does not support yet; use quantize_drafter: false.")
 

@@ -109,6 +109,8 @@ class OnnxRuntimeExecutor:
         self.num_slots, self.vocab_size, self.max_seq_len = cfg.max_batch_size, target.vocab_size, cfg.max_seq_len
         self.block_size = block_size or params.block_size
         self.trained_block = params.block_size
+        # A DFlash2 drafter's graph walks its selector over the trained block, whose length is static in it
+        self._whole_block = params.dflash2 is not None
         self.mask_token_id = params.mask_token_id
         self.tree_budget = tree_budget
         self._dtype = dtype
@@ -187,10 +189,14 @@ class OnnxRuntimeExecutor:
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
-        whole block: the graph has one block length), after writing `context` into the drafter's caches."""
+        whole block: the graph has one block length), after writing `context` into the drafter's caches. A DFlash2
+        drafter's graph drafts its trained block whatever `width` asks (its walk's length is static): a shorter
+        verify length reads its first drafts, as --block-size auto does."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
         with self._on_own_stream():
-            width = width or self.block_size
+            requested = width or self.block_size
+            num_drafts = requested - 1 if num_drafts is None else num_drafts
+            width = self.trained_block if self._whole_block else requested
             block = block_input(anchors, self.mask_token_id, width)
             positions = starts[:, None] + torch.arange(width, device=self.device)
             if context is None:
