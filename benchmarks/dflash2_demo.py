@@ -9,11 +9,12 @@ both runs), with the same seed and settings, so both see the same batches: one s
 256, top 16). A DFlash2 drafter from scratch would need the demo drafter's whole budget (37 min of training steps)
 twice over; continuing isolates what the architecture adds for the same extra steps.
 
-Then the shipped drafter and both continued ones, as torch engines of the demo target (1 thread, greedy), decode the
+Then the shipped drafter and both continued ones, as engines of the demo target (`--backend`: torch, or onnxruntime as
+the demo builds; 1 thread, greedy), decode the
 held-out prompts (`benchmarks/prompts/heldout_code.jsonl`, never trained on) at batch 1 (one request after another)
 and batch 8 (all at once); the engines alternate within every round, medians over rounds: acceptance length (all
 committed tokens over all steps), tokens/s, and whether the tokens are plain decoding's.
-Results: benchmarks/results/dflash2_demo.json.
+Results: benchmarks/results/dflash2_demo.json (torch), dflash2_demo_onnxruntime.json.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def train(work: Path, name: str, arch: str, steps: int, lr: float, prompts: Path
     return out
 
 
-def engine_dir(work: Path, name: str, drafter: Path) -> Path:
-    out = work / f"engine-{name}"
-    config = work / f"build-{name}.yaml"
+def engine_dir(work: Path, name: str, drafter: Path, backend: str) -> Path:
+    out = work / f"engine-{backend}-{name}"
+    if (out / "config.json").exists():
+        return out
+    config = work / f"build-{backend}-{name}.yaml"
     config.write_text(json.dumps({"target": str(DEMO / "target"), "drafter": str(drafter), "output": str(out),
-                                  "dtype": "float32", "backend": "torch", "max_batch_size": 8, "max_seq_len": 2048}))
+                                  "dtype": "float32", "backend": backend, "max_batch_size": 8, "max_seq_len": 2048}))
     cli("build", str(config), "--force")
     return out
 
@@ -94,8 +97,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts decoded")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "dflash2_demo.json")
+    ap.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch",
+                    help="the engines' executor (onnxruntime: each engine's graphs exported first, ~1 min each)")
+    ap.add_argument("--output", type=Path)
     args = ap.parse_args()
+    args.output = args.output or ROOT / "benchmarks" / "results" / (
+        "dflash2_demo.json" if args.backend == "torch" else f"dflash2_demo_{args.backend}.json")
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = args.work / "drafter_prompts.jsonl"
     if not prompts.exists():
@@ -108,7 +115,7 @@ def main() -> None:
                 "DFlash2 +steps": train(args.work, "dflash2", "dflash2", args.steps, args.lr, prompts)}
     training = {name: json.loads((path / "training.json").read_text())["state"]
                 for name, path in drafters.items() if name != "shipped DFlash"}
-    engines = {name: Engine.load(engine_dir(args.work, name.split()[0].lower() + str(i), path), threads=1)
+    engines = {name: Engine.load(engine_dir(args.work, str(i), path, args.backend), threads=1)
                for i, (name, path) in enumerate(drafters.items())}
     any_engine = next(iter(engines.values()))
     texts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
@@ -137,7 +144,7 @@ def main() -> None:
                               "same_tokens_as_plain": all(x["outputs"] == plain for x in rs)}
                        for name, rs in by_engine.items()}
              for setting, by_engine in runs.items()}
-    report = {"steps": args.steps, "lr": args.lr, "training_prompts": args.prompts, "settings": SETTINGS,
+    report = {"backend": args.backend, "steps": args.steps, "lr": args.lr, "training_prompts": args.prompts, "settings": SETTINGS,
               "threads": 1, "prompts": len(requests), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
               "load_before": load_before, "load_after": load(),
               "training": {name: {"seconds_of_steps": round(t["seconds"], 1),
