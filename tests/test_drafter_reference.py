@@ -152,7 +152,7 @@ def check_cached_batched_drafter(ckpt):
         padded[r, :n] = features[r][:n]
     drafter.append_context(padded, torch.arange(max(lengths)).expand(3, -1), slots, cache)
     starts = torch.tensor(lengths)
-    context = None  # positions committed by the last step that the next draft pass adds itself
+    context = context_positions = None  # positions committed by the last step that the next draft pass adds itself
     for accepted, fused in (([2, 0, 5], False), ([1, 3, 0], True), ([0, 0, 0], True), (None, None)):
         embeds = torch.randn(3, block, H)
         added = () if context is None else (context, context_positions)
