@@ -129,9 +129,10 @@ TP_LINES = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_n
 
 
 def assert_mpiexec_run_equals_one_process(one: Path, split: Path, tmp_path: Path, *run_args: str, ranks: int = 2,
-                                          lines: list[dict] = TP_LINES) -> None:
-    """`run` of the split engine under `mpiexec -n ranks` gives the tokens of `run` of the one-rank engine, for every
-    line (`run_args` passed to both)."""
+                                          lines: list[dict] = TP_LINES,
+                                          fields: tuple[str, ...] = ("output_token_ids",)) -> None:
+    """`run` of the split engine under `mpiexec -n ranks` gives the tokens (the output lines' `fields`) of `run` of the
+    one-rank engine, for every line (`run_args` passed to both)."""
     from trtllm_dflash.cli import main
 
     prompts, ref, out = tmp_path / "in.jsonl", tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
@@ -143,7 +144,7 @@ def assert_mpiexec_run_equals_one_process(one: Path, split: Path, tmp_path: Path
     assert proc.returncode == 0, proc.stderr
 
     def tokens(path: Path) -> dict:
-        return {r["id"]: r["output_token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+        return {r["id"]: [r[f] for f in fields] for r in map(json.loads, path.read_text().splitlines())}
 
     assert tokens(out) == tokens(ref) and len(tokens(ref)) == len(lines)
 

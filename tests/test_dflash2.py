@@ -1,6 +1,7 @@
-"""DFlash2 drafters (docs/algorithm.md §DFlash2 drafters) on the torch executor: lossless decoding with drafts that
-are the candidate selector's, the training pass equal to the inference pass, the speculators format both ways, and
-every configuration or option they cannot run with refused in one sentence. The drafter's equations against a
+"""DFlash2 drafters (docs/algorithm.md §DFlash2 drafters) on the torch and onnxruntime executors and under tensor
+parallelism: lossless decoding with drafts that are the candidate selector's, the training pass equal to the inference
+pass, the speculators format both ways, and every configuration or option they cannot run with refused in one
+sentence. The drafter's equations against a
 float64 restatement: tests/test_drafter_reference.py."""
 
 import json
@@ -9,11 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from tests.conftest import assert_dflash_equals_ar_greedy_and_sampled, build, family_requests, write_family_config
+from tests.conftest import (
+    MPIEXEC,
+    assert_dflash_equals_ar_greedy_and_sampled,
+    assert_mpiexec_run_equals_one_process,
+    build,
+    family_requests,
+    write_family_config,
+)
 from trtllm_dflash.checkpoint.formats import load_drafter, load_pair
 from trtllm_dflash.checkpoint.speculators import convert_to_speculators
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
+from trtllm_dflash.engine_dir import rank_file
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.runtime.runner import Engine
@@ -115,6 +125,21 @@ def test_onnxruntime_walks_the_selector_as_the_torch_executor(dflash2_pair, engi
     assert_dflash_equals_ar_greedy_and_sampled(ort)
     short = {r.request.id: r.output_token_ids for r in ort.decoder("dflash", block_size=4).generate(reqs)}
     assert short == {i: tokens for i, (tokens, _) in runs[0].items()}
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
+def test_tp_under_mpiexec_drafts_as_one_process(dflash2_pair, tmp_path):
+    """tp 2: the convolutions and the selector replicated on both ranks (the rank files hold them whole), around the
+    split attention and MLP: the same tokens and the same acceptance lengths (the same drafts) as one process."""
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", dflash2_pair)), "--output", str(one)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", dflash2_pair, tp_size=2)), "--output",
+                 str(two)]) == 0
+    full, rank = load_file(str(one / rank_file(0))), load_file(str(two / rank_file(1)))
+    for name in ("drafter.layers.1.mlp_conv.kernel_projection.weight", "drafter.candidate_selector.successor_codebook"):
+        assert torch.equal(rank[name], full[name]), name
+    assert_mpiexec_run_equals_one_process(one, two, tmp_path, fields=("output_token_ids", "acceptance_lengths"))
 
 
 def _edited_drafter(pair, tmp_path, **dflash_config):
