@@ -1,6 +1,6 @@
 """DDTree against the chain on the demo pair (issue 31): acceptance, tokens/s and the verify pass's cost per node.
 
-    python benchmarks/tree_drafting.py --engine /tmp/kv/demo --rounds 3 [--backend onnxruntime]
+    python benchmarks/tree_drafting.py --engine /tmp/kv/demo --rounds 3 [--backend onnxruntime] [--auto]
 
 One loaded engine (the torch executor, or onnxruntime's on an engine built for it; 1 thread, greedy), sized for the
 largest tree, so every policy runs the same weights and caches: the chain of the trained block (16: the anchor and 15 drafts) and trees of 16, 32 and 64
@@ -11,7 +11,8 @@ all the requests' committed tokens over all their steps; at batch 8 the steps wh
 commit fewer count alike),
 tokens/s, and whether the tokens are plain decoding's. Then the target pass alone at 1 + {1, 15, 16, 32, 64} tokens a
 row for batch 1 and 8 after a 256-token context, medians: what a node costs on this CPU, which decides where trees pay.
-Results: benchmarks/results/tree_drafting.json (torch), tree_drafting_onnxruntime.json.
+`--auto` adds `--block-size auto` over chains and auto with the tree of block_size - 1 nodes as one more choice.
+Results: benchmarks/results/tree_drafting.json (torch), tree_drafting_onnxruntime.json, tree_drafting_auto*.json.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.executor import HostRows
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.runtime.verify import FixedBlock, PlainDecoding, TreeDrafting
+from trtllm_dflash.runtime.costs import load_or_measure
+from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, TreeDrafting
+from trtllm_dflash.speculative.schedule import AutoBlockSize
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = (16, 32, 64)
@@ -69,15 +72,22 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
+    ap.add_argument("--auto", action="store_true",
+                    help="also --block-size auto over chains, and auto with a tree of block_size - 1 nodes as one more "
+                         "choice (the pass costs measured or read from the cache first)")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     results = ROOT / "benchmarks" / "results"
-    args.output = args.output or results / ("tree_drafting.json" if args.backend == "torch" else
-                                            f"tree_drafting_{args.backend}.json")
+    args.output = args.output or results / ("tree_drafting" + ("_auto" if args.auto else "")
+                                            + ("" if args.backend == "torch" else f"_{args.backend}") + ".json")
     engine = Engine.load(args.engine, backend=args.backend, threads=1, tree_budget=max(BUDGETS))
     cfg, executor = engine.config, engine.executor
     block = cfg.dflash.block_size
     policies = {f"chain {block}": FixedBlock(block), **{f"tree {b}": TreeDrafting(b) for b in BUDGETS}}
+    if args.auto:  # each keeps learning over the rounds, as a server's would
+        costs, _ = load_or_measure(args.engine, executor, args.backend)
+        policies |= {"auto": AutoBlock(AutoBlockSize(costs, block)),
+                     f"auto + tree {block - 1}": AutoBlock(AutoBlockSize(costs, block, tree_budget=block - 1))}
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
                if line.strip()][: args.num_prompts]
     requests = [Request(i, engine.tokenizer(p)["input_ids"], args.max_new_tokens) for i, p in enumerate(prompts)]

@@ -134,7 +134,7 @@ def test_ar_runs_beside_every_block_size(bench_engine, tmp_path):
 
 def test_trees_are_points_of_their_own(bench_engine, tmp_path, capsys):
     """--block-sizes 8,tree12: a DDTree of 12 nodes is a point beside the chain, with the same tokens as AR; a tree
-    with auto, or of 0 nodes, is refused in one sentence."""
+    of the block's size or more with auto, or of 0 nodes, is refused in one sentence."""
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f():"}, {"id": "b", "prompt": "x = 1"}])
     opts = BenchOptions((1, 2), ("ar", "dflash"), (8, "tree12"), num_requests=2, max_new_tokens=12, warmup=0,
                         repeats=1)
@@ -146,7 +146,8 @@ def test_trees_are_points_of_their_own(bench_engine, tmp_path, capsys):
     assert main(["bench", str(bench_engine), "--dataset", str(dataset), "--block-sizes", "auto,tree8"]) == \
         EXIT_USER_ERROR
     err = capsys.readouterr().err
-    assert "draft trees (--tree-budget, bench's treeN) and --block-size auto: choose one" in err and len(err.strip().splitlines()) == 1, err
+    assert ("a tree budget of 8 (--tree-budget, bench's treeN) with --block-size auto: auto prices trees of at most "
+            "block_size - 1 = 7 nodes") in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(SystemExit):
         main(["bench", str(bench_engine), "--dataset", str(dataset), "--block-sizes", "tree0"])
     assert "argument --block-sizes: a tree has 1 to 1024 nodes, got 'tree0'" in capsys.readouterr().err

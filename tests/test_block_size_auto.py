@@ -18,8 +18,8 @@ from trtllm_dflash.runtime.costs import (PassCosts, acceptance_path, load_or_mea
                                          read_acceptance, read_profile, write_acceptance)
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
-from trtllm_dflash.speculative.schedule import (PRIOR_RATE, AcceptanceEstimate, AutoBlockSize, CostCorrection,
-                                                choose_verify_length, expected_committed)
+from trtllm_dflash.speculative.schedule import (PRIOR_RATE, TREE_PRIOR_GAIN, AcceptanceEstimate, AutoBlockSize,
+                                                CostCorrection, choose_verify_length, expected_committed)
 
 # ------------------------------------------------------------------------------------------------
 # The chooser: a pure function of P(accepted >= j) and the step costs
@@ -98,6 +98,26 @@ def test_auto_block_size_on_a_hand_made_cost_table():
     for _ in range(200):  # long enough for the rejections to outweigh the (decayed) acceptances
         auto.observe(8, [0] * 4)
     assert auto.choose(batch=2, context=64) == 1
+
+
+def test_a_tree_is_one_more_choice_on_a_hand_made_cost_table():
+    """With a tree budget, the tree is priced as a verify of budget + 1 tokens and by its own estimate: at first the
+    chain's expected tokens at that length x TREE_PRIOR_GAIN (so where long chains pay, the tree is tried), then what
+    tree steps committed; while chains run, it drifts back to that prior."""
+    auto = AutoBlockSize(hand_costs(), block_size=8, tree_budget=7)
+    assert auto.choose_tree(batch=1, context=64) is None  # 8 tokens cost 1 here: the tree's prior beats the chain
+    assert auto.choose(batch=1, context=64) == 8  # (choose alone never picks it)
+    assert auto.choose_tree(batch=8, context=64) == 1  # tokens are dear at batch 8: plain steps
+    for _ in range(40):  # tree steps that commit 1 token a request
+        auto.observe_tree([1, 1])
+    assert auto.choose_tree(batch=1, context=64) == 8
+    for _ in range(300):  # chain steps accepting everything; the tree's evidence ages away
+        auto.observe(8, [7, 7])
+    assert auto.choose_tree(batch=1, context=64) is None
+    at_least = auto.estimate.accept_at_least()
+    assert auto.tree.expected(TREE_PRIOR_GAIN * expected_committed(at_least, 8)) > expected_committed(at_least, 8)
+    with pytest.raises(AssertionError):  # (the runner refuses such budgets in one sentence first)
+        AutoBlockSize(hand_costs(), block_size=8, tree_budget=8)
 
 
 def test_requests_own_acceptance_decides_the_batchs_k():
@@ -268,6 +288,39 @@ def test_any_verify_lengths_keep_dflash_equal_to_ar(biased_engines):
     assert set(policy.chosen) == set(range(1, 9))
     steps = [n for r in auto.values() for n in r.acceptance_lengths]
     assert max(steps) > 2  # drafts were accepted after AR steps: the drafter's context was kept up to date
+
+
+class RandomVerifyOrTree(RandomVerifyLength):
+    """A tree of `tree_budget` nodes or a random k each step (AutoBlock runs the tree as TreeDrafting's step)."""
+
+    def __init__(self, block_size: int, tree_budget: int, seed: int = 0):
+        super().__init__(block_size, seed)
+        self.tree_budget = tree_budget
+
+    def choose_tree(self, batch: int, context: float, requests=(), pending: float = 0.0, remaining=None):
+        tree = self.rng.random() < 0.4
+        self.chosen.append(None if tree else self.rng.randint(1, self.block_size))
+        return self.chosen[-1]
+
+    def observe_tree(self, committed) -> None:
+        assert all(n >= 1 for n in committed)
+
+
+def test_auto_with_trees_keeps_dflash_equal_to_ar(biased_engines, monkeypatch):
+    """--block-size auto --tree-budget 7: tree steps among chain and plain steps, in any order (deferred prompt
+    features handed over first), commit ar's tokens, greedy and sampled, requests joining mid-run; every tree the
+    policy chose ran as one tree pass."""
+    ex = biased_engines[8].executor
+    reqs = mixed_requests(ex.vocab_size)
+    ar = decode(ex, "ar", reqs)
+    policy = RandomVerifyOrTree(ex.block_size, tree_budget=7)
+    passes, verify_tree = [], ex.verify_tree
+    monkeypatch.setattr(ex, "verify_tree", lambda *args, **kw: passes.append(args[0].shape) or verify_tree(*args, **kw))
+    auto = decode(ex, "dflash", reqs, policy)
+    assert {i: r.output_token_ids for i, r in auto.items()} == {i: r.output_token_ids for i, r in ar.items()}
+    assert None in policy.chosen and 1 in policy.chosen and 8 in policy.chosen
+    assert len(passes) == policy.chosen.count(None) and all(shape[1] == 8 for shape in passes)  # the anchor + 7
+    assert max(n for r in auto.values() for n in r.acceptance_lengths) > 2
 
 
 class FullBlock(RandomVerifyLength):

@@ -211,8 +211,21 @@ def test_compare_with_a_tree_budget(engines, tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())  # (rich wraps lines)
     assert "a tree of 12 draft nodes a step, 3 prompts" in out and "outputs identical: yes" in out
     assert main(compare + ["--tree-budget", "12", "--block-size", "4"]) == EXIT_USER_ERROR
-    assert "--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar or --block-size." \
-        in capsys.readouterr().err
+    assert ("--tree-budget drafts a tree every step of --mode dflash (or, with --block-size auto, where it pays); it "
+            "does not take --mode ar or a fixed --block-size.") in capsys.readouterr().err
+
+
+def test_run_with_auto_and_a_tree_budget(engines, tmp_path):
+    """`run --block-size auto --tree-budget 7`: auto measures the passes and chooses chains, plain steps or the tree
+    step by step; the tokens are ar's."""
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [5 + i, 6, 7, 8], "max_new_tokens": 24}) + "\n"
+                               for i in range(4)))
+    outs = {}
+    for name, extra in (("auto-tree", ["--block-size", "auto", "--tree-budget", "7"]), ("ar", ["--mode", "ar"])):
+        assert main(["run", str(engines["qwen3"]), "--input", str(prompts), "--output", str(tmp_path / name), *extra]) == 0
+        outs[name] = {r["id"]: r["output_token_ids"] for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+    assert outs["auto-tree"] == outs["ar"] and len(outs["ar"]) == 4
 
 
 def test_graphs_without_the_tree_graphs_refuse_trees(ort_engine_dir, tmp_path):
@@ -247,15 +260,20 @@ def test_a_paged_cache_moves_the_path_too(engines, pairs, tmp_path):
     assert decoder.preemptions > 0
 
 
+TREE_OPTIONS = ("--tree-budget drafts a tree every step of --mode dflash (or, with --block-size auto, where it pays); "
+                "it does not take --mode ar or a fixed --block-size.")
+
+
 def test_bad_tree_budgets_are_one_sentence(engines, tmp_path, capsys):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
     run = ["run", str(engines["qwen3"]), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")]
     for extra, message in (
-            (["--tree-budget", "8", "--mode", "ar"], "--tree-budget drafts a tree every step of --mode dflash; it "
-                                                    "does not take --mode ar or --block-size."),
-            (["--tree-budget", "8", "--block-size", "4"], "--tree-budget drafts a tree every step of --mode dflash; it "
-                                                         "does not take --mode ar or --block-size."),
+            (["--tree-budget", "8", "--mode", "ar"], TREE_OPTIONS),
+            (["--tree-budget", "8", "--block-size", "4"], TREE_OPTIONS),
+            (["--tree-budget", "8", "--block-size", "auto"],
+             "a tree budget of 8 (--tree-budget, bench's treeN) with --block-size auto: auto prices trees of at most "
+             "block_size - 1 = 7 nodes"),
             (["--tree-budget", "8", "--backend", "tensorrt"],
              "--tree-budget: the tensorrt executor does not verify draft trees yet; drop --tree-budget or use --backend "
              "torch or onnxruntime.")):

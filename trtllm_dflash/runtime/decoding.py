@@ -436,6 +436,9 @@ class Decoder:
         if self.policy.drafts:  # features held back that need a pass of their own first
             self._flush_context([a for a in active if a.num_pending >= MAX_PENDING_CONTEXT or
                                  (k > 1 and a.num_pending > self.executor.block_size)])
+        if getattr(self.policy, "tree_step", False):  # (--block-size auto chose the tree)
+            self._tree_step(active, shape, began)
+            return
         batch = self._stage(active)
         if k == 1:  # plain: the anchor alone (with a drafter, its features are kept for later steps)
             out = self.executor.target_forward(batch.anchors[:, None], batch.starts, batch.slots,

@@ -39,7 +39,7 @@ class RunOptions:
 
 
 def check_tree_options(tree_budget: int | None, mode: Mode, block_size: BlockSize | None) -> None:
-    """--tree-budget with what it cannot go with, in one sentence (`run` and `serve`)."""
-    if tree_budget is not None and (mode != "dflash" or block_size is not None):
-        raise UserError("--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar or "
-                        "--block-size.")
+    """--tree-budget with what it cannot go with, in one sentence (`run`, `serve` and `compare`)."""
+    if tree_budget is not None and (mode != "dflash" or block_size not in (None, "auto")):
+        raise UserError("--tree-budget drafts a tree every step of --mode dflash (or, with --block-size auto, where it "
+                        "pays); it does not take --mode ar or a fixed --block-size.")

@@ -127,7 +127,8 @@ class Engine:
             positions = executor.block_size - 1
             prior = read_acceptance(root, positions)  # the last run's rates, if any
             auto_block = AutoBlockSize(costs, executor.block_size, AcceptanceEstimate(positions, prior=prior),
-                                       record=lambda rates: write_acceptance(root, rates))
+                                       record=lambda rates: write_acceptance(root, rates),
+                                       tree_budget=tree_budget or 0)
         return cls(cfg, load_tokenizer(root / TOKENIZER), executor, auto_block)
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = (), block_size: BlockSize | None = None
@@ -146,7 +147,7 @@ class Engine:
                 raise UserError(f"{block_size}: this engine was loaded for trees of at most "
                                 f"{getattr(self.executor, 'tree_budget', 0)} nodes.")
             policy = TreeDrafting(budget)
-        elif block_size is None and getattr(self.executor, "tree_budget", 0):
+        elif block_size is None and getattr(self.executor, "tree_budget", 0) and self.auto_block is None:
             policy = TreeDrafting(self.executor.tree_budget)
         elif block_size == "auto" or (block_size is None and self.auto_block is not None):
             if self.auto_block is None:
@@ -172,10 +173,11 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
     if backend == "tensorrt":
         raise UserError("--tree-budget: the tensorrt executor does not verify draft trees yet; drop --tree-budget or "
                         "use --backend torch or onnxruntime.")
-    if auto:
-        raise UserError("draft trees (--tree-budget, bench's treeN) and --block-size auto: choose one (auto does not "
-                        "price trees yet).")
     target, _, params = engine_specs(cfg)
+    if auto and budget >= params.block_size:
+        raise UserError(f"a tree budget of {budget} (--tree-budget, bench's treeN) with --block-size auto: auto prices "
+                        f"trees of at most block_size - 1 = {params.block_size - 1} nodes (a verify pass no longer than "
+                        "the block whose costs it measured).")
     if params.dflash2 is not None:
         raise UserError("--tree-budget: this engine's drafter is DFlash2, whose candidate selector walks one chain of "
                         "drafts (a tree of it is not defined yet); drop --tree-budget.")

@@ -4,7 +4,8 @@
     FixedBlock(k)      k every step: DFlash with a block of k tokens, the anchor and k - 1 drafts (`--block-size k`).
     AutoBlock(auto)    the k in 1 .. block_size that maximises expected tokens/s for the running batch, from
                        measured pass costs and the acceptance seen so far (`--block-size auto`,
-                       speculative/schedule.py); k = 1 is a plain step that keeps the target's features for later.
+                       speculative/schedule.py); k = 1 is a plain step that keeps the target's features for later;
+                       with `--tree-budget n` (n < block_size) a tree of n nodes is one more choice.
     TreeDrafting(n)    a tree of the n best draft nodes and the anchor every step (`--tree-budget n`, DDTree).
 
 Every policy is lossless: the tokens committed are the target's own whatever k is (speculative/core.py), so the
@@ -97,32 +98,6 @@ class FixedBlock:
         pass
 
 
-class AutoBlock:
-    """`--block-size auto`: the engine's AutoBlockSize chooses k per step and learns from what each step accepted and
-    how long it took. Decoders of one engine share it, so each starts from what the previous ones saw."""
-
-    drafts, defers_context = True, True
-    width = None  # the whole trained block: its pass costs were measured so, and the first k - 1 drafts are read
-
-    def __init__(self, auto: AutoBlockSize):
-        self.auto = auto
-        self.longest = auto.block_size
-
-    def new_request(self) -> AcceptanceEstimate:
-        return self.auto.new_request()
-
-    def choose(self, shape: StepShape) -> int:
-        return self.auto.choose(shape.batch, shape.context, shape.estimates, shape.pending, shape.remaining)
-
-    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
-        self.auto.observe(k, accepted, shape.estimates)  # k = 1 verifies no draft: only the step is counted
-        self.auto.observe_time(shape.batch, shape.context, k, seconds, shape.pending)
-
-    def save(self) -> None:
-        """The acceptance seen, as the next run's prior."""
-        self.auto.save()
-
-
 @dataclass(frozen=True)
 class TreeDrafting:
     """`--tree-budget N` (DDTree, speculative/tree.py): every step drafts the trained block's positions in one drafter
@@ -156,3 +131,42 @@ def verify_policy(mode: Mode, block_size: int, auto: AutoBlockSize | None = None
     if mode == "ar":
         return PlainDecoding()
     return AutoBlock(auto) if auto is not None else FixedBlock(block_size)
+
+
+class AutoBlock:
+    """`--block-size auto`: the engine's AutoBlockSize chooses k per step and learns from what each step accepted and
+    how long it took. Decoders of one engine share it, so each starts from what the previous ones saw. With a tree
+    budget (`--tree-budget`, at most block_size - 1), a step may verify a draft tree of that many nodes instead
+    (`tree_step`: the Decoder runs it as TreeDrafting's), when its own estimate says it commits more per second."""
+
+    drafts, defers_context = True, True
+    width = None  # the whole trained block: its pass costs were measured so, and the first k - 1 drafts are read
+    candidates = TreeDrafting.candidates  # (a tree step's tokens per position)
+
+    def __init__(self, auto: AutoBlockSize):
+        self.auto = auto
+        self.longest = auto.block_size
+        self.budget = auto.tree_budget
+        self.tree_step = False  # whether the step chosen last is a tree's
+
+    def new_request(self) -> AcceptanceEstimate:
+        return self.auto.new_request()
+
+    def choose(self, shape: StepShape) -> int:
+        args = (shape.batch, shape.context, shape.estimates, shape.pending, shape.remaining)
+        if not self.budget:
+            return self.auto.choose(*args)
+        k = self.auto.choose_tree(*args)
+        self.tree_step = k is None
+        return self.budget + 1 if k is None else k
+
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+        if self.tree_step:
+            self.auto.observe_tree([n + 1 for n in accepted])
+        else:
+            self.auto.observe(k, accepted, shape.estimates)  # k = 1 verifies no draft: only the step is counted
+        self.auto.observe_time(shape.batch, shape.context, k, seconds, shape.pending)
+
+    def save(self) -> None:
+        """The acceptance seen, as the next run's prior."""
+        self.auto.save()

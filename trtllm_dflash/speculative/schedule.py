@@ -126,6 +126,35 @@ class AcceptanceEstimate:
         return out
 
 
+# A draft tree of `budget` nodes (`--tree-budget` with `--block-size auto`) is priced by its own estimate of committed
+# tokens per request and step, which starts at the chain's of as many tokens times this (DDTree's trees of the chain's
+# size committed 1.25x the chain's tokens on the demo pair: docs/run.md) and weighs that like PRIOR_WEIGHT steps.
+TREE_PRIOR_GAIN = 1.25
+
+
+class TreeEstimate:
+    """Committed tokens per request in a tree step (`--block-size auto` with `--tree-budget`): decayed counts with a
+    prior, as AcceptanceEstimate's. Every step ages it (DECAY), a tree step also adds what it committed, so while the
+    chains win it drifts back to its prior and the chooser tries a tree again. Example: prior 4.0 (weight 4), two
+    tree steps committing 2 and 3 per request -> (2 + 3 + 4 x 4.0 x decay^k...) / (2 + 4) ~ 3.5."""
+
+    def __init__(self, prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY):
+        self.prior_weight, self.decay = prior_weight, decay
+        self.committed = self.steps = 0.0
+
+    def age(self) -> None:
+        self.committed *= self.decay
+        self.steps *= self.decay
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """One tree step: the tokens each request committed (its accepted path and the bonus)."""
+        self.committed += sum(committed) / len(committed)
+        self.steps += 1
+
+    def expected(self, prior: float) -> float:
+        return (self.committed + self.prior_weight * prior) / (self.steps + self.prior_weight)
+
+
 @dataclass
 class _Correction:
     """One batch-size bucket's correction (CostCorrection)."""
@@ -185,12 +214,16 @@ class AutoBlockSize:
     times) and the acceptance estimate (learnt)."""
 
     def __init__(self, costs: StepCostModel, block_size: int, estimate: AcceptanceEstimate | None = None,
-                 correction: CostCorrection | None = None, record: Callable[[list[float]], None] | None = None):
+                 correction: CostCorrection | None = None, record: Callable[[list[float]], None] | None = None,
+                 tree_budget: int = 0):
         """`record`: called with the engine's conditional rates every SAVE_EVERY steps and by `save` (runtime/costs.py
-        keeps them as the next run's prior)."""
-        self.costs, self.block_size = costs, block_size
+        keeps them as the next run's prior). `tree_budget` (at most block_size - 1): a draft tree of that many nodes is
+        one more choice (`choose_tree`), priced as a verify of budget + 1 tokens and by its own TreeEstimate."""
+        assert 0 <= tree_budget < block_size, (tree_budget, block_size)
+        self.costs, self.block_size, self.tree_budget = costs, block_size, tree_budget
         self.estimate = estimate or AcceptanceEstimate(block_size - 1)
         self.correction = correction or CostCorrection()
+        self.tree = TreeEstimate(decay=self.estimate.decay)
         self.record, self._steps = record, 0
         # Predicted seconds for k = 1 .. block_size by (batch, context rounded up to CONTEXT_STEP): interpolating
         # the cost tables for every k costs ~1 ms of Python, a tenth of a small model's AR step.
@@ -206,7 +239,21 @@ class AutoBlockSize:
 
     def choose(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate] = (),
                pending: float = 0.0, remaining: float | None = None) -> int:
-        """The verify length for a step of `batch` requests; with the requests' own estimates, the batch's expected
+        """The verify length k in 1 .. block_size for a step of `batch` requests (how: `_best`)."""
+        return self._best(batch, context, requests, pending, remaining)[0]
+
+    def choose_tree(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate] = (),
+                    pending: float = 0.0, remaining: float | None = None) -> int | None:
+        """`choose`, with the tree as one more choice: None when the tree of `tree_budget` nodes is expected to commit
+        more tokens per second than the best chain, else the chain's verify length. The tree's verify pass is priced
+        as a chain's of budget + 1 tokens (the same target pass, another mask; the drafter pass reads out the whole
+        block and its candidates: the cost correction measures what that adds)."""
+        k, tree = self._best(batch, context, requests, pending, remaining)
+        return None if tree else k
+
+    def _best(self, batch: int, context: float, requests: Sequence[AcceptanceEstimate], pending: float,
+              remaining: float | None) -> tuple[int, bool]:
+        """(the best chain's verify length, whether the tree beats it). The verify length for a step of `batch` requests; with the requests' own estimates, the batch's expected
         committed tokens are the sum of theirs (E[committed | k] is linear in P(accepted >= j), so the mean of
         their P(accepted >= j) stands for the batch).
 
@@ -231,11 +278,26 @@ class AutoBlockSize:
             tokens = expected_committed(at_least, k)
             share = tokens / max(remaining, tokens) if remaining is not None else 1.0
             seconds.append((t + hand_over * share) * self.correction.factor(batch, k))
-        return choose_verify_length(at_least, seconds)
+        k = choose_verify_length(at_least, seconds)
+        if not self.tree_budget:
+            return k, False
+        # the tree against the best chain, by expected committed tokens per second
+        nodes = self.tree_budget + 1
+        tokens = self.tree.expected(TREE_PRIOR_GAIN * expected_committed(at_least, nodes))
+        share = tokens / max(remaining, tokens) if remaining is not None else 1.0
+        tree_seconds = (self._seconds[key][nodes - 1] + hand_over * share) * self.correction.factor(batch, nodes)
+        return k, tokens / tree_seconds > expected_committed(at_least, k) / seconds[k - 1]
+
+    def observe_tree(self, committed: Sequence[int]) -> None:
+        """A tree step: the tokens each request committed (the chains' estimates learn nothing from it)."""
+        self.tree.age()
+        self.tree.observe(committed)
 
     def observe(self, verify_length: int, accepted: Sequence[int],
                 requests: Sequence[AcceptanceEstimate] = ()) -> None:
-        """One step's accepted drafts per request (in the order of `requests`, their own estimates, if given)."""
+        """One step's accepted drafts per request (in the order of `requests`, their own estimates, if given). Every
+        step ages the tree's estimate."""
+        self.tree.age()
         self.estimate.observe(verify_length, accepted)
         for estimate, n in zip(requests, accepted):
             estimate.observe(verify_length, [n])
