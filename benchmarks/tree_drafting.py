@@ -51,6 +51,11 @@ def decode(executor, policy, stop, requests: list[Request]) -> dict:
             "outputs": {r.request.id: r.output_token_ids for r in results}}
 
 
+def acceptance(run: dict) -> float:
+    """Committed tokens per verify step (1.0 for a run of plain steps only, as `auto` may choose)."""
+    return run["committed"] / run["steps"] if run["steps"] else 1.0
+
+
 def pass_cost(executor, batch: int, tokens: int, context: int, repeats: int) -> float:
     """Median seconds of one target pass of `tokens` a row over `batch` rows after `context` cached positions."""
     ids = torch.randint(4, executor.vocab_size, (batch, tokens))
@@ -112,13 +117,12 @@ def main() -> None:
                 runs["batch 8"][name].append(decode(executor, policies[name], stop, requests))
                 b1, b8 = runs["batch 1"][name][-1], runs["batch 8"][name][-1]
                 print(f"round {r + 1} {name}: batch 1 {b1['tokens_per_s']:.1f} tok/s (acceptance "
-                      f"{b1['committed'] / b1['steps']:.2f}), batch 8 {b8['tokens_per_s']:.1f} tok/s (acceptance "
-                      f"{b8['committed'] / b8['steps']:.2f})", flush=True)
+                      f"{acceptance(b1):.2f}), batch 8 {b8['tokens_per_s']:.1f} tok/s (acceptance "
+                      f"{acceptance(b8):.2f})", flush=True)
         costs = {f"batch {b}": {f"1 + {t}": round(pass_cost(executor, b, 1 + t, 256, 7) * 1e3, 2)
                                 for t in (1, 15, 16, 32, 64)} for b in (1, 8)}
     table = {setting: {name: {"tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in rs), 1),
-                              "acceptance_length": round(statistics.median(x["committed"] / x["steps"] for x in rs),
-                                                         2),
+                              "acceptance_length": round(statistics.median(acceptance(x) for x in rs), 2),
                               "same_tokens_as_plain": all(x["outputs"] == plain for x in rs)}
                        for name, rs in by_policy.items()}
              for setting, by_policy in runs.items()}
