@@ -116,6 +116,12 @@ def test_a_tree_is_one_more_choice_on_a_hand_made_cost_table():
     assert auto.choose_tree(batch=1, context=64) is None
     at_least = auto.estimate.accept_at_least()
     assert auto.tree.expected(TREE_PRIOR_GAIN * expected_committed(at_least, 8)) > expected_committed(at_least, 8)
+    # Tree steps that take 3x their chain-priced prediction (the host's tree, the candidates): their own ratio learns
+    # it and the chain wins again, while the chains' correction is untouched.
+    for _ in range(40):
+        auto.observe_tree_time(batch=1, context=64, seconds=3 * auto.predicted_seconds(1, 64, 8))
+    assert auto.tree.ratio == pytest.approx(3.0, rel=0.05) and auto.correction.factor(1, 8) == 1.0
+    assert auto.choose_tree(batch=1, context=64) == 8
     with pytest.raises(AssertionError):  # (the runner refuses such budgets in one sentence first)
         AutoBlockSize(hand_costs(), block_size=8, tree_budget=8)
 
@@ -304,6 +310,9 @@ class RandomVerifyOrTree(RandomVerifyLength):
 
     def observe_tree(self, committed) -> None:
         assert all(n >= 1 for n in committed)
+
+    def observe_tree_time(self, batch: int, context: float, seconds: float, pending: float = 0.0) -> None:
+        pass  # no cost model: the choice is random
 
 
 def test_auto_with_trees_keeps_dflash_equal_to_ar(biased_engines, monkeypatch):

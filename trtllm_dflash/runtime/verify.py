@@ -161,10 +161,11 @@ class AutoBlock:
         return self.budget + 1 if k is None else k
 
     def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
-        if self.tree_step:
+        if self.tree_step:  # (its time teaches the tree's own cost ratio, not the chains' correction)
             self.auto.observe_tree([n + 1 for n in accepted])
-        else:
-            self.auto.observe(k, accepted, shape.estimates)  # k = 1 verifies no draft: only the step is counted
+            self.auto.observe_tree_time(shape.batch, shape.context, seconds, shape.pending)
+            return
+        self.auto.observe(k, accepted, shape.estimates)  # k = 1 verifies no draft: only the step is counted
         self.auto.observe_time(shape.batch, shape.context, k, seconds, shape.pending)
 
     def save(self) -> None:

@@ -136,11 +136,20 @@ class TreeEstimate:
     """Committed tokens per request in a tree step (`--block-size auto` with `--tree-budget`): decayed counts with a
     prior, as AcceptanceEstimate's. Every step ages it (DECAY), a tree step also adds what it committed, so while the
     chains win it drifts back to its prior and the chooser tries a tree again. Example: prior 4.0 (weight 4), two
-    tree steps committing 2 and 3 per request -> (2 + 3 + 4 x 4.0 x decay^k...) / (2 + 4) ~ 3.5."""
+    tree steps committing 2 and 3 per request -> (2 + 3 + 4 x 4.0 x decay^k...) / (2 + 4) ~ 3.5.
 
-    def __init__(self, prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY):
-        self.prior_weight, self.decay = prior_weight, decay
+    `ratio`: a tree step's observed seconds over what its chain-priced prediction (with the chains' correction) says,
+    lately (TIME_WEIGHT): what the tree step costs beyond a chain of as many tokens (its candidates, the tree built on
+    the host, the accepted nodes moved), which the pass costs never measured."""
+
+    def __init__(self, prior_weight: float = PRIOR_WEIGHT, decay: float = DECAY, weight: float = TIME_WEIGHT):
+        self.prior_weight, self.decay, self.weight = prior_weight, decay, weight
         self.committed = self.steps = 0.0
+        self.ratio = 1.0
+
+    def observe_time(self, predicted_seconds: float, observed_seconds: float) -> None:
+        if predicted_seconds > 0 and observed_seconds > 0:
+            self.ratio += self.weight * (observed_seconds / predicted_seconds - self.ratio)
 
     def age(self) -> None:
         self.committed *= self.decay
@@ -285,13 +294,21 @@ class AutoBlockSize:
         nodes = self.tree_budget + 1
         tokens = self.tree.expected(TREE_PRIOR_GAIN * expected_committed(at_least, nodes))
         share = tokens / max(remaining, tokens) if remaining is not None else 1.0
-        tree_seconds = (self._seconds[key][nodes - 1] + hand_over * share) * self.correction.factor(batch, nodes)
+        tree_seconds = ((self._seconds[key][nodes - 1] + hand_over * share) * self.correction.factor(batch, nodes)
+                        * self.tree.ratio)
         return k, tokens / tree_seconds > expected_committed(at_least, k) / seconds[k - 1]
 
     def observe_tree(self, committed: Sequence[int]) -> None:
         """A tree step: the tokens each request committed (the chains' estimates learn nothing from it)."""
         self.tree.age()
         self.tree.observe(committed)
+
+    def observe_tree_time(self, batch: int, context: float, seconds: float, pending: float = 0.0) -> None:
+        """A tree step took `seconds`: its own cost ratio learns it (the chains' correction does not)."""
+        nodes = self.tree_budget + 1
+        predicted = ((self.predicted_seconds(batch, context, nodes) + self._hand_over_seconds(batch, pending))
+                     * self.correction.factor(batch, nodes))
+        self.tree.observe_time(predicted, seconds)
 
     def observe(self, verify_length: int, accepted: Sequence[int],
                 requests: Sequence[AcceptanceEstimate] = ()) -> None:
