@@ -308,8 +308,9 @@ class RandomVerifyOrTree(RandomVerifyLength):
         self.chosen.append(None if tree else self.rng.randint(1, self.block_size))
         return self.chosen[-1]
 
-    def observe_tree(self, committed) -> None:
-        assert all(n >= 1 for n in committed)
+    def observe_tree(self, committed, chains=(), requests=()) -> None:
+        assert all(n >= 1 for n in committed) and len(chains) == len(committed)
+        assert all(0 <= n < verify_length <= self.block_size for verify_length, n in chains)
 
     def observe_tree_time(self, batch: int, context: float, seconds: float, pending: float = 0.0) -> None:
         pass  # no cost model: the choice is random

@@ -22,7 +22,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.runtime.verify import TreeDrafting
-from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees
+from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees, chain_outcomes
 from trtllm_dflash.train.random_pair import write_random_pair
 
 
@@ -75,6 +75,45 @@ def test_ancestor_mask_and_the_accepted_path():
     # the target's token after each node: 11 after the anchor (node 2), 13 after node 2 (node 4), then 99: stop
     assert accepted_paths(trees, [[11, 0, 13, 0, 99, 0]]) == [[0, 2, 4]]
     assert accepted_paths(trees, [[50, 0, 0, 0, 0, 0]]) == [[0]]
+
+
+def test_chain_outcomes_against_the_chain_run_on_its_own():
+    """What a tree step says about the chain of the best drafts (for --block-size auto's estimates): the accepted
+    count equals the chain's own, run against the same target, up to the drafts the tree's pass verified (and the
+    first rejected one is among them)."""
+    g = torch.Generator().manual_seed(5)
+    D, k, vocab = 6, 3, 12
+    checked = 0
+    for trial in range(300):
+        cands = [torch.randperm(vocab, generator=g)[:k].tolist() for _ in range(D)]
+        lps = [torch.rand(k, generator=g).log().sort(descending=True).values.tolist() for _ in range(D)]
+        trees = build_trees([0], [cands], [lps], int(torch.randint(1, 20, (1,), generator=g)))
+        bias = torch.rand(1, generator=g).item()
+
+        def target_after(prefix: tuple[int, ...]) -> int:  # the target's token after a prefix: often the best draft
+            h = hash((trial, prefix)) % 1000
+            depth = len(prefix) - 1
+            return cands[depth][0] if depth < D and h < 1000 * bias else h % vocab
+
+        def path_to(node: int) -> tuple[int, ...]:
+            out = []
+            while node >= 0:
+                out.append(trees.tokens[0][node])
+                node = trees.parents[0][node]
+            return tuple(reversed(out))
+
+        target = [[target_after(path_to(n)) for n in range(trees.nodes)]]
+        paths = accepted_paths(trees, target)
+        best = [[c[0] for c in cands]]
+        (verify_length, n), = chain_outcomes(trees, paths, target, best)
+        true = 0
+        while true < D and target_after(tuple([0] + best[0][:true])) == best[0][true]:
+            true += 1
+        verified = verify_length - 1
+        assert n == min(true, verified), (true, verify_length, n)
+        assert true >= verified or verified == true + 1
+        checked += true < verified
+    assert checked > 50  # the chain's rejection seen by the tree, often
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ from trtllm_dflash.inputs import shown
 from trtllm_dflash.runtime.executor import DraftContext, Executor, HostRows
 from trtllm_dflash.runtime.stop_strings import first_stop
 from trtllm_dflash.runtime.options import Mode
-from trtllm_dflash.runtime.verify import StepShape, TreeDrafting, VerifyPolicy, verify_policy
+from trtllm_dflash.runtime.verify import AutoBlock, StepShape, TreeDrafting, VerifyPolicy, verify_policy
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
-from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees
+from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees, chain_outcomes
 from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
 
 
@@ -476,7 +476,8 @@ class Decoder:
         batch = self._stage(active)
         ids, logprobs = ex.draft_candidates(batch.anchors, batch.starts, batch.slots, policy.candidates,
                                             self._draft_context(active, batch), rows=batch.rows)
-        trees = build_trees([a.output[-1] for a in active], ids.tolist(), logprobs.tolist(), policy.budget)
+        candidates = ids.tolist()
+        trees = build_trees([a.output[-1] for a in active], candidates, logprobs.tolist(), policy.budget)
         parents, tokens, depths = (torch.tensor(x, device=ex.device) for x in (trees.parents, trees.tokens,
                                                                               trees.depths))
         out = ex.verify_tree(tokens, depths, ancestor_mask(parents), batch.starts, batch.slots, capture=True,
@@ -491,7 +492,13 @@ class Decoder:
             a.acceptance_lengths.append(len(path))
             a.hold_context(out.hidden[row, torch.tensor(path, device=ex.device)])  # the anchor and accepted nodes
             self._commit(a, [trees.tokens[row][n] for n in path[1:]] + [target[row][path[-1]]])
-        policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        if isinstance(policy, AutoBlock):  # what the chain of the best drafts would have done, for its estimates
+            best = [[c[0] for c in row] for row in candidates]
+            policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, seconds,
+                           chain_outcomes(trees, paths, target, best))
+        else:
+            policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, seconds)
 
     def _shape(self, active: list[_Active]) -> StepShape:
         """What the policy chooses from; `pending`: held-back positions per request beyond what a draft pass takes

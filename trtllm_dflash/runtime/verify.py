@@ -160,9 +160,11 @@ class AutoBlock:
         self.tree_step = k is None
         return self.budget + 1 if k is None else k
 
-    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float,
+                chains: Sequence[tuple[int, int]] = ()) -> None:
+        """`chains` (tree steps): per request what the chain of the best drafts would have verified and accepted."""
         if self.tree_step:  # (its time teaches the tree's own cost ratio, not the chains' correction)
-            self.auto.observe_tree([n + 1 for n in accepted])
+            self.auto.observe_tree([n + 1 for n in accepted], chains, shape.estimates)
             self.auto.observe_tree_time(shape.batch, shape.context, seconds, shape.pending)
             return
         self.auto.observe(k, accepted, shape.estimates)  # k = 1 verifies no draft: only the step is counted

@@ -98,9 +98,13 @@ class AcceptanceEstimate:
 
     def observe(self, verify_length: int, accepted: Sequence[int]) -> None:
         """One step: every request verified verify_length - 1 drafts and accepted accepted[r] of them."""
+        self.observe_rows([(verify_length, n) for n in accepted])
+
+    def observe_rows(self, rows: Sequence[tuple[int, int]]) -> None:
+        """One step whose requests verified different numbers of drafts: (verify length, accepted) per request."""
         self.verified = [v * self.decay for v in self.verified]
         self.accepted = [a * self.decay for a in self.accepted]
-        for n in accepted:
+        for verify_length, n in rows:
             assert 0 <= n < verify_length, (n, verify_length)
             for j in range(1, min(n + 1, verify_length - 1) + 1):  # d_j was verified iff d_1..d_{j-1} were accepted
                 self.verified[j - 1] += 1
@@ -298,10 +302,17 @@ class AutoBlockSize:
                         * self.tree.ratio)
         return k, tokens / tree_seconds > expected_committed(at_least, k) / seconds[k - 1]
 
-    def observe_tree(self, committed: Sequence[int]) -> None:
-        """A tree step: the tokens each request committed (the chains' estimates learn nothing from it)."""
+    def observe_tree(self, committed: Sequence[int], chains: Sequence[tuple[int, int]] = (),
+                     requests: Sequence[AcceptanceEstimate] = ()) -> None:
+        """A tree step: the tokens each request committed, and per request what the chain of the best drafts would
+        have verified and accepted as far as the tree's pass tells (speculative/tree.py chain_outcomes), which the
+        chains' estimates learn (the engine's, and the requests' own in the order of `requests`)."""
         self.tree.age()
         self.tree.observe(committed)
+        if chains:
+            self.estimate.observe_rows(chains)
+            for estimate, row in zip(requests, chains):
+                estimate.observe_rows([row])
 
     def observe_tree_time(self, batch: int, context: float, seconds: float, pending: float = 0.0) -> None:
         """A tree step took `seconds`: its own cost ratio learns it (the chains' correction does not)."""

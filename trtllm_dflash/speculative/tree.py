@@ -97,3 +97,22 @@ def accepted_paths(trees: DraftTrees, target: list[list[int]]) -> list[list[int]
             path.append(nxt)
         paths.append(path)
     return paths
+
+
+def chain_outcomes(trees: DraftTrees, paths: list[list[int]], target: list[list[int]], best: list[list[int]]
+                   ) -> list[tuple[int, int]]:
+    """Per row, what the chain of each depth's best draft (`best` [B][D], the drafter's argmax: a DFlash drafter drafts
+    each position on its own, so the chain is the same whichever path) would have verified and accepted, as far as the
+    tree's pass tells: (verify length, accepted), the drafts after the first unverified one unknown. The accepted path
+    follows the chain for n drafts; if it then leaves it, the chain's draft n + 1 was the target's no more; if it ends
+    there, the bonus says whether the chain's draft n + 1 was accepted. Example: best [5, 7, 9], path tokens
+    [anchor, 5, 8] -> (3, 1): drafts 1 and 2 verified, 1 accepted."""
+    out = []
+    for row, path in enumerate(paths):
+        tokens, drafts = trees.tokens[row], best[row]
+        n = 0
+        while n + 1 < len(path) and n < len(drafts) and tokens[path[n + 1]] == drafts[n]:
+            n += 1
+        more = n + 1 == len(path) and n < len(drafts) and target[row][path[-1]] == drafts[n]
+        out.append((min(n + 2, len(drafts) + 1), n + more))
+    return out
