@@ -99,7 +99,8 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
     ("max batch", ["--max-batch-size 9", "slots for 8 requests"]),
     ("max new tokens", ["--max-new-tokens 2048", "below the engine's max_seq_len 2048"]),
     ("kv cache memory", ["--kv-cache-memory lots: 'lots' is not a size"]),
-    ("tree with ar", ["--tree-budget drafts a tree every step of --mode dflash; it does not take --mode ar"]),
+    ("tree with ar", ["--tree-budget drafts a tree every step of --mode dflash (or, with --block-size auto, where it "
+                      "pays); it does not take --mode ar"]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, capsys, case, words):
     repo, engine, extra = tmp_path / "repo", str(engine_dir), []
