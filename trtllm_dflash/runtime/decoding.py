@@ -31,7 +31,7 @@ from trtllm_dflash.inputs import shown
 from trtllm_dflash.runtime.executor import DraftContext, Executor, HostRows
 from trtllm_dflash.runtime.stop_strings import first_stop
 from trtllm_dflash.runtime.options import Mode
-from trtllm_dflash.runtime.verify import AutoBlock, StepShape, TreeDrafting, VerifyPolicy, verify_policy
+from trtllm_dflash.runtime.verify import StepShape, TreeDrafting, VerifyPolicy, verify_policy
 from trtllm_dflash.speculative.core import Sampling, sample_tokens
 from trtllm_dflash.speculative.tree import accepted_paths, ancestor_mask, build_trees, chain_outcomes
 from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
@@ -493,12 +493,9 @@ class Decoder:
             a.hold_context(out.hidden[row, torch.tensor(path, device=ex.device)])  # the anchor and accepted nodes
             self._commit(a, [trees.tokens[row][n] for n in path[1:]] + [target[row][path[-1]]])
         seconds = time.perf_counter() - began
-        if isinstance(policy, AutoBlock):  # what the chain of the best drafts would have done, for its estimates
-            best = [[c[0] for c in row] for row in candidates]
-            policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, seconds,
-                           chain_outcomes(trees, paths, target, best))
-        else:
-            policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, seconds)
+        # (with what the chain of the best drafts would have done: auto's chains learn from tree steps too)
+        chains = chain_outcomes(trees, paths, target, [[c[0] for c in row] for row in candidates])
+        policy.observe(trees.nodes, [len(p) - 1 for p in paths], shape, seconds, chains)
 
     def _shape(self, active: list[_Active]) -> StepShape:
         """What the policy chooses from; `pending`: held-back positions per request beyond what a draft pass takes

@@ -192,62 +192,48 @@ class OnnxRuntimeExecutor:
         whole block: the graph has one block length), after writing `context` into the drafter's caches. A DFlash2
         drafter's graph drafts its trained block whatever `width` asks (its walk's length is static): a shorter
         verify length reads its first drafts, as --block-size auto does."""
-        runs = self._rows.runs_of(slots if rows is None else rows.slots)
-        with self._on_own_stream():
-            requested = width or self.block_size
-            num_drafts = requested - 1 if num_drafts is None else num_drafts
-            width = self.trained_block if self._whole_block else requested
-            block = block_input(anchors, self.mask_token_id, width)
-            positions = starts[:, None] + torch.arange(width, device=self.device)
-            if context is None:
-                context = DraftContext.padding(starts, self._hidden_features, self._dtype)
-            context_positions = context.positions()
-            keys = self._key_positions(rows, starts, 0)  # the context keys: positions before each start
-            drafts = []
-            for run in runs:
-                binding = self._binding("drafter_draft.onnx", self._drafter, run)
-                inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
-                          "context_positions": context_positions}
-                inputs = {name: run.take(tensor.to(self.device)) for name, tensor in inputs.items()}  # alive until run
-                for name, tensor in inputs.items():
-                    _bind_input(binding, name, tensor)
-                _bind_input(binding, "key_positions", keys)
-                out = torch.empty(run.rows, width - 1, dtype=torch.int64, device=self.device)
-                _bind_output(binding, "draft_tokens", out)
-                self._sessions["drafter_draft.onnx"].run_with_iobinding(binding)
-                drafts.append(out)
-            drafts = batch_order(runs, drafts)[:, :num_drafts]
-        return drafts
+        requested = width or self.block_size
+        num_drafts = requested - 1 if num_drafts is None else num_drafts
+        width = self.trained_block if self._whole_block else requested
+        drafts, = self._drafter_pass("drafter_draft.onnx", anchors, starts, slots, width, context, rows, {},
+                                     {"draft_tokens": ((width - 1,), torch.int64)})
+        return drafts[:, :num_drafts]
 
     def draft_candidates(self, anchors, starts, slots, k: int, context=None, rows=None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """For tree drafting (drafter_candidates.onnx): one drafter pass over the trained block, as `draft`'s, and per
         draft position its k best tokens and their log-probabilities, best first: [B, block - 1, k] each."""
+        drafts = self.trained_block - 1
+        ids, logprobs = self._drafter_pass(
+            "drafter_candidates.onnx", anchors, starts, slots, self.trained_block, context, rows,
+            {"candidates": torch.arange(k, device=self.device)},  # (its length is k)
+            {"candidate_ids": ((drafts, k), torch.int64), "candidate_logprobs": ((drafts, k), torch.float32)})
+        return ids, logprobs
+
+    def _drafter_pass(self, graph: str, anchors, starts, slots, width: int, context, rows, extra: dict,
+                      outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """One run of a drafter graph (drafter_draft / drafter_candidates) over blocks [anchor, MASK, ...] of `width`
+        at each start, `context` first written into the drafter's caches: its `outputs` (name -> per-row shape and
+        dtype) in the batch's order. `extra`: inputs given whole to every run."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
         with self._on_own_stream():
-            width = self.trained_block
-            block = block_input(anchors, self.mask_token_id, width)
-            positions = starts[:, None] + torch.arange(width, device=self.device)
             if context is None:
                 context = DraftContext.padding(starts, self._hidden_features, self._dtype)
-            keys = self._key_positions(rows, starts, 0)
-            candidates = torch.arange(k, device=self.device)  # (its length is k)
-            ids, logprobs = [], []
+            per_row = {"block_ids": block_input(anchors, self.mask_token_id, width),
+                       "positions": starts[:, None] + torch.arange(width, device=self.device),
+                       "context_hidden": context.hidden, "context_positions": context.positions()}
+            whole = {"key_positions": self._key_positions(rows, starts, 0), **extra}  # keys: positions before each start
+            results: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}
             for run in runs:
-                binding = self._binding("drafter_candidates.onnx", self._drafter, run)
-                inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
-                          "context_positions": context.positions()}
-                inputs = {name: run.take(tensor.to(self.device)) for name, tensor in inputs.items()}  # alive until run
-                for name, tensor in inputs.items():
+                binding = self._binding(graph, self._drafter, run)
+                inputs = {name: run.take(tensor.to(self.device)) for name, tensor in per_row.items()}  # alive until run
+                for name, tensor in {**inputs, **whole}.items():
                     _bind_input(binding, name, tensor)
-                _bind_input(binding, "key_positions", keys)
-                _bind_input(binding, "candidates", candidates)
-                ids.append(torch.empty(run.rows, width - 1, k, dtype=torch.int64, device=self.device))
-                logprobs.append(torch.empty(run.rows, width - 1, k, dtype=torch.float32, device=self.device))
-                _bind_output(binding, "candidate_ids", ids[-1])
-                _bind_output(binding, "candidate_logprobs", logprobs[-1])
-                self._sessions["drafter_candidates.onnx"].run_with_iobinding(binding)
-        return batch_order(runs, ids), batch_order(runs, logprobs)
+                for name, (shape, dtype) in outputs.items():
+                    results[name].append(torch.empty(run.rows, *shape, dtype=dtype, device=self.device))
+                    _bind_output(binding, name, results[name][-1])
+                self._sessions[graph].run_with_iobinding(binding)
+            return [batch_order(runs, results[name]) for name in outputs]
 
     def verify_tree(self, token_ids, depths, tree, starts, slots, capture, rows=None) -> StepOutput:
         """One target pass over draft trees (target_tree.onnx): node t of row b at RoPE position starts + depths[b, t],

@@ -121,7 +121,8 @@ class TreeDrafting:
     def choose(self, shape: StepShape) -> int:
         return self.budget + 1
 
-    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float) -> None:
+    def observe(self, k: int, accepted: Sequence[int], shape: StepShape, seconds: float,
+                chains: Sequence[tuple[int, int]] = ()) -> None:
         pass
 
 
