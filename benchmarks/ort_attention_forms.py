@@ -9,9 +9,11 @@
 2. One layer's attention at the demo target's shape (4 query heads, 2 KV heads, head_dim 64, fp32) in the two forms an
    ONNX graph can express with standard ops: static rows (what our graphs do: Slice of the rows' first `keys`
    positions, then Attention) and paged (Gather of each request's rows through its block table, then Attention), at
-   batch 1 / 8, 1 / 16 tokens per row, 304 / 1008 attended keys; medians of --rounds calls each, the two forms
+   batch 1 / 8, 1 / 16 tokens per row, 304 / 1008 attended keys; medians of --rounds calls each, the forms
    alternating, 1 thread. Both copy the attended keys before the Attention node reads them; the question is by how
-   much the paged gather differs.
+   much the paged gather differs. A third form, "whole", is the Attention node alone over caches exactly as long as
+   the keys (no Slice): what the static form would cost if the caches were kept as long as the longest request
+   (resized as it grows) instead of sliced every pass.
 Results: benchmarks/results/ort_attention_forms.json.
 """
 
@@ -29,6 +31,7 @@ from onnx import TensorProto, helper
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16  # the demo target's attention; our blocks of 16 positions
+LAYERS = 16  # the demo target's: a pass reads 16 layers' caches, each from memory (not from the CPU's caches)
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
@@ -105,9 +108,13 @@ def forms(batch: int, tokens: int, keys: int, slots: int, threads: int):
                      common + [value("cache_k", F32, ["B", KV_HEADS, "L", HEAD_DIM]),
                                value("cache_v", F32, ["B", KV_HEADS, "L", HEAD_DIM]),
                                value("zero", I64, [1]), value("keys", I64, [1]), value("axis", I64, [1])], ["o"], threads)
-    cache = rng.standard_normal((slots, KV_HEADS, length, HEAD_DIM), dtype=np.float32)
-    static_feeds = {"q": q, "mask": mask, "cache_k": cache[:batch], "cache_v": cache[:batch],
-                    "zero": np.array([0]), "keys": np.array([keys]), "axis": np.array([2])}
+    def caches() -> list[np.ndarray]:  # one K and one V buffer per layer: each pass reads them from memory, as a model's
+        return [rng.standard_normal((slots, KV_HEADS, length, HEAD_DIM), dtype=np.float32) for _ in range(2 * LAYERS)]
+
+    static_caches = caches()
+    static_feeds = [{"q": q, "mask": mask, "cache_k": k[:batch], "cache_v": v[:batch], "zero": np.array([0]),
+                     "keys": np.array([keys]), "axis": np.array([2])}
+                    for k, v in zip(static_caches[0::2], static_caches[1::2])]
 
     # paged: rows [B, keys] of a [blocks * 16, kv, hd] cache through each request's block table (blocks scattered)
     blocks = slots * length // BLOCK
@@ -117,12 +124,20 @@ def forms(batch: int, tokens: int, keys: int, slots: int, threads: int):
                      helper.make_node("Transpose", ["gv"], ["v"], perm=[0, 2, 1, 3])] + attend,
                     common + [value("pool_k", F32, ["R", KV_HEADS, HEAD_DIM]), value("pool_v", F32, ["R", KV_HEADS, HEAD_DIM]),
                               value("rows", I64, ["B", "K"])], ["o"], threads)
-    pool = rng.standard_normal((blocks * BLOCK, KV_HEADS, HEAD_DIM), dtype=np.float32)
+    pools = [rng.standard_normal((blocks * BLOCK, KV_HEADS, HEAD_DIM), dtype=np.float32) for _ in range(2 * LAYERS)]
     table = rng.permutation(blocks)[: batch * -(-keys // BLOCK)].reshape(batch, -1)
     positions = np.arange(keys)
     rows = table[:, positions // BLOCK] * BLOCK + positions % BLOCK
-    paged_feeds = {"q": q, "mask": mask, "pool_k": pool, "pool_v": pool, "rows": rows}
-    return (static, static_feeds), (paged, paged_feeds)
+    paged_feeds = [{"q": q, "mask": mask, "pool_k": k, "pool_v": v, "rows": rows}
+                   for k, v in zip(pools[0::2], pools[1::2])]
+
+    # whole: caches exactly `keys` long, read by Attention where they lie (no Slice: what a cache resized to the
+    # longest request's length would give)
+    whole = session(attend, common + [value("k", F32, ["B", KV_HEADS, "K", HEAD_DIM]),
+                                      value("v", F32, ["B", KV_HEADS, "K", HEAD_DIM])], ["o"], threads)
+    exact = [np.ascontiguousarray(c[:batch, :, :keys]) for c in static_caches]
+    whole_feeds = [{"q": q, "mask": mask, "k": k, "v": v} for k, v in zip(exact[0::2], exact[1::2])]
+    return {"static": (static, static_feeds), "paged": (paged, paged_feeds), "whole": (whole, whole_feeds)}
 
 
 def timed(run, rounds: int) -> list[float]:
@@ -146,16 +161,23 @@ def main() -> None:
     for batch in (1, 8):
         for tokens in (1, 16):
             for keys in (304, 1008):
-                (s, sf), (p, pf) = forms(batch, tokens, keys, slots=8, threads=1)
-                o_static, o_paged = s.run(None, sf)[0], p.run(None, pf)[0]
-                assert o_static.shape == o_paged.shape
-                times: dict[str, list[float]] = {"static": [], "paged": []}
-                for _ in range(4):  # the two forms alternating, in chunks
-                    times["static"] += timed(lambda: s.run(None, sf), args.rounds // 4)
-                    times["paged"] += timed(lambda: p.run(None, pf), args.rounds // 4)
-                ms = {k: round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
+                sessions = forms(batch, tokens, keys, slots=8, threads=1)
+                static_out, whole_out = (sessions[f][0].run(None, sessions[f][1][0])[0] for f in ("static", "whole"))
+                np.testing.assert_allclose(whole_out, static_out, rtol=1e-5, atol=1e-6)  # the same keys, read two ways
+
+                def one_pass(s, feeds):  # every layer's attention once, each over its own caches
+                    for layer in feeds:
+                        s.run(None, layer)
+
+                times: dict[str, list[float]] = {form: [] for form in sessions}
+                for _ in range(4):  # the forms alternating, in chunks
+                    for form, (s, feeds) in sessions.items():
+                        times[form] += timed(lambda: one_pass(s, feeds), max(1, args.rounds // 4 // LAYERS))
+                ms = {k: round(statistics.median(v) / LAYERS * 1e3, 4) for k, v in times.items()}  # per layer
                 row = {"batch": batch, "tokens": tokens, "keys": keys, "static_ms": ms["static"],
-                       "paged_ms": ms["paged"], "paged_over_static": round(ms["paged"] / ms["static"], 2)}
+                       "paged_ms": ms["paged"], "whole_ms": ms["whole"],
+                       "paged_over_static": round(ms["paged"] / ms["static"], 2),
+                       "whole_over_static": round(ms["whole"] / ms["static"], 2)}
                 rows.append(row)
                 print(row, flush=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": load,
