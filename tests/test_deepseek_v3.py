@@ -205,10 +205,75 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path, moe_parallel):
     assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
+def test_group_routed_experts_as_one_op_equal_the_routed_loop(pair):
+    """The form exported for onnxruntime (compile/onnx_ops.py `moe`, com.microsoft.MoE in plain torch): DeepSeek's
+    group routing in plain ops, the node given log(weight) for the chosen experts (-inf elsewhere) and its output
+    scaled back by the weights' sum (routed_scaling_factor 2.5 here: without that scale it would be 2.5x off)."""
+    import trtllm_dflash.compile.onnx_ops  # noqa: F401 (registers torch.ops.dflash_onnx.moe)
+    from trtllm_dflash.models import moe
+
+    ckpt = load_target(pair / "target")
+    spec, prefix = ckpt.spec, "model.layers.2.mlp."
+    block = moe.SparseMoE(spec)
+    block.load_state_dict({n.removeprefix(prefix): ckpt.tensors.get(n).float() for n in ckpt.tensors.names()
+                           if n.startswith(prefix)})
+    flat = torch.randn(13, spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    expected = block.partial(flat)
+    assert block.groups and block.scaling != 1.0
+    exporting = moe.exporting
+    try:
+        moe.exporting, block.export_as_one_op = (lambda: True), True
+        torch.testing.assert_close(block.partial(flat), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        moe.exporting, block.export_as_one_op = exporting, False
+
+
+@pytest.mark.slow
+def test_onnxruntime_runs_latent_attention_and_the_experts_as_one_op(pair, tmp_path):
+    """backend onnxruntime: the graphs cache the latent (one KV head of latent + roped key, and a zero-width V), every
+    sparse layer's experts are one com.microsoft.MoE node with the group routing before it, and the onnxruntime
+    executor gives the torch executor's tokens and acceptance lengths: dflash (drafts accepted and rejected: a biased
+    target), ar and draft trees, greedy and sampled."""
+    import onnx
+
+    from tests.conftest import bias_target
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir
+    from trtllm_dflash.runtime.decoding import Decoder
+    from trtllm_dflash.runtime.verify import TreeDrafting
+
+    biased = tmp_path / "pair"
+    shutil.copytree(pair, biased)
+    bias_target(biased)
+    engine_dir = build_engine(BuildConfig(target=biased / "target", drafter=biased / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="onnxruntime",
+                                          output=tmp_path / "engine"), progress=False)
+    graph = onnx.load(str(graph_dir(engine_dir, 0) / "target_step.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == "MoE" and n.domain == "com.microsoft" for n in graph.node) == 3  # layers 1-3
+    caches = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert caches["past_key_0"] == ["batch", 1, "max_len", 32 + 8] and caches["past_value_0"][3] == 0
+    ort, eager = (Engine.load(engine_dir, backend=b, tree_budget=12) for b in ("onnxruntime", "torch"))
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.8 if r.id % 2 else 0.0, seed=r.id)
+            for r in requests(ort.executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        got, expected = ({r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                          for r in e.decoder(mode).generate(reqs)} for e in (ort, eager))
+        assert got == expected, mode
+        if mode == "dflash":
+            steps = [n for _, lengths in got.values() for n in lengths]
+            assert max(steps) > 2 and min(steps) == 1, steps  # drafts accepted and rejected
+    trees = [{r.request.id: (r.output_token_ids, r.acceptance_lengths)
+              for r in Decoder(e.executor, TreeDrafting(12), e.config.eos_token_ids).generate(reqs)}
+             for e in (ort, eager)]
+    assert trees[0] == trees[1]
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export deepseek_v3 targets yet (multi-head latent "
-                                 "attention, whose latent cache and absorbed projections the graphs do not have); use "
-                                 "backend: torch for this engine."),
+    ({"backend": "tensorrt"}, "backend tensorrt cannot export deepseek_v3 targets yet (multi-head latent attention: "
+                              "its graphs cache one latent per position and no V, which the TensorRT executor does "
+                              "not bind yet); use backend: torch for this engine."),
     ({"tp_size": 8}, "num_attention_heads 4 is not divisible by tp_size 8."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):

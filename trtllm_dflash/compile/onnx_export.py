@@ -262,8 +262,11 @@ class _Graph:
     axis_names: dict[tuple[str, int], str]  # (input name, axis) -> ONNX dimension name
 
 
-def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, max_len: int):
-    return [torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype) for _ in range(2 * num_layers)]
+def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int, max_len: int,
+            v_head_dim: int | None = None):
+    """Sample past_key_0, past_value_0, ... (`v_head_dim`: V's head size where it differs from K's)."""
+    widths = (head_dim, head_dim if v_head_dim is None else v_head_dim)
+    return [torch.zeros(batch, kv_heads, max_len, widths[i % 2], dtype=dtype) for i in range(2 * num_layers)]
 
 
 def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False) -> list[_Graph]:
@@ -275,8 +278,8 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
     def names(layers: int) -> dict[tuple[str, int], str]:
         return {(c, a): d for c in cache_names(layers, "past") for a, d in ((0, "batch"), (2, "max_len"))}
 
-    t_attn = target.model.layers[0].self_attn
-    t_past = _caches(target.spec.num_layers, t_attn.num_kv_heads, t_attn.head_dim, target.lm_head.weight.dtype, b, n)
+    heads, k_dims, v_dims = target.kv_layout()  # (every layer's alike in the targets the graphs export)
+    t_past = _caches(target.spec.num_layers, heads[0], k_dims[0], target.lm_head.weight.dtype, b, n, v_dims[0])
     capture = drafter.params.target_layer_ids if drafter is not None else ()
     seq, keys = Dim("seq", min=1), Dim("keys", min=1)
     graphs = [_Graph(

@@ -212,15 +212,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     q: [B, Tq, heads, hd]; k, v: [B, Tk, kv_heads, hd]; mask: [B, Tq, Tk] bool (True = may attend);
     sinks: [heads] or None; scale: of q.k (None: hd ** -0.5). Returns [B, Tq, heads * hd].
     """
-    if scale is not None and (sinks is not None or exporting()):
-        raise ValueError("an attention scale other than head_dim ** -0.5 (Gemma 4) is only supported by the "
-                         "torch executor, without sinks; use backend: torch for this engine.")
+    if scale is not None and sinks is not None:
+        raise ValueError("an attention scale other than head_dim ** -0.5 is only supported without sinks.")
     if sinks is not None:
         return _exported_attend_with_sinks(q, k, v, mask, sinks) if exporting() else _attend_with_sinks(
             q, k, v, mask, sinks)
-    if exporting():  # ONNX Attention: grouped KV heads from the shapes, same default scale
+    if exporting():  # ONNX Attention: grouped KV heads from the shapes, the same scale (None: head_dim ** -0.5)
         out = torch.ops.onnx.Attention.opset23(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask[:, None])[0]
+                                               attn_mask=mask[:, None], scale=scale)[0]
         return out.transpose(1, 2).flatten(2)
     if q.is_cuda and q.shape[2] != k.shape[2]:
         return attend_groups_as_rows(q, k, v, mask, scale)

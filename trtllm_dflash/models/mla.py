@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import RMSNorm, apply_rotary, attend
+from trtllm_dflash.models.layers import RMSNorm, apply_rotary, attend, exporting
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
@@ -36,7 +36,13 @@ LATENT_NORM_EPS = 1e-6
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb_interleave for one tensor: pairs (x0, x1), (x2, x3) ... each rotated by one
     frequency, the result laid out as [rotated evens ; rotated odds] (query and key alike, so their dot products are
-    the interleaved ones). x: [B, T, heads, rope]; cos, sin: [B, T, 1, rope] (Rotary's, its halves equal)."""
+    the interleaved ones). x: [B, T, heads, rope]; cos, sin: [B, T, 1, rope] (Rotary's, its halves equal).
+
+    Exported (cos, sin: [B, T, rope / 2]): ONNX's RotaryEmbedding with interleaved pairs, which leaves each rotated
+    pair in place instead. Queries and keys are laid out alike in either form, so their dot products are the same;
+    only the layout of a graph's cached keys differs from the torch executor's (no cache moves between them)."""
+    if exporting():
+        return torch.ops.onnx.RotaryEmbedding.opset23(x.transpose(1, 2), cos, sin, interleaved=True).transpose(1, 2)
     half = cos.shape[-1] // 2
     cos, sin = cos[..., :half], sin[..., :half]
     even, odd = x[..., 0::2], x[..., 1::2]
@@ -87,6 +93,10 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         absorbed = torch.einsum("bthn,hnr->bthr", q_nope, w[:, : self.nope])  # W_UK^T q_nope
         query = torch.cat([absorbed, self._rotate(q_rope, cos, sin)], dim=-1)  # [B, T, H, r + rope]
-        out = attend(query, keys, keys[..., : self.rank], mask, scale=self.scale).unflatten(-1, (self.heads, self.rank))
+        if exporting():  # ONNX Attention's V as wide as K (torch's shape function for it assumes so): [c ; k_r], whose
+            # first r dims of the output are softmax @ c
+            out = attend(query, keys, keys, mask, scale=self.scale).unflatten(-1, (self.heads, -1))[..., : self.rank]
+        else:
+            out = attend(query, keys, keys[..., : self.rank], mask, scale=self.scale).unflatten(-1, (self.heads, -1))
         out = torch.einsum("bthr,hvr->bthv", out, w[:, self.nope:]).flatten(2)  # W_UV (softmax @ c)
         return self.tp.all_reduce(self.o_proj(out))

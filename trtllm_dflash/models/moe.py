@@ -277,8 +277,17 @@ class SparseMoE(nn.Module):
             fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1)
                                for e in self.experts.values()])
             fc2 = torch.stack([e.down_proj.weight for e in self.experts.values()])
-            return torch.ops.dflash_onnx.moe(flat, self.gate(flat), fc1, None, fc2, None, self.top_k,
-                                             self.norm_topk_prob, 1.0, 0.0, math.inf)
+            if not self.groups:  # the node's own routing: softmax, top k, renormalized
+                return torch.ops.dflash_onnx.moe(flat, self.gate(flat), fc1, None, fc2, None, self.top_k,
+                                                 self.norm_topk_prob, 1.0, 0.0, math.inf)
+            # DeepSeek-V3's group routing, in plain ops before the node: the node is given log(weight) for the chosen
+            # experts and -inf for the others, so its softmax + top k picks the same experts with weights w / sum(w);
+            # the output times sum(w) is the weighted sum (every output is linear in its weights).
+            weights, idx = self.route(flat)
+            logits = weights.new_full((flat.shape[0], self.gate.out_features), -math.inf).scatter(1, idx, weights.log())
+            out = torch.ops.dflash_onnx.moe(flat, logits.to(flat.dtype), fc1, None, fc2, None, self.top_k, True,
+                                            1.0, 0.0, math.inf)
+            return out * weights.sum(dim=-1, keepdim=True).to(out.dtype)
         weights, idx = self.route(flat)
         out = torch.zeros_like(flat)
         if exporting():  # every expert over every token, weighted 0 where not chosen (no data-dependent shapes)

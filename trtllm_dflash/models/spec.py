@@ -213,6 +213,13 @@ class DecoderSpec:
         """Multi-head latent attention (DeepSeek-V3 / Kimi K2): the KV cache holds a latent per position."""
         return bool(self.kv_lora_rank)
 
+    def cache_head(self) -> tuple[int, int, int]:
+        """(KV heads, K head size, V head size) of an attention layer's cache, unsplit: a latent attention layer keeps
+        one head of its latent and roped key and no V (models/mla.py); the compiled graphs' layers all have this one."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     @property
     def is_gpt_oss(self) -> bool:
         """gpt-oss numerics: RMSNorm multiplies its weight in fp32, MoE MLP, attention sinks."""

@@ -31,11 +31,15 @@ class LayerCaches:
 
     @classmethod
     def zeros(cls, layers: int, num_slots: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> "LayerCaches":
-        def new() -> torch.Tensor:
-            return torch.zeros(num_slots, kv_heads, length, head_dim, dtype=dtype, device=device)
+              device: torch.device | str = "cpu", v_head_dim: int | None = None) -> "LayerCaches":
+        """`v_head_dim`: V's head size where it differs from K's (0: a latent attention layer, which keeps no V)."""
+        def new(width: int) -> torch.Tensor:
+            # (no V: a zero-width view of a one-wide buffer, whose address is a real one: onnxruntime refuses to bind
+            # a null pointer, even to no bytes)
+            return torch.zeros(num_slots, kv_heads, length, max(width, 1), dtype=dtype, device=device)[..., :width]
 
-        return cls([new() for _ in range(layers)], [new() for _ in range(layers)])
+        v_width = head_dim if v_head_dim is None else v_head_dim
+        return cls([new(head_dim) for _ in range(layers)], [new(v_width) for _ in range(layers)])
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """("key_0", K_0), ("value_0", V_0), ...: the suffixes of the graphs' past_* / present_* names."""

@@ -62,7 +62,10 @@ def _bind_output(binding, name: str, tensor: torch.Tensor) -> None:
 def _bind_caches(binding, caches: LayerCaches, run: RowRun, write: bool) -> None:
     """Bind rows run.first .. run.first + run.rows - 1 of every cache as past_* (and, with `write`, present_*)."""
     for name, buf in caches.named():
-        shape, ptr, element = (run.rows, *buf.shape[1:]), buf[run.first].data_ptr(), _NUMPY[buf.dtype]
+        # (the address from the storage: a latent attention layer's V is zero-width, and torch gives an empty tensor
+        # the address 0, which onnxruntime refuses to bind; LayerCaches gives its storage one real element per row)
+        ptr = buf.untyped_storage().data_ptr() + (buf.storage_offset() + run.first * buf.stride(0)) * buf.element_size()
+        shape, element = (run.rows, *buf.shape[1:]), _NUMPY[buf.dtype]
         binding.bind_input(f"past_{name}", *_where(buf), element, shape, ptr)
         if write:
             binding.bind_output(f"present_{name}", *_where(buf), element, shape, ptr)
@@ -133,8 +136,9 @@ class OnnxRuntimeExecutor:
             inputs = [i.name for i in self._sessions[f"{graph}.onnx"].get_inputs()]
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
         self._cache_length = max_len
-        self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, max_len,
-                                         target.head_dim, dtype, self.device)
+        heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
+        self._target = LayerCaches.zeros(target.num_layers, self.num_slots, heads, max_len, k_dim, dtype, self.device,
+                                         v_dim)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
         self._rows = CacheRows((self._target, self._drafter))
