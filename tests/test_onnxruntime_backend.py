@@ -74,6 +74,47 @@ def test_same_tokens_as_the_torch_executor(ort_engine, mode):
 
 
 @pytest.mark.slow
+def test_one_token_passes_attend_in_place(ort_engine, tmp_path):
+    """target_decode.onnx: each layer's cache write and attention one GroupQueryAttention node over the bound cache
+    (no Slice); a one-token pass through it gives target_step's logits, features and caches (rows at different
+    positions, one at position 0), and an engine without it (built before it existed) runs target_step instead with
+    the same tokens."""
+    import onnx
+
+    from trtllm_dflash.engine_dir import write_manifest
+
+    graph = onnx.load(str(graph_dir(ort_engine, 0) / "target_decode.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    layers = json.loads((ort_engine / "config.json").read_text())["target"]["num_hidden_layers"]
+    assert ops.count("GroupQueryAttention") == layers and "Slice" not in ops and "Attention" not in ops
+    executor = Engine.load(ort_engine).executor
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(4, executor.vocab_size, (3, 40), generator=g)
+    slots, zeros = torch.arange(3), torch.zeros(3, dtype=torch.long)
+    executor.target_forward(prompts, zeros, slots, capture=False)  # 40 positions cached in each row
+    starts, token = torch.tensor([40, 17, 0]), torch.randint(4, executor.vocab_size, (3, 1), generator=g)
+    decode = executor.target_forward(token, starts, slots, capture=True)
+    after = [buf.clone() for _, buf in executor._target.named()]
+    sessions, executor._sessions = executor._sessions, {k: v for k, v in executor._sessions.items()
+                                                        if k != "target_decode.onnx"}
+    step = executor.target_forward(token, starts, slots, capture=True)  # the same pass through target_step
+    executor._sessions = sessions
+    torch.testing.assert_close(decode.logits, step.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode.hidden, step.hidden, atol=1e-4, rtol=1e-4)
+    for a, (_, b) in zip(after, executor._target.named()):
+        torch.testing.assert_close(a, b)
+
+    older = tmp_path / "engine"
+    shutil.copytree(ort_engine, older)
+    (graph_dir(older, 0) / "target_decode.onnx").unlink()
+    write_manifest(older)
+    reqs = requests(executor.vocab_size)
+    tokens = [{r.request.id: r.output_token_ids for r in Engine.load(e).decoder("ar").generate(reqs)}
+              for e in (ort_engine, older)]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.slow
 def test_cli_run_backends_agree(ort_engine, tmp_path, capsys):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [5 + i, 6, 7, 8], "temperature": 0.5 * (i % 2)})

@@ -48,6 +48,13 @@ drafter_candidates.onnx (engines built for onnxruntime: draft trees, speculative
     out  candidate_ids int64 [batch, block - 1, k], candidate_logprobs float32 [batch, block - 1, k]: the k most
                              likely drafts per position, best first, and their log-probabilities (top_candidates)
          present_key_i, present_value_i   as drafter_draft's
+target_decode.onnx (engines built for onnxruntime, targets with plain grouped-query attention: attends_in_place)
+    in   token_ids    int64  [batch, 1]
+         positions    int64  [batch, 1]       start_b: each row attends to its positions 0 .. start_b
+         past_key_i, past_value_i   the target's caches
+    out  logits, hidden, present_key_i, present_value_i   as target_step's. Each layer's cache write and attention
+                             are one com.microsoft.GroupQueryAttention node (onnx_ops.attend_in_place), which reads
+                             the bound cache where it lies: no Slice copies the attended prefix first
 target_tree.onnx (engines built for onnxruntime)
     in   token_ids    int64  [batch, nodes]   a draft tree per row, node 0 the anchor
          positions    int64  [batch, nodes]   start_b + depth: the nodes' RoPE positions (node t is cached at start_b + t)
@@ -157,6 +164,7 @@ OPSET = 24  # TensorScatter; Attention and RotaryEmbedding are opset 23
 WEIGHTS_FILE = "weights.onnx.data"
 TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT = "target_step", "drafter_context", "drafter_draft"
 TARGET_TREE, DRAFTER_CANDIDATES = "target_tree", "drafter_candidates"
+TARGET_DECODE = "target_decode"
 ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
 _EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
 _ALIGN = 4096  # external tensors start on page boundaries, so a runtime can map them
@@ -180,6 +188,31 @@ class TargetStep(nn.Module):
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0])
         hidden = (out.hidden,) if self.capture_layers else ()
         return (out.logits, *hidden, *cache.present())
+
+
+class TargetDecode(nn.Module):
+    """target_decode.onnx (engines built for onnxruntime): TargetModel.forward over one token per row, each layer's
+    cache write and attention one GroupQueryAttention node over the bound cache rows (onnx_ops.attend_in_place)."""
+
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]):
+        super().__init__()
+        self.target, self.capture_layers = target, capture_layers
+
+    def forward(self, token_ids, positions, past: list[torch.Tensor]):
+        cache = GraphKVCache(past, in_place=True)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+        # (kv_len: the masks it sizes are not used by the in-place attention)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=1)
+        hidden = (out.hidden,) if self.capture_layers else ()
+        return (out.logits, *hidden, *cache.present())
+
+
+def attends_in_place(target: TargetModel) -> bool:
+    """Whether target_decode.onnx can run `target`: every layer plain grouped-query attention over one cache, at the
+    default scale (no sinks, sliding windows, latent attention or recurrent layers)."""
+    spec = target.spec
+    return (not spec.sliding_window and not spec.is_mla and not spec.has_recurrent_state and not spec.is_gemma4
+            and all(layer.self_attn.sinks is None and layer.self_attn.scale is None for layer in target.model.layers))
 
 
 class DrafterContext(nn.Module):
@@ -269,8 +302,10 @@ def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, b
     return [torch.zeros(batch, kv_heads, max_len, widths[i % 2], dtype=dtype) for i in range(2 * num_layers)]
 
 
-def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False) -> list[_Graph]:
-    """The graphs to export, with their sample inputs and dynamic dimensions (`trees`: the draft trees' too)."""
+def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False,
+            in_place: bool = False) -> list[_Graph]:
+    """The graphs to export, with their sample inputs and dynamic dimensions (`trees`: the draft trees' too;
+    `in_place`: target_decode too)."""
     batch, max_len = Dim("batch", min=1), Dim("max_len", min=2)
     b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
     cache_axes = {0: batch, 2: max_len}
@@ -291,6 +326,15 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
         {("token_ids", 0): "batch", ("token_ids", 1): "seq", ("key_positions", 0): "keys",
          **names(target.spec.num_layers)},
     )]
+    if in_place:
+        graphs.append(_Graph(
+            TARGET_DECODE, TargetDecode(target, capture),
+            (torch.zeros(b, 1, dtype=torch.long), torch.tensor([[4], [6], [9]]), t_past),
+            ({0: batch}, {0: batch}, [cache_axes] * len(t_past)),
+            ["token_ids", "positions", *cache_names(target.spec.num_layers, "past")],
+            ["logits", *(["hidden"] if capture else []), *cache_names(target.spec.num_layers, "present")],
+            {("token_ids", 0): "batch", **names(target.spec.num_layers)},
+        ))
     if drafter is None:
         return graphs
 
@@ -435,14 +479,15 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
 
 
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
-                         experts_op: bool = False, trees: bool = False) -> list[Path]:
+                         experts_op: bool = False, trees: bool = False, in_place: bool = False) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
     drafter_candidates and target_tree) into `out_dir`.
 
     Returns the written files: the .onnx graphs, then their shared external data. Without a drafter,
     target_step has no `hidden` output (plain autoregressive engines). `experts_op` (graphs for onnxruntime): every
     MLP of experts that can be is one com.microsoft.MoE node (compile/onnx_ops.py), recorded in the graphs' metadata
-    as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs).
+    as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs). `in_place` (graphs for
+    onnxruntime): target_decode too, where the target can run it (attends_in_place).
     """
     _check_exportable(target, "target")
     if drafter is not None:
@@ -453,7 +498,7 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     try:
         for m in one_op:
             m.export_as_one_op = True
-        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees)}
+        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target))}
     finally:
         for m in one_op:
             m.export_as_one_op = False

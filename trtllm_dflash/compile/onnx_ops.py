@@ -74,6 +74,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from onnx import TensorProto
 from onnx.defs import OpSchema
 import onnx_ir as ir
@@ -125,6 +126,59 @@ def _(cache, update, write_indices):
 
 def _tensor_scatter_onnx(cache, update, write_indices):
     return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="linear")
+
+
+GQA_DOMAIN, GQA_OP = "com.microsoft", "GroupQueryAttention"
+
+
+@torch.library.custom_op("dflash_onnx::attend_in_place", mutates_args=())
+def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key: torch.Tensor,
+                    past_value: torch.Tensor, starts: torch.Tensor, heads: int, kv_heads: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """onnxruntime's GroupQueryAttention for passes of one token per row, the caches read and written where they lie:
+    q [B, 1, heads * D], k / v [B, 1, kv_heads * D] (roped), caches [B, kv_heads, L, D], starts [B] (each row's
+    position). Row b's k / v go to position starts[b], and its query attends to positions 0 .. starts[b] (scale
+    D ** -0.5; query head h reads KV head h // (heads / kv_heads)). Returns (out [B, 1, heads * D], present_key,
+    present_value)."""
+    b, d = q.shape[0], past_key.shape[3]
+    rows = torch.arange(b, device=q.device)
+    keys, values = past_key.clone(), past_value.clone()
+    keys[rows, :, starts] = k.view(b, kv_heads, d)
+    values[rows, :, starts] = v.view(b, kv_heads, d)
+    visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= starts[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(q.view(b, 1, heads, d).transpose(1, 2), keys, values,
+                                         attn_mask=visible[:, None, None], enable_gqa=True)  # [B, heads, 1, D]
+    return out.transpose(1, 2).flatten(2), keys, values
+
+
+@attend_in_place.register_fake
+def _(q, k, v, past_key, past_value, starts, heads, kv_heads):
+    return torch.empty_like(q), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+def _gqa_schema() -> OpSchema:
+    attr, param = OpSchema.Attribute, OpSchema.FormalParameter
+    return OpSchema(
+        GQA_OP, GQA_DOMAIN, 1, doc="onnxruntime's grouped query attention over a KV cache",
+        inputs=[param("query", "T"), param("key", "T"), param("value", "T"), param("past_key", "T"),
+                param("past_value", "T"), param("seqlens_k", "M"), param("total_sequence_length", "M")],
+        outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("M", ["tensor(int32)"], "")],
+        attributes=[attr("num_heads", OpSchema.AttrType.INT, ""), attr("kv_num_heads", OpSchema.AttrType.INT, "")],
+    )
+
+
+_gqa = values.Op(values.Opset(GQA_DOMAIN, 1), GQA_OP, _gqa_schema())
+
+
+def _attend_in_place_onnx(q, k, v, past_key, past_value, starts, heads: int, kv_heads: int):
+    # seqlens_k is each row's total length - 1 (its start); total_sequence_length a scalar, the longest total. With
+    # past and present bound to one buffer, the kernel writes the new K / V in place and reads the rest where it lies.
+    seqlens = opset24.Cast(starts, to=TensorProto.INT32)
+    total = opset24.Cast(opset24.Add(opset24.ReduceMax(starts, keepdims=0), opset24.Constant(value_int=1)),
+                         to=TensorProto.INT32)
+    return _gqa(q, k, v, past_key, past_value, seqlens, total, num_heads=heads, kv_num_heads=kv_heads, _num_outputs=3)
 
 
 def _group(group_size: int) -> dict:
@@ -333,6 +387,7 @@ TRANSLATIONS = {
     torch.ops.dflash_onnx.fp8_qdq.default: _fp8_qdq_onnx,
     torch.ops.dflash_onnx.fp8_dequantize.default: _fp8_dequantize_onnx,
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
+    torch.ops.dflash_onnx.attend_in_place.default: _attend_in_place_onnx,
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
     torch.ops.dflash_onnx.moe.default: _moe_onnx,
@@ -347,9 +402,20 @@ class GraphKVCache:
     are: start + arange(T)).
     """
 
-    def __init__(self, past: list[torch.Tensor]):
-        # past: [k_0, v_0, k_1, v_1, ...]
+    def __init__(self, past: list[torch.Tensor], in_place: bool = False):
+        """past: [k_0, v_0, k_1, v_1, ...]. `in_place` (target_decode.onnx, one token per row): each layer's write and
+        attention are one GroupQueryAttention node (write_and_attend) that reads and writes the cache where it lies."""
         self.keys, self.values = list(past[0::2]), list(past[1::2])
+        self.in_place = in_place
+
+    def write_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor) -> torch.Tensor:
+        """`in_place` graphs: q [B, 1, heads, D], k / v [B, 1, kv_heads, D] (roped) at positions [B, 1] -> the
+        attention output [B, 1, heads * D], the caches updated (attend_in_place)."""
+        out, self.keys[layer], self.values[layer] = attend_in_place(
+            q.flatten(2), k.flatten(2), v.flatten(2), self.keys[layer], self.values[layer], positions[:, 0], q.shape[2],
+            k.shape[2])
+        return out
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

@@ -179,8 +179,9 @@ def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        ort = cfg.backend == "onnxruntime"  # graphs of its own (TensorRT parses none of these three forms)
         return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank),
-                                    experts_op=cfg.backend == "onnxruntime", trees=cfg.backend == "onnxruntime")
+                                    experts_op=ort, trees=ort, in_place=ort)
 
 
 @contextmanager

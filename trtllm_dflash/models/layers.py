@@ -298,6 +298,11 @@ class KVCache:
     they can become visible.
     """
 
+    # The models ask every cache (this one, runtime/kv_blocks.PagedKVCache, compile/onnx_ops.GraphKVCache) whether
+    # a layer's write and attention are one op over the cache in place (write_and_attend): only an exported one-token
+    # graph's are
+    in_place = False
+
     def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int | list[int],
                  head_dim: int | list[int], dtype: torch.dtype, device: torch.device | str = "cpu",
                  v_head_dim: list[int] | None = None):

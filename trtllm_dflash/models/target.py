@@ -97,10 +97,14 @@ class DecoderLayer(nn.Module):
         else:
             q, gate = attn.query_and_gate(h)
             k, v = attn.key_value(h)
-            cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
-            k_all, v_all = cache.read(layer_idx, slots, first_key + mask.shape[-1], run, first_key)
-            attended = attn.output(attend(apply_rotary(q, cos, sin), k_all, v_all, mask, attn.sinks, attn.scale),
-                                   gate)
+            if cache.in_place:  # an exported one-token pass: the write and the attention are one node
+                attended = attn.output(cache.write_and_attend(layer_idx, apply_rotary(q, cos, sin),
+                                                              apply_rotary(k, cos, sin), v, positions), gate)
+            else:
+                cache.write(layer_idx, slots, positions, apply_rotary(k, cos, sin), v)
+                k_all, v_all = cache.read(layer_idx, slots, first_key + mask.shape[-1], run, first_key)
+                attended = attn.output(attend(apply_rotary(q, cos, sin), k_all, v_all, mask, attn.sinks,
+                                              attn.scale), gate)
         if not self.sandwich:
             x = x + attended
             return x + self.mlp(self.post_attention_layernorm(x))

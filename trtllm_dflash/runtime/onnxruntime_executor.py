@@ -31,6 +31,10 @@ from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
 TREE_GRAPHS = ("target_tree.onnx", "drafter_candidates.onnx")  # loaded for draft trees (tree_budget) only
+# One-token target passes (plain decoding steps, a DFlash step's plain steps): each layer's write and attention one
+# GroupQueryAttention node reading the cache in place (compile/onnx_export.py TargetDecode); exported where the target
+# allows it and by trtllm-dflash since 2026-12-04 (else target_step runs them)
+DECODE_GRAPH = "target_decode.onnx"
 
 
 def _onnxruntime():
@@ -129,9 +133,10 @@ class OnnxRuntimeExecutor:
         # Every input, output and cache is a torch tensor on self.device, bound where it lies (IOBinding).
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         stream = self._stream.cuda_stream if self._stream is not None else 0
+        optional = (DECODE_GRAPH,) if (graphs / DECODE_GRAPH).is_file() else ()
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
                                                      providers=providers(ort, self.device, stream))
-                          for name in GRAPHS + (TREE_GRAPHS if tree_budget else ())}
+                          for name in GRAPHS + (TREE_GRAPHS if tree_budget else ()) + optional}
         for graph in ("target_step", "drafter_draft"):
             inputs = [i.name for i in self._sessions[f"{graph}.onnx"].get_inputs()]
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
@@ -168,7 +173,8 @@ class OnnxRuntimeExecutor:
         T = token_ids.shape[1]
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(T, device=self.device)
-            keys = self._key_positions(rows, starts, T)
+            # one token per row: the in-place graph (no key_positions: each row attends up to its own position)
+            keys = None if T == 1 and DECODE_GRAPH in self._sessions else self._key_positions(rows, starts, T)
             outs = [self._target_run(run, run.take(token_ids), run.take(positions), keys) for run in runs]
             logits = batch_order(runs, [o[0] for o in outs])
             hidden = batch_order(runs, [o[1] for o in outs]) if capture else None
@@ -177,18 +183,21 @@ class OnnxRuntimeExecutor:
         return StepOutput(logits, hidden)
 
     def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor,
-                    key_positions: torch.Tensor):
+                    key_positions: torch.Tensor | None):
+        """target_step over the run's rows, or target_decode without `key_positions`."""
         T = token_ids.shape[1]
-        binding = self._binding("target_step.onnx", self._target, run)
+        graph = "target_step.onnx" if key_positions is not None else DECODE_GRAPH
+        binding = self._binding(graph, self._target, run)
         _bind_input(binding, "token_ids", token_ids)
         _bind_input(binding, "positions", positions)
-        _bind_input(binding, "key_positions", key_positions)
+        if key_positions is not None:
+            _bind_input(binding, "key_positions", key_positions)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
         logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
         hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
         _bind_output(binding, "logits", logits)
         _bind_output(binding, "hidden", hidden)
-        self._sessions["target_step.onnx"].run_with_iobinding(binding)
+        self._sessions[graph].run_with_iobinding(binding)
         return logits, hidden
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
