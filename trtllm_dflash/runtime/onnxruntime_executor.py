@@ -5,7 +5,8 @@ Same contract as the torch executor (runtime/executor.py), same tokens. The KV c
 cache's input and output to the same memory (IOBinding), so onnxruntime's TensorScatter writes the new
 positions in place and no cache is ever copied by a step. Which rows a call binds: runtime/cache_rows.py. The
 bindings of a graph's caches are made once per run of rows and kept (`_binding`); a call binds only its own inputs
-and outputs.
+and outputs. target_step's attention reads a Slice of each cache (a copy of the attended prefix); one-token passes
+run target_decode.onnx where the engine has it (on the CPU), whose GroupQueryAttention nodes read the caches in place.
 
 On a `cuda` device (onnxruntime-gpu; written, never run: no GPU here) the sessions run on this executor's own CUDA
 stream (the CUDA execution provider's `user_compute_stream`), and so do the torch ops that make their inputs and
@@ -133,7 +134,9 @@ class OnnxRuntimeExecutor:
         # Every input, output and cache is a torch tensor on self.device, bound where it lies (IOBinding).
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         stream = self._stream.cuda_stream if self._stream is not None else 0
-        optional = (DECODE_GRAPH,) if (graphs / DECODE_GRAPH).is_file() else ()
+        # (on the CPU only: onnxruntime's CUDA GroupQueryAttention takes float16 / bfloat16, and these engines are
+        # float32; on CUDA the node would fall back to the CPU, copying the caches each call)
+        optional = (DECODE_GRAPH,) if (graphs / DECODE_GRAPH).is_file() and self.device.type == "cpu" else ()
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
                                                      providers=providers(ort, self.device, stream))
                           for name in GRAPHS + (TREE_GRAPHS if tree_budget else ()) + optional}
