@@ -25,6 +25,8 @@ from trtllm_dflash.compile.onnx_export import (
     TARGET_STEP,
     TARGET_TREE,
     WEIGHTS_FILE,
+    TargetDecode,
+    TargetStep,
     cache_names,
     export_engine_graphs,
 )
@@ -133,6 +135,20 @@ def test_tensor_scatter_writes_each_row_at_its_index():
     out = tensor_scatter(cache, update, torch.tensor([0, 3]))
     assert out.flatten(1).tolist() == [[1, 2, 0, 0, 0], [0, 0, 0, 3, 4]]
     assert cache.abs().sum() == 0  # functional: the input is untouched
+
+
+def test_the_in_place_decode_module_equals_target_step_in_torch(qwen3_engine_dir):
+    """TargetDecode run eagerly (onnx_ops.attend_in_place's torch form: write at each row's position, attend up to it)
+    gives TargetStep's logits, features and caches for one token per row, rows at different positions (0 among them)."""
+    target = Engine.load(qwen3_engine_dir).executor.target
+    attn = target.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    past = [torch.randn(3, attn.num_kv_heads, 32, attn.head_dim, generator=g) for _ in range(2 * target.spec.num_layers)]
+    tokens, positions = torch.tensor([[5], [9], [11]]), torch.tensor([[7], [0], [20]])
+    step = TargetStep(target, (0, 1))(tokens, positions, torch.arange(21), [t.clone() for t in past])
+    decode = TargetDecode(target, (0, 1))(tokens, positions, [t.clone() for t in past])
+    for a, b in zip(decode, step):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

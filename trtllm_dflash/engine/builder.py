@@ -179,7 +179,8 @@ def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-        ort = cfg.backend == "onnxruntime"  # graphs of its own (TensorRT parses none of these three forms)
+        # onnxruntime's own forms: its MoE and GroupQueryAttention nodes (TensorRT parses neither), and the trees' graphs
+        ort = cfg.backend == "onnxruntime"
         return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank),
                                     experts_op=ort, trees=ort, in_place=ort)
 
