@@ -27,30 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "trtllm_dflash" / "assets" / "demo"
-
-CHILD = r'''
-import json, sys, time
-a = json.loads(sys.argv[1])
-import torch
-from trtllm_dflash.runtime.decoding import Request
-from trtllm_dflash.runtime.runner import Engine
-engine = Engine.load(a["engine"], backend="onnxruntime", threads=1, block_size=a["block"])
-torch.set_num_threads(1)
-decoder = engine.decoder(a["mode"])
-list(decoder.generate([Request("warm-up", a["prompts"][0], 8)]))
-runs = {}
-for batch in a["batches"]:
-    requests = [Request(i, ids, a["max_new"]) for i, ids in enumerate(a["prompts"])]
-    t = time.perf_counter()
-    results = [r for q in requests for r in decoder.generate([q])] if batch == 1 else list(decoder.generate(requests))
-    seconds = time.perf_counter() - t
-    results.sort(key=lambda r: r.request.id)
-    runs[batch] = {"seconds": seconds, "tokens": [r.output_token_ids for r in results]}
-print(json.dumps(runs))
-'''
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers_cpu import DEMO, OURS, ROOT  # noqa: E402 (our rows' child script: load, warm up, time batch 1 and 8)
 
 def without_decode_graph(engine: Path, out: Path) -> Path:
     """A hard-linked copy of `engine` without target_decode.onnx, its manifest rewritten."""
@@ -94,14 +72,15 @@ def main() -> None:
             order = list(forms.items()) if r % 2 == 0 else list(forms.items())[::-1]
             for policy, (mode, block) in policies.items():
                 for form, engine in order:
-                    args = {"engine": str(engine), "mode": mode, "block": block, "prompts": prompts,
-                            "max_new": a.max_new_tokens, "batches": [1, 8] if r % 2 == 0 else [8, 1]}
+                    args = {"engine": str(engine), "backend": "onnxruntime", "threads": 1, "mode": mode,
+                            "block": block, "prompts": prompts, "max_new": a.max_new_tokens,
+                            "batches": [1, 8] if r % 2 == 0 else [8, 1]}
                     # a cache directory of its own: every run measures its pass costs (untimed, at warm-up) and
                     # starts from the flat acceptance prior, so no form inherits what an earlier run learned
                     cache = Path(tmp) / f"cache-{r}-{policy}-{form}".replace(" ", "_")
-                    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
+                    out = subprocess.run([sys.executable, "-c", OURS, json.dumps(args)], capture_output=True,
                                          text=True, check=True, env={**os.environ, "TRTLLM_DFLASH_CACHE_DIR": str(cache)})
-                    for batch, run in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                    for batch, run in json.loads(out.stdout.strip().splitlines()[-1])["runs"].items():
                         tokens = sum(map(len, run["tokens"]))
                         samples.setdefault((policy, form, int(batch)), []).append(tokens / run["seconds"])
                         same &= reference.setdefault((policy, int(batch)), run["tokens"]) == run["tokens"]
