@@ -1,10 +1,13 @@
 """Torch vs onnxruntime executor on the demo engine: tokens/s at batch 1 and 8, DFlash and AR, side by side.
 
     python benchmarks/backends.py [--engine engines/demo-onnx] [--repeats 5] [--threads 2]
+    python benchmarks/backends.py --family qwen3_5 --output benchmarks/results/backends_qwen3_5.json
 
 Builds the demo pair with `backend: onnxruntime` (build_configs/demo.yaml otherwise unchanged) unless
---engine names one, then runs the same held-out prompts through both executors of that one engine, in
-both modes, closed loop at each concurrency (bench's loop), alternating the order of the four
+--engine names one (or, with --family, a random pair of that family at the demo's width: hidden 256, 8 layers, 8
+query / 4 KV heads of 32, vocab 4096, block 16; its drafter is untrained, so DFlash accepts about nothing and its rows
+measure the executors' verify passes, not a speedup), then runs the same held-out prompts through both executors of
+that one engine, in both modes, closed loop at each concurrency (bench's loop), alternating the order of the four
 configurations each repeat; times are medians of --repeats runs after a warm-up. Writes
 benchmarks/results/backends.json and prints a markdown table. Outputs of all four configurations must
 be token for token identical (greedy).
@@ -30,6 +33,7 @@ from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.stats import all_steps, mean_acceptance_length
+from trtllm_dflash.train.random_pair import write_random_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [(backend, mode) for backend in ("torch", "onnxruntime") for mode in ("ar", "dflash")]
@@ -38,6 +42,7 @@ CONFIGS = [(backend, mode) for backend in ("torch", "onnxruntime") for mode in (
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=Path, help="an engine built with backend: onnxruntime (default: build the demo)")
+    p.add_argument("--family", help="build a random pair of this family (train/random_pair.py) instead of the demo")
     p.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -49,17 +54,24 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        engine_dir = args.engine or build_demo(Path(tmp) / "demo-onnx")
+        engine_dir = args.engine or build_demo(Path(tmp) / "demo-onnx", args.family)
         report = run(engine_dir, args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
 
 
-def build_demo(out: Path) -> Path:
+def build_demo(out: Path, family: str | None = None) -> Path:
+    """The demo (or a random pair of `family` at its width) built with backend: onnxruntime into `out`."""
     cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=out)
-    print(f"building the demo engine with backend: onnxruntime into {out}", file=sys.stderr, flush=True)
-    return build_engine(cfg.model_copy(update={"backend": "onnxruntime"}), progress=False)
+    update = {"backend": "onnxruntime"}
+    if family is not None:
+        target, drafter = write_random_pair(out.parent / f"{family}-pair", family, vocab_size=4096, hidden_size=256,
+                                            num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
+                                            intermediate_size=768, block_size=16)
+        update |= {"target": target, "drafter": drafter}
+    print(f"building {family or 'the demo'} engine with backend: onnxruntime into {out}", file=sys.stderr, flush=True)
+    return build_engine(cfg.model_copy(update=update), progress=False)
 
 
 def run(engine_dir: Path, args) -> dict:

@@ -1,8 +1,8 @@
 """Qwen3.5 targets (hybrid: Gated DeltaNet + gated full attention; dense and MoE): the published multimodal directory
 read as a causal LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled
 back to the accepted prefix (a drafter right for a few positions and then wrong: dflash == ar == HF generate()), sampled
-dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, the published config,
-and the build options not supported yet refused in one sentence.
+dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, onnxruntime engines ==
+the torch executor, the published config, and the build options not supported yet refused in one sentence.
 
 The tiny targets (train/random_pair.py) have three Gated DeltaNet layers (2 key heads, 4 value heads) and one full
 attention layer; the MoE one 8 routed experts (top 2) and a gated shared expert in every layer. Every test runs on both.
@@ -245,10 +245,61 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
     assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
+@pytest.mark.slow
+def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, engine, tmp_path):
+    """backend onnxruntime: target_step carries each Gated DeltaNet layer's conv and state in place (an ONNX Scan over
+    the pass's tokens) and target_replay resumes them at the next pass's start; the onnxruntime executor's tokens
+    equal the torch executor's: drafts right for 0 .. k - 1 positions then wrong (blocks of 8 and 3: every accepted
+    length, so every replay length), the drafter's own drafts (same acceptance lengths), a 70-token prompt (longer
+    than the verify block: the state after it kept), greedy and sampled, dflash and ar; the MoE target's experts one
+    node per layer."""
+    import onnx
+
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir
+
+    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="onnxruntime",
+                                          output=tmp_path / "engine"), progress=False)
+    graphs = graph_dir(engine_dir, 0)
+    step = onnx.load(str(graphs / "target_step.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == "Scan" for n in step.node) == 3  # the three Gated DeltaNet layers
+    # the MoE target's routed experts: one com.microsoft.MoE node per layer
+    assert sum(n.op_type == "MoE" for n in step.node) == (4 if "moe" in model_type(pair) else 0)
+    inputs, outputs = {i.name for i in step.input}, {o.name for o in step.output}
+    assert {"kept", "valid", "past_conv_0", "past_state_0", "past_key_3"} <= inputs and "past_delta_k_0" not in inputs
+    assert {"present_delta_k_0", "present_delta_beta_2", "present_state_1"} <= outputs and "past_key_0" not in inputs
+    assert not (graphs / "target_tree.onnx").exists()  # (a recurrent state follows one sequence: no trees)
+    ort = Engine.load(engine_dir, backend="onnxruntime")
+    assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
+    g = torch.Generator().manual_seed(1)
+    reqs = [replace(r, max_new_tokens=40) for r in requests(ort.executor.vocab_size)]
+    reqs.append(Request(5, torch.randint(4, ort.executor.vocab_size, (70,), generator=g).tolist(), 24))
+    ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    assert {r.request.id: r.output_token_ids for r in ort.decoder("ar").generate(reqs)} == ar
+    greedy = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
+    for k in (8, 3):
+        scripted = ScriptedDrafts(ort.executor, greedy)
+        got = {r.request.id: r.output_token_ids for r in
+               Decoder(scripted, ort.decoder("dflash", block_size=k).policy, ort.config.eos_token_ids).generate(reqs)}
+        assert got == ar, k
+        assert set(scripted.accepted) == set(range(k)), (k, sorted(set(scripted.accepted)))
+    own = [{r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in e.decoder("dflash").generate(reqs)}
+           for e in (ort, engine)]
+    assert own[0] == own[1]
+    sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=11 + r.id)
+               for r in reqs]
+    for mode in ("dflash", "ar"):
+        got, expected = ({r.request.id: r.output_token_ids for r in e.decoder(mode).generate(sampled)}
+                         for e in (ort, engine))
+        assert got == expected, mode
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "onnxruntime"}, "backend onnxruntime cannot export {}_text targets yet (Gated DeltaNet layers, "
-                                 "whose recurrent state per request and position the graphs have no inputs for); use "
-                                 "backend: torch for this engine."),
+    ({"backend": "tensorrt"}, "backend tensorrt cannot export {}_text targets yet (Gated DeltaNet layers: their "
+                              "graphs carry recurrent states and a Scan, which the TensorRT executor does not bind "
+                              "yet); use backend: torch for this engine."),
     ({"tp_size": 4}, "linear_num_key_heads 2 is not divisible by tp_size 4."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):

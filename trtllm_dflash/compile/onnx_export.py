@@ -55,6 +55,23 @@ target_decode.onnx (engines built for onnxruntime, targets with plain grouped-qu
     out  logits, hidden, present_key_i, present_value_i   as target_step's. Each layer's cache write and attention
                              are one com.microsoft.GroupQueryAttention node (onnx_ops.attend_in_place), which reads
                              the bound cache where it lies: no Slice copies the attended prefix first
+target_step.onnx of a target with Gated DeltaNet layers (Qwen3.5; RecurrentTargetStep)
+    in   token_ids, positions, key_positions   as above
+         kept         int64  [batch]          tokens of the row's last pass before this pass's start (replayed already)
+         valid        int64  [batch]          real tokens per row (a batched prefill's padding after them)
+         past_key_i, past_value_i   of the attention layers only (i their layer numbers)
+         past_conv_j  dtype  [batch, K - 1 + depth, conv channels]   j = each Gated DeltaNet layer's number, each
+         past_state_j float32 [batch, value heads, key_head_dim, value_head_dim]  followed by the next layer's
+    out  logits, hidden, present_key_i, present_value_i   as above
+         present_conv_j, present_state_j, present_delta_k_j [batch, depth, heads, dk], present_delta_v_j
+                             [.., dv], present_delta_g_j float32 [batch, depth, heads], present_delta_beta_j: what
+                             resumes the layer at any position of this pass (RecurrentStates; depth static: the block)
+target_replay.onnx (the same targets; TargetReplay)
+    in   kept         int64  [batch]          as above
+         steps        int64  [steps]          0 .. n - 1, n = max(kept) (1 .. depth)
+         past_state_j, past_delta_k_j, past_delta_v_j, past_delta_g_j, past_delta_beta_j
+    out  present_state_j   the state advanced over the row's first `kept` delta_* (bound in place; the executor runs
+                             this graph before a target_step whose rows keep tokens, docs/models.md §Recurrent state)
 target_tree.onnx (engines built for onnxruntime)
     in   token_ids    int64  [batch, nodes]   a draft tree per row, node 0 the anchor
          positions    int64  [batch, nodes]   start_b + depth: the nodes' RoPE positions (node t is cached at start_b + t)
@@ -139,7 +156,7 @@ checker, but onnxruntime's CPU EP has no bfloat16 MatMul / Mul kernels (they are
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,9 +168,16 @@ from torch import nn
 from torch.export import Dim
 
 from trtllm_dflash.compile.accept_graph import export_accept_graph, plugin_accept_graph
-from trtllm_dflash.compile.onnx_ops import MOE_DOMAIN, MOE_OP, TRANSLATIONS, GraphKVCache
+from trtllm_dflash.compile.onnx_ops import (
+    MOE_DOMAIN,
+    MOE_OP,
+    TRANSLATIONS,
+    GraphKVCache,
+    GraphRecurrentStates,
+)
 from trtllm_dflash.engine_dir import EXPERTS_OP_KEY
 from trtllm_dflash.models.drafter import DFlashDrafter
+from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates, scanned
 from trtllm_dflash.models.moe import Experts, experts_as_one_op
 from trtllm_dflash.models.quantized import ActivationQuant, QuantizedInput
 from trtllm_dflash.quantize.experts import EXPERT_WEIGHTS, read_quantized_experts
@@ -165,14 +189,23 @@ WEIGHTS_FILE = "weights.onnx.data"
 TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT = "target_step", "drafter_context", "drafter_draft"
 TARGET_TREE, DRAFTER_CANDIDATES = "target_tree", "drafter_candidates"
 TARGET_DECODE = "target_decode"
+TARGET_REPLAY = "target_replay"
 ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
 _EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
 _ALIGN = 4096  # external tensors start on page boundaries, so a runtime can map them
 
 
-def cache_names(num_layers: int, kind: str) -> list[str]:
-    """Graph names of the caches in binding order: past_key_0, past_value_0, past_key_1, ... (kind past|present)."""
-    return [f"{kind}_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+def cache_names(layers: int | Sequence[int], kind: str) -> list[str]:
+    """Graph names of the caches in binding order: past_key_0, past_value_0, past_key_1, ... (kind past|present) of
+    layers 0 .. layers - 1, or of the layers numbered `layers` (a hybrid model's attention layers)."""
+    numbers = range(layers) if isinstance(layers, int) else layers
+    return [f"{kind}_{kv}_{i}" for i in numbers for kv in ("key", "value")]
+
+
+def state_names(layers: Sequence[int], kind: str, kinds: Sequence[str] = STATE_KINDS) -> list[str]:
+    """Graph names of the Gated DeltaNet layers' states in binding order (RecurrentStates.named): past_conv_0,
+    past_state_0, past_delta_k_0, ... of the layers numbered `layers` (kind past|present), `kinds` of each."""
+    return [f"{kind}_{what}_{i}" for i in layers for what in kinds]
 
 
 class TargetStep(nn.Module):
@@ -188,6 +221,45 @@ class TargetStep(nn.Module):
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0])
         hidden = (out.hidden,) if self.capture_layers else ()
         return (out.logits, *hidden, *cache.present())
+
+
+class RecurrentTargetStep(TargetStep):
+    """target_step.onnx of a target with Gated DeltaNet layers (Qwen3.5): TargetStep, its attention layers' caches
+    first, then each Gated DeltaNet layer's states (onnx_ops.GraphRecurrentStates: conv and state read and written,
+    delta_* written), and the executor's `kept` and `valid` per row. `depth`: the most tokens a pass keeps."""
+
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...], depth: int):
+        super().__init__(target, capture_layers)
+        self.depth = depth
+
+    def forward(self, token_ids, positions, key_positions, kept, valid, past: list[torch.Tensor],
+                states: list[torch.Tensor]):
+        cache = GraphKVCache(past, layers=[i for i in range(self.target.spec.num_layers)
+                                           if not self.target.spec.is_linear(i)])
+        recurrent = GraphRecurrentStates(states, kept, valid, self.target.spec.linear_conv_kernel, self.depth)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0],
+                          states=recurrent)
+        hidden = (out.hidden,) if self.capture_layers else ()
+        return (out.logits, *hidden, *cache.present(), *recurrent.present())
+
+
+class TargetReplay(nn.Module):
+    """target_replay.onnx (targets with Gated DeltaNet layers), run before a target_step whose rows keep tokens of
+    their last pass: each layer's state advanced over the first `kept` tokens of the row's last pass (its delta_*),
+    the replay RecurrentStates.read makes, as one Scan over `steps` (0 .. n - 1, n the most tokens any row keeps;
+    the other rows' extra steps have g = beta = 0, which leave a state exactly as it was). The state is written
+    in place (present_state_i bound to past_state_i's memory: it is computed from every read of it)."""
+
+    def forward(self, kept, steps, past: list[torch.Tensor]):
+        keep = (steps[None, :] < kept[:, None])[..., None]  # [B, n, 1]
+        states = []
+        for i in range(0, len(past), len(REPLAY_KINDS)):
+            state, *deltas = past[i:i + len(REPLAY_KINDS)]
+            # (the first n positions by index: a slice :n would make the export assume n != depth)
+            k, v, g, beta = (x.index_select(1, steps) for x in deltas)
+            states.append(scanned(None, k, v, g * keep, beta * keep, state)[1])
+        return tuple(states)
 
 
 class TargetDecode(nn.Module):
@@ -310,30 +382,56 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
     b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
     cache_axes = {0: batch, 2: max_len}
 
-    def names(layers: int) -> dict[tuple[str, int], str]:
+    def names(layers: int | list[int]) -> dict[tuple[str, int], str]:
         return {(c, a): d for c in cache_names(layers, "past") for a, d in ((0, "batch"), (2, "max_len"))}
 
-    heads, k_dims, v_dims = target.kv_layout()  # (every layer's alike in the targets the graphs export)
-    t_past = _caches(target.spec.num_layers, heads[0], k_dims[0], target.lm_head.weight.dtype, b, n, v_dims[0])
+    spec = target.spec
+    attention = [i for i in range(spec.num_layers) if not spec.is_linear(i)]  # (a hybrid model's: not all)
+    heads, k_dims, v_dims = target.kv_layout()  # (every attention layer's alike in the targets the graphs export)
+    a, dtype = attention[0], target.lm_head.weight.dtype
+    t_past = _caches(len(attention), heads[a], k_dims[a], dtype, b, n, v_dims[a])
     capture = drafter.params.target_layer_ids if drafter is not None else ()
     seq, keys = Dim("seq", min=1), Dim("keys", min=1)
-    graphs = [_Graph(
-        TARGET_STEP, TargetStep(target, capture),
-        (torch.zeros(b, 5, dtype=torch.long), torch.arange(5).expand(b, 5).contiguous(), torch.arange(11), t_past),
-        ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: keys}, [cache_axes] * len(t_past)),
-        ["token_ids", "positions", "key_positions", *cache_names(target.spec.num_layers, "past")],
-        ["logits", *(["hidden"] if capture else []), *cache_names(target.spec.num_layers, "present")],
-        {("token_ids", 0): "batch", ("token_ids", 1): "seq", ("key_positions", 0): "keys",
-         **names(target.spec.num_layers)},
-    )]
+    step_ids = (torch.zeros(b, 5, dtype=torch.long), torch.arange(5).expand(b, 5).contiguous(), torch.arange(11))
+    step_axes = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: keys})
+    step_outputs = ["logits", *(["hidden"] if capture else []), *cache_names(attention, "present")]
+    step_names = {("token_ids", 0): "batch", ("token_ids", 1): "seq", ("key_positions", 0): "keys",
+                  **names(attention)}
+    if not spec.has_recurrent_state:
+        graphs = [_Graph(TARGET_STEP, TargetStep(target, capture), (*step_ids, t_past),
+                         (*step_axes, [cache_axes] * len(t_past)),
+                         ["token_ids", "positions", "key_positions", *cache_names(attention, "past")], step_outputs,
+                         step_names)]
+    else:  # Qwen3.5: the Gated DeltaNet layers' states, and the replay graph that resumes them
+        linear = list(target.linear_index)
+        depth = drafter.params.block_size if drafter is not None else 2  # (the executors' depth: a verify block)
+        states = RecurrentStates.of(spec, target.tp.size, b, depth, dtype)
+        read, replayed = ([buf for _, buf in states.named(linear, kinds)] for kinds in (READ_KINDS, REPLAY_KINDS))
+        kept = torch.tensor([0, 2, 1])
+        graphs = [_Graph(
+            TARGET_STEP, RecurrentTargetStep(target, capture, depth),
+            (*step_ids, kept, torch.tensor([5, 3, 5]), t_past, read),
+            (*step_axes, {0: batch}, {0: batch}, [cache_axes] * len(t_past), [{0: batch}] * len(read)),
+            ["token_ids", "positions", "key_positions", "kept", "valid", *cache_names(attention, "past"),
+             *state_names(linear, "past", READ_KINDS)],
+            [*step_outputs, *state_names(linear, "present")],
+            {**step_names, **{(name, 0): "batch" for name in state_names(linear, "past", READ_KINDS)}},
+        ), _Graph(
+            TARGET_REPLAY, TargetReplay(),
+            (kept, torch.arange(2), replayed),
+            ({0: batch}, {0: Dim("steps", min=1, max=depth)}, [{0: batch}] * len(replayed)),
+            ["kept", "steps", *state_names(linear, "past", REPLAY_KINDS)],
+            state_names(linear, "present", ("state",)),
+            {("kept", 0): "batch", ("steps", 0): "steps",
+             **{(name, 0): "batch" for name in state_names(linear, "past", REPLAY_KINDS)}},
+        )]
     if in_place:
         graphs.append(_Graph(
             TARGET_DECODE, TargetDecode(target, capture),
             (torch.zeros(b, 1, dtype=torch.long), torch.tensor([[4], [6], [9]]), t_past),
             ({0: batch}, {0: batch}, [cache_axes] * len(t_past)),
-            ["token_ids", "positions", *cache_names(target.spec.num_layers, "past")],
-            ["logits", *(["hidden"] if capture else []), *cache_names(target.spec.num_layers, "present")],
-            {("token_ids", 0): "batch", **names(target.spec.num_layers)},
+            ["token_ids", "positions", *cache_names(attention, "past")], step_outputs,
+            {("token_ids", 0): "batch", **names(attention)},
         ))
     if drafter is None:
         return graphs
@@ -369,7 +467,8 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
         {("block_ids", 0): "batch", **({} if dflash2 else {("block_ids", 1): "block"}), ("context_hidden", 1): "ctx",
          ("key_positions", 0): "keys", **names(d_layers)},
     ))
-    if not trees or dflash2:  # (a DFlash2 drafter's walk is one chain: no trees)
+    # (a DFlash2 drafter's walk is one chain, and a recurrent state follows one sequence: no trees)
+    if not trees or dflash2 or spec.has_recurrent_state:
         return graphs
     # Draft trees (speculative/tree.py): the drafter's candidates, and a target pass over the trees' nodes
     nodes, k = Dim("nodes", min=2), Dim("candidates", min=1)
@@ -395,10 +494,10 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
         (torch.zeros(b, 6, dtype=torch.long), starts[:, None] + depths, tree, torch.arange(17), t_past),
         ({0: batch, 1: nodes}, {0: batch, 1: nodes}, {0: batch, 1: nodes, 2: nodes}, {0: keys},
          [cache_axes] * len(t_past)),
-        ["token_ids", "positions", "tree", "key_positions", *cache_names(target.spec.num_layers, "past")],
-        ["logits", "hidden", *cache_names(target.spec.num_layers, "present")],
+        ["token_ids", "positions", "tree", "key_positions", *cache_names(attention, "past")],
+        ["logits", "hidden", *cache_names(attention, "present")],
         {("token_ids", 0): "batch", ("token_ids", 1): "nodes", ("key_positions", 0): "keys",
-         **names(target.spec.num_layers)},
+         **names(attention)},
     ))
     return graphs
 

@@ -81,6 +81,7 @@ import onnx_ir as ir
 from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
+from trtllm_dflash.models.linear_attention import READ_KINDS, RecurrentPass, scanned
 from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
 from trtllm_dflash.quantize.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
 from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
@@ -402,10 +403,12 @@ class GraphKVCache:
     are: start + arange(T)).
     """
 
-    def __init__(self, past: list[torch.Tensor], in_place: bool = False):
-        """past: [k_0, v_0, k_1, v_1, ...]. `in_place` (target_decode.onnx, one token per row): each layer's write and
+    def __init__(self, past: list[torch.Tensor], in_place: bool = False, layers: list[int] | None = None):
+        """past: [k_0, v_0, k_1, v_1, ...], of the layers numbered `layers` (None: every layer, 0, 1, ...; a hybrid
+        model's attention layers only). `in_place` (target_decode.onnx, one token per row): each layer's write and
         attention are one GroupQueryAttention node (write_and_attend) that reads and writes the cache where it lies."""
-        self.keys, self.values = list(past[0::2]), list(past[1::2])
+        layers = range(len(past) // 2) if layers is None else layers
+        self.keys, self.values = dict(zip(layers, past[0::2])), dict(zip(layers, past[1::2]))
         self.in_place = in_place
 
     def write_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -433,4 +436,70 @@ class GraphKVCache:
 
     def present(self) -> list[torch.Tensor]:
         """[k_0, v_0, k_1, v_1, ...] after the writes."""
-        return [t for kv in zip(self.keys, self.values) for t in kv]
+        return [t for kv in zip(self.keys.values(), self.values.values()) for t in kv]
+
+
+class GraphRecurrentStates:
+    """Stands in for `RecurrentStates` (models/linear_attention.py) while target_step.onnx is traced: per Gated DeltaNet
+    layer the bound rows of its six buffers (STATE_KINDS: conv inputs [batch, K - 1 + depth, C], state [batch, H, dk,
+    dv], the pass's delta_k / delta_v / delta_g / delta_beta [batch, depth, ...]: outputs only), and two inputs made
+    by the executor, which keeps where each row's kept tokens begin: `kept` [batch] (the last pass's tokens before
+    this pass's start) and `valid` [batch] (real tokens per row).
+
+    The replay of the kept tokens is not in this graph: target_replay.onnx ran it before (TargetReplay), so each
+    row's `state` already holds the state after them, and this graph only writes the delta_* (no past_delta_*
+    inputs). Binding present_conv / present_state to the memory of past_conv / past_state is then safe: each is
+    computed from every read of its buffer. (One graph that replayed and wrote the delta_* would not be: nothing
+    orders the replay's reads of a delta_* buffer before its write, which does not depend on them.)"""
+
+    def __init__(self, past: list[torch.Tensor], kept: torch.Tensor, valid: torch.Tensor, kernel: int, depth: int):
+        """past: [conv, state] of the first layer, then of the second, ... (READ_KINDS); `depth`: the most tokens a
+        pass keeps (the delta_* buffers' length)."""
+        self.buffers = [list(past[i:i + len(READ_KINDS)]) for i in range(0, len(past), len(READ_KINDS))]
+        self.kept, self.valid, self.kernel, self.depth = kept, valid, kernel, depth
+
+    def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens, valid: torch.Tensor) -> RecurrentPass:
+        """RecurrentStates.begin with the graph's `kept` and `valid`; whether the pass keeps its inputs (tokens <=
+        depth) a tensor, since `tokens` is the graph's dynamic length."""
+        keep_all = starts.new_ones(tokens).sum() <= self.depth
+        return RecurrentPass(slots, starts, self.kept, (starts > 0).to(torch.float32)[:, None], self.valid, tokens,
+                             keep_all)
+
+    def end(self, step: RecurrentPass) -> None:
+        pass  # the executor keeps where each row's kept tokens begin
+
+    def read(self, layer: int, step: RecurrentPass) -> tuple[torch.Tensor, torch.Tensor]:
+        """RecurrentStates.read without the replay (done by target_replay.onnx)."""
+        conv, state = self.buffers[layer][:2]
+        rows = step.kept[:, None] + torch.arange(self.kernel - 1, device=conv.device)  # [B, K - 1]
+        before = conv.gather(1, rows[:, :, None].expand(-1, -1, conv.shape[2]))
+        return before * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
+
+    def recur(self, step: RecurrentPass, q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """RecurrentStates.recur as one Scan over the tokens, prompts too (`scanned`: token by token where the torch
+        executor runs a prompt in chunks, so a prompt's values may differ from its in the last bits)."""
+        out, final = scanned(q, k, v, g, beta, state)
+        return out, torch.where(step.keep_all, state, final)
+
+    def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """RecurrentStates.write: a pass that keeps its inputs writes them at the start of each buffer; a longer one
+        (a prompt) the K - 1 conv inputs before each row's end. What lies past them is never read (the next pass
+        reads at most the kept tokens and the K - 1 conv inputs before them), so each buffer is written whole, padded
+        with zeros, without reading it: the delta_* are written here and read by target_replay only."""
+        conv = self.buffers[layer][0]
+        head = self.kernel - 1
+        rows = step.valid[:, None] + torch.arange(head, device=inputs.device)  # the K - 1 before each row's end
+        last = inputs.gather(1, rows[:, :, None].expand(-1, -1, inputs.shape[2]))
+        conv = torch.where(step.keep_all, _padded(inputs, conv.shape[1]), _padded(last, conv.shape[1]))
+        self.buffers[layer] = [conv, state, *(_padded(new, self.depth) for new in (k, v, g, beta))]
+
+    def present(self) -> list[torch.Tensor]:
+        """STATE_KINDS' buffers of the first layer, then of the second, ... after the pass."""
+        return [t for layer in self.buffers for t in layer]
+
+
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [B, T, ...] as [B, length, ...]: its first `length` positions, zeros after its end (T any)."""
+    pad = x.new_zeros(x.shape[0], length, *x.shape[2:])
+    return torch.cat([x, pad], dim=1)[:, :length]

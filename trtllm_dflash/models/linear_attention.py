@@ -35,6 +35,10 @@ from torch import nn
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
+# What a Gated DeltaNet layer keeps per slot (RecurrentStates), in the order of its graphs' inputs and outputs
+STATE_KINDS = ("conv", "state", "delta_k", "delta_v", "delta_g", "delta_beta")
+READ_KINDS = STATE_KINDS[:2]  # what a pass reads (it writes all six)
+REPLAY_KINDS = STATE_KINDS[1:]  # what the replay before a pass reads (it writes the state)
 # Prompt passes run the gated delta rule in chunks of this many tokens (transformers' torch_chunk_gated_delta_rule).
 CHUNK = 64
 
@@ -105,10 +109,34 @@ class RecurrentStates:
         self.g, self.beta = per_layer(depth, heads, dtype=torch.float32), per_layer(depth, heads)
         self.kept_from = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
+    @classmethod
+    def of(cls, spec: DecoderSpec, tp_size: int, num_slots: int, depth: int, dtype: torch.dtype,
+           device: torch.device | str = "cpu") -> "RecurrentStates | None":
+        """The states of one rank's Gated DeltaNet layers of `spec`, resuming passes of up to `depth` tokens; None for a
+        model without them."""
+        if not spec.has_recurrent_state:
+            return None
+        layers = sum(spec.is_linear(i) for i in range(spec.num_layers))
+        return cls(layers, num_slots, depth, conv_channels(spec, tp_size), spec.linear_conv_kernel,
+                   linear_heads(spec, tp_size)[1], spec.linear_key_head_dim, spec.linear_value_head_dim, dtype, device)
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.conv + self.state + self.k + self.v + self.g + self.beta) + \
             self.kept_from.nbytes
+
+    def named(self, layer_ids: list[int], kinds: tuple[str, ...] = STATE_KINDS) -> list[tuple[str, torch.Tensor]]:
+        """("conv_5", conv of the layer numbered 5 in the model), ("state_5", ...), ("delta_k_5", ...), ("delta_v_5",
+        ...), ("delta_g_5", ...), ("delta_beta_5", ...), ...: the suffixes of the graphs' past_* / present_* names
+        (`layer_ids`: the model's numbers of these layers, in order), of the buffers of `kinds` only."""
+        buffers = dict(zip(STATE_KINDS, (self.conv, self.state, self.k, self.v, self.g, self.beta)))
+        return [(f"{kind}_{i}", buffers[kind][n]) for n, i in enumerate(layer_ids) for kind in kinds]
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Slot `src`'s states (and where its kept tokens begin) into slot `dst` (runtime/cache_rows.py)."""
+        for buf in (*self.conv, *self.state, *self.k, *self.v, *self.g, *self.beta):
+            buf[dst].copy_(buf[src])
+        self.kept_from[dst] = self.kept_from[src]
 
     def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
         kept = (starts - self.kept_from[slots]).clamp(0, self.depth)
@@ -130,6 +158,15 @@ class RecurrentStates:
         _, state = _recurrent(None, self.k[layer][slots], self.v[layer][slots], self.g[layer][slots] * keep,
                               self.beta[layer][slots] * keep, self.state[layer][slots])
         return conv * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
+
+    def recur(self, step: RecurrentPass, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule over the pass from `state`: its outputs [B, T, H, dv] fp32 and the state to keep, the
+        one it started from (keep_all: the next pass replays what it keeps from there) or the one after it (a prompt,
+        in chunks as transformers runs a prefill)."""
+        if step.keep_all:
+            return _recurrent(q, k, v, g, beta, state)[0], state
+        return _chunked(q, k, v, g, beta, state)
 
     def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
@@ -187,15 +224,20 @@ class GatedDeltaNet(nn.Module):
             repeat = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         q, k = l2norm(q), l2norm(k)
-        if step.keep_all:  # (the state after the pass is not kept: the next pass replays what it keeps)
-            out, _ = _recurrent(q, k, v, g, beta, state)
-            states.write(layer, step, inputs, state, k, v, g, beta)
-        else:
-            out, final = _chunked(q, k, v, g, beta, state)
-            states.write(layer, step, inputs, final, k, v, g, beta)
+        out, kept = states.recur(step, q, k, v, g, beta, state)
+        states.write(layer, step, inputs, kept, k, v, g, beta)
         z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.value_dim))
         out = self.norm(out.to(x.dtype), z).flatten(2)
         return self.tp.all_reduce(self.out_proj(out))
+
+
+def delta_step(state, k, v, g, beta):
+    """One token of the gated delta rule: state [B, H, dk, dv] fp32, k [B, H, dk], v [B, H, dv], g / beta [B, H] (fp32)
+    -> the state after it."""
+    state = state * g.exp()[..., None, None]
+    remembered = (state * k[..., :, None]).sum(dim=-2)  # [B, H, dv]
+    delta = (v - remembered) * beta[..., None]
+    return state + k[..., :, None] * delta[..., None, :]
 
 
 def _recurrent(q, k, v, g, beta, state):
@@ -206,13 +248,29 @@ def _recurrent(q, k, v, g, beta, state):
     q = None if q is None else q.float() * q.shape[-1] ** -0.5
     outs = []
     for i in range(k.shape[1]):
-        state = state * g[:, i].exp()[..., None, None]
-        remembered = (state * k[:, i, :, :, None]).sum(dim=-2)  # [B, H, dv]
-        delta = (v[:, i] - remembered) * beta[:, i, :, None]
-        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        state = delta_step(state, k[:, i], v[:, i], g[:, i], beta[:, i])
         if q is not None:
             outs.append((state * q[:, i, :, :, None]).sum(dim=-2))
     return (None if q is None else torch.stack(outs, dim=1)), state
+
+
+def scanned(q, k, v, g, beta, state):
+    """`_recurrent` as one torch scan over the tokens (its exported graphs: one ONNX Scan, T dynamic): the same
+    operations per token, so the same values."""
+    from torch._higher_order_ops.scan import scan
+
+    k, v, g, beta = (x.float() for x in (k, v, g, beta))
+    if q is None:
+        final, _ = scan(lambda s, xs: (delta_step(s, *xs), []), state, (k, v, g, beta), dim=1)
+        return None, final
+
+    def token(s, xs):
+        q_i, *rest = xs
+        s = delta_step(s, *rest)
+        return s, (s * q_i[..., :, None]).sum(dim=-2)
+
+    final, outs = scan(token, state, (q.float() * q.shape[-1] ** -0.5, k, v, g, beta), dim=1)
+    return outs, final  # (outs stacked on the scanned axis: [B, T, H, dv])
 
 
 def _chunked(q, k, v, g, beta, state, chunk: int = CHUNK):

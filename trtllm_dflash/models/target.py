@@ -42,13 +42,7 @@ from trtllm_dflash.models.layers import (
     attend,
     drop_replicated_biases,
 )
-from trtllm_dflash.models.linear_attention import (
-    GatedDeltaNet,
-    RecurrentPass,
-    RecurrentStates,
-    conv_channels,
-    linear_heads,
-)
+from trtllm_dflash.models.linear_attention import GatedDeltaNet, RecurrentPass, RecurrentStates
 from trtllm_dflash.models.mla import LatentAttention
 from trtllm_dflash.models.moe import MoEMLP, MoEParallel, SparseMoE
 from trtllm_dflash.models.shard import padded_vocab
@@ -160,13 +154,8 @@ class TargetModel(nn.Module):
     def new_states(self, num_slots: int, depth: int) -> RecurrentStates | None:
         """The Gated DeltaNet layers' states (Qwen3.5), resuming passes of up to `depth` tokens; None without such
         layers."""
-        s, p = self.spec, self.lm_head.weight
-        if not s.has_recurrent_state:
-            return None
-        heads = linear_heads(s, self.tp.size)[1]
-        return RecurrentStates(len(self.linear_index), num_slots, depth, conv_channels(s, self.tp.size),
-                               s.linear_conv_kernel, heads, s.linear_key_head_dim, s.linear_value_head_dim, p.dtype,
-                               p.device)
+        p = self.lm_head.weight
+        return RecurrentStates.of(self.spec, self.tp.size, num_slots, depth, p.dtype, p.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The raw embedding rows (what a drafter's block is made of); `forward` scales them by spec.embed_scale."""

@@ -21,29 +21,37 @@ from dataclasses import dataclass
 
 import torch
 
+from trtllm_dflash.models.linear_attention import RecurrentStates
+
 
 @dataclass
 class LayerCaches:
-    """One model's per-layer K and V buffers, [num_slots, kv_heads, length, head_dim] each."""
+    """One model's per-layer K and V buffers, [num_slots, kv_heads, length, head_dim] each, of the layers numbered
+    `layer_ids` (None: 0, 1, ...; a hybrid model's attention layers only)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    layer_ids: list[int] | None = None
 
     @classmethod
-    def zeros(cls, layers: int, num_slots: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str = "cpu", v_head_dim: int | None = None) -> "LayerCaches":
-        """`v_head_dim`: V's head size where it differs from K's (0: a latent attention layer, which keeps no V)."""
+    def zeros(cls, layers: int | list[int], num_slots: int, kv_heads: int, length: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device | str = "cpu", v_head_dim: int | None = None) -> "LayerCaches":
+        """`layers`: how many (numbered 0 ..), or their numbers. `v_head_dim`: V's head size where it differs from
+        K's (0: a latent attention layer, which keeps no V)."""
         def new(width: int) -> torch.Tensor:
             # (no V: a zero-width view of a one-wide buffer, whose address is a real one: onnxruntime refuses to bind
             # a null pointer, even to no bytes)
             return torch.zeros(num_slots, kv_heads, length, max(width, 1), dtype=dtype, device=device)[..., :width]
 
+        ids = None if isinstance(layers, int) else list(layers)
+        count = layers if ids is None else len(ids)
         v_width = head_dim if v_head_dim is None else v_head_dim
-        return cls([new(head_dim) for _ in range(layers)], [new(v_width) for _ in range(layers)])
+        return cls([new(head_dim) for _ in range(count)], [new(v_width) for _ in range(count)], ids)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """("key_0", K_0), ("value_0", V_0), ...: the suffixes of the graphs' past_* / present_* names."""
-        return [(f"{kind}_{i}", buf) for i, pair in enumerate(zip(self.keys, self.values))
+        ids = range(len(self.keys)) if self.layer_ids is None else self.layer_ids
+        return [(f"{kind}_{i}", buf) for i, pair in zip(ids, zip(self.keys, self.values))
                 for kind, buf in zip(("key", "value"), pair)]
 
     def move_row(self, src: int, dst: int) -> None:
@@ -96,9 +104,10 @@ def batch_order(runs: Sequence[RowRun], outputs: Sequence[torch.Tensor]) -> torc
 
 
 class CacheRows:
-    """slot -> cache row for every cache in `caches`, rows 0 .. n-1 in use."""
+    """slot -> cache row for every cache in `caches` (KV caches, and a hybrid target's recurrent states, whose slots
+    are rows too), rows 0 .. n-1 in use."""
 
-    def __init__(self, caches: Sequence[LayerCaches]):
+    def __init__(self, caches: Sequence[LayerCaches | RecurrentStates]):
         self._caches = tuple(caches)
         self._row: dict[int, int] = {}
 

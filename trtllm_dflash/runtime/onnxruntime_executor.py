@@ -26,6 +26,7 @@ import torch
 
 from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
+from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
 from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
@@ -36,6 +37,9 @@ TREE_GRAPHS = ("target_tree.onnx", "drafter_candidates.onnx")  # loaded for draf
 # GroupQueryAttention node reading the cache in place (compile/onnx_export.py TargetDecode); exported where the target
 # allows it and by trtllm-dflash since 2026-12-04 (else target_step runs them)
 DECODE_GRAPH = "target_decode.onnx"
+# Targets with Gated DeltaNet layers (Qwen3.5): each layer's state advanced over the tokens its row keeps of its last
+# pass, before the next target_step (compile/onnx_export.py TargetReplay)
+REPLAY_GRAPH = "target_replay.onnx"
 
 
 def _onnxruntime():
@@ -64,16 +68,16 @@ def _bind_output(binding, name: str, tensor: torch.Tensor) -> None:
     binding.bind_output(name, *_where(tensor), _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
 
 
-def _bind_caches(binding, caches: LayerCaches, run: RowRun, write: bool) -> None:
-    """Bind rows run.first .. run.first + run.rows - 1 of every cache as past_* (and, with `write`, present_*)."""
-    for name, buf in caches.named():
-        # (the address from the storage: a latent attention layer's V is zero-width, and torch gives an empty tensor
-        # the address 0, which onnxruntime refuses to bind; LayerCaches gives its storage one real element per row)
-        ptr = buf.untyped_storage().data_ptr() + (buf.storage_offset() + run.first * buf.stride(0)) * buf.element_size()
-        shape, element = (run.rows, *buf.shape[1:]), _NUMPY[buf.dtype]
+def _bind_rows(binding, name: str, buf: torch.Tensor, run: RowRun, past: bool, present: bool) -> None:
+    """Bind rows run.first .. run.first + run.rows - 1 of `buf` as past_<name> and / or present_<name>, in place."""
+    # (the address from the storage: a latent attention layer's V is zero-width, and torch gives an empty tensor
+    # the address 0, which onnxruntime refuses to bind; LayerCaches gives its storage one real element per row)
+    ptr = buf.untyped_storage().data_ptr() + (buf.storage_offset() + run.first * buf.stride(0)) * buf.element_size()
+    shape, element = (run.rows, *buf.shape[1:]), _NUMPY[buf.dtype]
+    if past:
         binding.bind_input(f"past_{name}", *_where(buf), element, shape, ptr)
-        if write:
-            binding.bind_output(f"present_{name}", *_where(buf), element, shape, ptr)
+    if present:
+        binding.bind_output(f"present_{name}", *_where(buf), element, shape, ptr)
 
 
 def cuda_provider(device: torch.device, stream: int) -> tuple[str, dict[str, str]]:
@@ -137,6 +141,7 @@ class OnnxRuntimeExecutor:
         # (on the CPU only: onnxruntime's CUDA GroupQueryAttention takes float16 / bfloat16, and these engines are
         # float32; on CUDA the node would fall back to the CPU, copying the caches each call)
         optional = (DECODE_GRAPH,) if (graphs / DECODE_GRAPH).is_file() and self.device.type == "cpu" else ()
+        optional += (REPLAY_GRAPH,) if target.has_recurrent_state else ()
         self._sessions = {name: ort.InferenceSession(str(graphs / name), options,
                                                      providers=providers(ort, self.device, stream))
                           for name in GRAPHS + (TREE_GRAPHS if tree_budget else ()) + optional}
@@ -145,18 +150,22 @@ class OnnxRuntimeExecutor:
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
         self._cache_length = max_len
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
-        self._target = LayerCaches.zeros(target.num_layers, self.num_slots, heads, max_len, k_dim, dtype, self.device,
-                                         v_dim)
+        attention = [i for i in range(target.num_layers) if not target.is_linear(i)]  # (Qwen3.5's: not all)
+        self._target = LayerCaches.zeros(attention, self.num_slots, heads, max_len, k_dim, dtype, self.device, v_dim)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
-        self._rows = CacheRows((self._target, self._drafter))
+        # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
+        self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
+        self._linear = [i for i in range(target.num_layers) if target.is_linear(i)]
+        self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
                     threads: int | None, device: str = "cpu", tree_budget: int = 0) -> "OnnxRuntimeExecutor":
         graphs = graph_dir(Path(root), rank)
-        missing = [name for name in GRAPHS if not (graphs / name).is_file()]
+        recurrent = engine_specs(cfg)[0].has_recurrent_state
+        missing = [name for name in GRAPHS + ((REPLAY_GRAPH,) if recurrent else ()) if not (graphs / name).is_file()]
         if missing:
             raise UserError(f"{root}: the engine has no ONNX graphs ({graphs / missing[0]} is missing); build it "
                             "with `backend: onnxruntime` to run it with --backend onnxruntime.")
@@ -178,7 +187,10 @@ class OnnxRuntimeExecutor:
             positions = starts[:, None] + torch.arange(T, device=self.device)
             # one token per row: the in-place graph (no key_positions: each row attends up to its own position)
             keys = None if T == 1 and DECODE_GRAPH in self._sessions else self._key_positions(rows, starts, T)
-            outs = [self._target_run(run, run.take(token_ids), run.take(positions), keys) for run in runs]
+            valid = None if self._states is None else (
+                last_index + 1 if last_index is not None else torch.full_like(starts, T))
+            outs = [self._target_run(run, run.take(token_ids), run.take(positions), keys,
+                                     None if valid is None else run.take(valid)) for run in runs]
             logits = batch_order(runs, [o[0] for o in outs])
             hidden = batch_order(runs, [o[1] for o in outs]) if capture else None
             if last_index is not None:
@@ -186,22 +198,44 @@ class OnnxRuntimeExecutor:
         return StepOutput(logits, hidden)
 
     def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor,
-                    key_positions: torch.Tensor | None):
-        """target_step over the run's rows, or target_decode without `key_positions`."""
+                    key_positions: torch.Tensor | None, valid: torch.Tensor | None = None):
+        """target_step over the run's rows, or target_decode without `key_positions`. A target with Gated DeltaNet
+        layers (Qwen3.5): `valid` real tokens per row; target_replay first resumes each row's states at its start."""
         T = token_ids.shape[1]
         graph = "target_step.onnx" if key_positions is not None else DECODE_GRAPH
-        binding = self._binding(graph, self._target, run)
+        binding = self._binding(graph, run, self._target)
         _bind_input(binding, "token_ids", token_ids)
         _bind_input(binding, "positions", positions)
         if key_positions is not None:
             _bind_input(binding, "key_positions", key_positions)
+        step = None
+        if self._states is not None:
+            rows = torch.arange(run.first, run.first + run.rows, device=self.device)
+            step = self._states.begin(rows, positions[:, 0].contiguous(), T, valid)
+            self._replay(run, step.kept)
+            _bind_input(binding, "kept", step.kept)
+            _bind_input(binding, "valid", valid)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
         logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
         hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
         _bind_output(binding, "logits", logits)
         _bind_output(binding, "hidden", hidden)
         self._sessions[graph].run_with_iobinding(binding)
+        if step is not None:
+            self._states.end(step)
         return logits, hidden
+
+    def _replay(self, run: RowRun, kept: torch.Tensor) -> None:
+        """target_replay.onnx over the run's rows: each Gated DeltaNet layer's state advanced over the `kept` [rows]
+        first tokens of the row's last pass (none: nothing to run)."""
+        steps = int(kept.max())
+        if steps == 0:
+            return
+        binding = self._binding(REPLAY_GRAPH, run)
+        arange = torch.arange(steps, device=self.device)  # (alive until the run)
+        _bind_input(binding, "kept", kept)
+        _bind_input(binding, "steps", arange)
+        self._sessions[REPLAY_GRAPH].run_with_iobinding(binding)
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the graph, which reads out the
@@ -241,7 +275,7 @@ class OnnxRuntimeExecutor:
             whole = {"key_positions": self._key_positions(rows, starts, 0), **extra}  # keys: positions before each start
             results: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}
             for run in runs:
-                binding = self._binding(graph, self._drafter, run)
+                binding = self._binding(graph, run, self._drafter)
                 inputs = {name: run.take(tensor.to(self.device)) for name, tensor in per_row.items()}  # alive until run
                 for name, tensor in {**inputs, **whole}.items():
                     _bind_input(binding, name, tensor)
@@ -261,7 +295,7 @@ class OnnxRuntimeExecutor:
             keys = self._key_positions(rows, starts, N)
             logits, hidden = [], []
             for run in runs:
-                binding = self._binding("target_tree.onnx", self._target, run)
+                binding = self._binding("target_tree.onnx", run, self._target)
                 inputs = {"token_ids": run.take(token_ids), "positions": run.take(positions), "tree": run.take(tree)}
                 for name, tensor in inputs.items():
                     _bind_input(binding, name, tensor)
@@ -288,7 +322,7 @@ class OnnxRuntimeExecutor:
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
             for run in self._rows.runs_of(slots if rows is None else rows.slots):
-                binding = self._binding("drafter_context.onnx", self._drafter, run)
+                binding = self._binding("drafter_context.onnx", run, self._drafter)
                 inputs = {"target_hidden": run.take(hidden), "positions": run.take(positions)}  # alive until the run
                 for name, tensor in inputs.items():
                     _bind_input(binding, name, tensor)
@@ -316,18 +350,32 @@ class OnnxRuntimeExecutor:
             self._sessions["accept.onnx"].run_with_iobinding(binding)
         return accepted, next_block[:, 0]  # next_block = [bonus, MASK, ...]
 
-    def _binding(self, graph: str, caches: LayerCaches, run: RowRun):
-        """`graph`'s IOBinding with the caches of rows run.first .. run.first + run.rows - 1 bound in place (past_* and
-        present_* at the same address), made the first time these rows run and kept: binding 4 x layers caches was a
-        good part of a small pass's host time. Every call binds its other inputs and outputs again (a binding replaces
-        the one of the same name), so nothing of an earlier call is read. The caches never move: rows are moved by
-        copying (CacheRows.release), not by reallocating."""
+    def _binding(self, graph: str, run: RowRun, caches: LayerCaches | None = None):
+        """`graph`'s IOBinding with `caches` of rows run.first .. run.first + run.rows - 1 bound in place (past_* and
+        present_* at the same address; a hybrid target's states too: `_in_place`), made the first time these rows run
+        and kept: binding 4 x layers caches was a good part of a small pass's host time. Every call binds its other
+        inputs and outputs again (a binding replaces the one of the same name), so nothing of an earlier call is read.
+        The caches never move: rows are moved by copying (CacheRows.release), not by reallocating."""
         key = (graph, run.first, run.rows)
         binding = self._bindings.get(key)
         if binding is None:
             binding = self._bindings[key] = self._sessions[graph].io_binding()
-            _bind_caches(binding, caches, run, write=True)
+            for name, buf, past, present in self._in_place(graph, caches):
+                _bind_rows(binding, name, buf, run, past, present)
         return binding
+
+    def _in_place(self, graph: str, caches: LayerCaches | None) -> list[tuple[str, torch.Tensor, bool, bool]]:
+        """(name, buffer, read, written) of what `graph` binds in place: its caches, read and written, and a hybrid
+        target's Gated DeltaNet states: target_step reads conv and state and writes all six, target_replay reads the
+        state and the delta_* and writes the state."""
+        bound = [(name, buf, True, True) for name, buf in caches.named()] if caches is not None else []
+        if self._states is not None and graph == REPLAY_GRAPH:
+            bound += [(name, buf, True, name.startswith("state_"))
+                      for name, buf in self._states.named(self._linear, REPLAY_KINDS)]
+        elif self._states is not None and graph == "target_step.onnx":
+            read = {name for name, _ in self._states.named(self._linear, READ_KINDS)}
+            bound += [(name, buf, name in read, True) for name, buf in self._states.named(self._linear)]
+        return bound
 
     def _key_positions(self, rows, starts: torch.Tensor, tokens: int) -> torch.Tensor:
         """The graphs' `key_positions` input, 0 .. keys - 1: its length is the pass's attended length (a bucket,
