@@ -156,6 +156,7 @@ checker, but onnxruntime's CPU EP has no bfloat16 MatMul / Mul kernels (they are
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -539,10 +540,18 @@ def _to_onnx(graph: _Graph) -> ir.Model:
     # Strict (dynamo) tracing turns the models' int(positions.max()) into a data-dependent size.
     with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
         program = torch.export.export(graph.module, graph.args, dynamic_shapes=graph.dynamic_shapes, strict=True)
-    onnx_program = torch.onnx.export(
-        program, dynamo=True, opset_version=OPSET, custom_translation_table=TRANSLATIONS,
-        input_names=graph.input_names, output_names=graph.output_names, optimize=True, verbose=False,
-    )
+    # (onnx_ir warns, once per node, that a Scan's empty axes lists default to INTS, which is their type: not the
+    # user's business, so not printed during a build)
+    quiet = logging.getLogger("onnx_ir._convenience")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        onnx_program = torch.onnx.export(
+            program, dynamo=True, opset_version=OPSET, custom_translation_table=TRANSLATIONS,
+            input_names=graph.input_names, output_names=graph.output_names, optimize=True, verbose=False,
+        )
+    finally:
+        quiet.setLevel(level)
     inputs = {v.name: v for v in onnx_program.model.graph.inputs}
     onnx_program.rename_axes({inputs[name].shape[axis]: dim for (name, axis), dim in graph.axis_names.items()})
     model = onnx_program.model
