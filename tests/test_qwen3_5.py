@@ -296,6 +296,24 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
         assert got == expected, mode
 
 
+@pytest.mark.slow
+def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path):
+    """quantization fp8 + backend onnxruntime (ModelOpt's FP8 linears as Q/DQ nodes beside the Scans): the onnxruntime
+    executor's tokens and acceptance lengths equal the torch executor's on the same engine."""
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+
+    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="onnxruntime",
+                                          quantization="fp8", output=tmp_path / "engine"), progress=False)
+    engines = [Engine.load(engine_dir, backend=b) for b in ("onnxruntime", "torch")]
+    reqs = [replace(r, max_new_tokens=40) for r in requests(engines[0].executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        got, expected = ({r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                          for r in e.decoder(mode).generate(reqs)} for e in engines)
+        assert got == expected, mode
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"backend": "tensorrt"}, "backend tensorrt cannot export {}_text targets yet (Gated DeltaNet layers: their "
                               "graphs carry recurrent states and a Scan, which the TensorRT executor does not bind "
