@@ -315,9 +315,10 @@ def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path)
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "tensorrt"}, "backend tensorrt cannot export {}_text targets yet (Gated DeltaNet layers: their "
-                              "graphs carry recurrent states and a Scan, which the TensorRT executor does not bind "
-                              "yet); use backend: torch for this engine."),
+    ({"backend": "tensorrt"}, "backend tensorrt cannot export {}_text targets yet (Gated DeltaNet layers: TensorRT "
+                              "shares an output's memory with an input only in a KV-cache update, so their states "
+                              "need output buffers of their own, which the TensorRT executor does not have yet); use "
+                              "backend: torch for this engine."),
     ({"tp_size": 4}, "linear_num_key_heads 2 is not divisible by tp_size 4."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):
