@@ -7,6 +7,9 @@ positions in place and no cache is ever copied by a step. Which rows a call bind
 bindings of a graph's caches are made once per run of rows and kept (`_binding`); a call binds only its own inputs
 and outputs. target_step's attention reads a Slice of each cache (a copy of the attended prefix); one-token passes
 run target_decode.onnx where the engine has it (on the CPU), whose GroupQueryAttention nodes read the caches in place.
+A Qwen3.5 target's Gated DeltaNet layers keep their states (models/linear_attention.RecurrentStates) in rows beside the
+caches, bound the same way; target_replay.onnx resumes a row's states at its next pass's start before target_step runs
+(docs/models.md §Recurrent state).
 
 On a `cuda` device (onnxruntime-gpu; written, never run: no GPU here) the sessions run on this executor's own CUDA
 stream (the CUDA execution provider's `user_compute_stream`), and so do the torch ops that make their inputs and
