@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from trtllm_dflash.compile.tensorrt_build import PLANS, cache_length, engine_shapes
+from trtllm_dflash.compile.tensorrt_build import STATE_OUTPUTS, cache_length, engine_plans, engine_shapes
 from trtllm_dflash.engine_dir import graph_dir, read_engine_config
 from trtllm_dflash.runtime.executor import engine_specs
 from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
@@ -51,7 +50,11 @@ class OnnxRuntimeContext:
             binding.bind_input(i.name, "cpu", 0, np.dtype(self.NUMPY[i.type]), self.shapes[i.name],
                                self.addresses[i.name])
         for o in self.session.get_outputs():
-            if o.name.startswith("present_"):
+            if o.name.startswith(STATE_OUTPUTS):  # a Gated DeltaNet layer's state: a buffer of its own
+                past = o.name.replace("present_", "past_", 1)
+                assert self.addresses[o.name] != self.addresses.get(past), "TensorRT aliases only KV-cache updates"
+                shape = (self.shapes["kept"][0], *o.shape[1:])  # (the graph's own sizes but the batch)
+            elif o.name.startswith("present_"):
                 past = o.name.replace("present_", "past_", 1)
                 assert self.addresses[o.name] == self.addresses[past], "a cache must be updated in place"
                 shape = self.shapes[past]
@@ -63,9 +66,11 @@ class OnnxRuntimeContext:
         return True
 
 
-def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None) -> TensorRTExecutor:
+def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None,
+                     pass_tokens: int | None = None) -> TensorRTExecutor:
     """A TensorRTExecutor of `engine` (rank 0, built with backend onnxruntime) whose contexts are OnnxRuntimeContexts,
-    holding the profile `compile` would give its plans (and taking passes of its length), unless `profile` is False."""
+    holding the profile `compile` would give its plans (and taking passes of its length, or of `pass_tokens`), unless
+    `profile` is False."""
     import onnxruntime as ort
 
     cfg = read_engine_config(engine)
@@ -84,6 +89,6 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
     shapes = engine_shapes(cfg) if profile else None
     contexts = {g: OnnxRuntimeContext(ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
                                                            providers=["CPUExecutionProvider"]), output_shape, shapes)
-                for g in PLANS}
+                for g in engine_plans(cfg)}
     return TensorRTExecutor(contexts, cfg, block_size, "cpu", cache_length(cfg),
-                            pass_tokens=shapes["seq"].max if shapes is not None else None)
+                            pass_tokens=pass_tokens or (shapes["seq"].max if shapes is not None else None))

@@ -1,8 +1,9 @@
 """Qwen3.5 targets (hybrid: Gated DeltaNet + gated full attention; dense and MoE): the published multimodal directory
 read as a causal LM, our decoder == transformers' Qwen3_5ForConditionalGeneration on text, the recurrent state rolled
 back to the accepted prefix (a drafter right for a few positions and then wrong: dflash == ar == HF generate()), sampled
-dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, onnxruntime engines ==
-the torch executor, the published config, and the build options not supported yet refused in one sentence.
+dflash == ar, paged caches with preemption, tensor parallelism under mpiexec == one process, onnxruntime engines and
+the TensorRT executor (stand-ins) == the torch executor, the published config, and the build options not supported
+yet refused in one sentence.
 
 The tiny targets (train/random_pair.py) have three Gated DeltaNet layers (2 key heads, 4 value heads) and one full
 attention layer; the MoE one 8 routed experts (top 2) and a gated shared expert in every layer. Every test runs on both.
@@ -314,11 +315,58 @@ def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path)
         assert got == expected, mode
 
 
+@pytest.mark.slow
+def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tmp_path):
+    """backend tensorrt: the TensorRT executor, its execution contexts stood in for by onnxruntime over exactly the
+    memory it binds (tests/tensorrt_standin.py), gives the torch executor's tokens with drafts right for 0 .. k - 1
+    positions (blocks of 8 and 3), in one pass per prompt and with prompts cut into passes of 16 tokens; a padded batch
+    of prompts cut into passes (a row whose prompt ends in the first) then decodes the torch executor's logits; and
+    TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer) and target_replay into plans, their
+    state outputs not aliased to inputs (TensorRT aliases only KV-cache updates: the executor copies them back)."""
+    from tests.tensorrt_standin import standin_executor
+    from trtllm_dflash.compile.tensorrt_build import build_plan, cache_length, engine_shapes, layer_types, parse_graph
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+
+    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="tensorrt",
+                                          output=tmp_path / "engine"), progress=False)
+    g = torch.Generator().manual_seed(1)
+    reqs = [replace(r, max_new_tokens=32) for r in requests(engine.executor.vocab_size)]
+    reqs.append(Request(5, torch.randint(4, engine.executor.vocab_size, (70,), generator=g).tolist(), 16))
+    ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    greedy = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
+    for pass_tokens in (None, 16):
+        executor = standin_executor(engine_dir, pass_tokens=pass_tokens)
+        for k in (8, 3):
+            scripted = ScriptedDrafts(executor, greedy)
+            got = {r.request.id: r.output_token_ids for r in
+                   Decoder(scripted, engine.decoder("dflash", block_size=k).policy, engine.config.eos_token_ids)
+                   .generate(reqs)}
+            assert got == ar, (pass_tokens, k)
+            assert set(scripted.accepted) == set(range(k)), (k, sorted(set(scripted.accepted)))
+    # Prompts of 3, 20 and 17 tokens padded to 20, in passes of 16: the first row's real tokens end in the first pass
+    # (fails when a later pass replays tokens of a pass that kept its final state)
+    executor, eager = standin_executor(engine_dir, pass_tokens=16), engine.executor
+    lengths = torch.tensor([3, 20, 17])
+    ids = torch.randint(4, eager.vocab_size, (3, 20), generator=g)
+    slots, starts = torch.arange(3), torch.zeros(3, dtype=torch.long)
+    for step in range(4):
+        last = lengths - 1 if step == 0 else None
+        want, got = (e.target_forward(ids, starts, slots, False, last_index=last) for e in (eager, executor))
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=0)
+        ids, starts = want.logits[:, -1].argmax(-1)[:, None], lengths + step
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
+    cfg = read_engine_config(engine_dir)
+    for graph, loops in (("target_step", 3), ("target_replay", 3)):
+        path = graph_dir(engine_dir, 0) / f"{graph}.onnx"
+        parsed = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)})
+        assert layer_types(parsed.network)["RECURRENCE"] == loops
+        assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 100_000
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "tensorrt"}, "backend tensorrt cannot export {}_text targets yet (Gated DeltaNet layers: TensorRT "
-                              "shares an output's memory with an input only in a KV-cache update, so their states "
-                              "need output buffers of their own, which the TensorRT executor does not have yet); use "
-                              "backend: torch for this engine."),
     ({"tp_size": 4}, "linear_num_key_heads 2 is not divisible by tp_size 4."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):

@@ -16,6 +16,7 @@ TensorRT-RTX (`import tensorrt_rtx_bindings`, ahead of time on a CPU for chosen 
       tensorrt/rank{r}/drafter_draft.engine
       tensorrt/rank{r}/accept.engine       the acceptance step: accept_plugin.onnx (our DFlashAccept plugin) with
                                            --plugin-library, else accept.onnx (plain ONNX ops)
+      tensorrt/rank{r}/target_replay.engine  Qwen3.5 targets: the Gated DeltaNet states' rollback (a TensorRT loop)
       manifest.json                        rewritten: lists the plans too
 
 Atomicity: the plans are built into a temporary sibling directory that holds hard links to the engine's files
@@ -64,6 +65,11 @@ GRAPHS = ("target_step", "drafter_context", "drafter_draft")
 # given the plugin library, else from accept.onnx (the same step in plain ONNX ops).
 ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
 PLANS = (*GRAPHS, ACCEPT)
+# A target with Gated DeltaNet layers (Qwen3.5) has one more: the replay that resumes their states (onnx_export.py's
+# TARGET_REPLAY). Those states are outputs of their own buffers (TensorRT aliases an output with an input only in a
+# KV-cache update): the executor copies them back into its state rows after the plan ran.
+REPLAY = "target_replay"
+STATE_OUTPUTS = ("present_conv_", "present_state_", "present_delta_")
 COLLECTIVE_OP = "DistCollective"  # compile/onnx_ops.py's tensor-parallel collectives
 PLANS_DIR, PLANS_INFO = "tensorrt", "plans.json"
 MIN_TENSORRT = (10, 15)  # RotaryEmbedding and TensorScatter in the ONNX parser
@@ -132,6 +138,13 @@ def pass_tokens(cfg: EngineConfig) -> int:
 TREE_NODES, TREE_CANDIDATES = 65, 8
 
 
+def engine_plans(cfg: EngineConfig) -> tuple[str, ...]:
+    """The plans of this engine: PLANS, and target_replay for a target with Gated DeltaNet layers."""
+    from trtllm_dflash.runtime.executor import engine_specs
+
+    return PLANS + ((REPLAY,) if engine_specs(cfg)[0].has_recurrent_state else ())
+
+
 def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
     """The profile of the graphs' named dimensions for this engine (one dict for all three graphs).
 
@@ -156,6 +169,8 @@ def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
         # anchor and up to 64 nodes, and the candidates kept per position (TreeDrafting's 8)
         "nodes": DimRange(2, block, TREE_NODES),
         "candidates": DimRange(1, TREE_CANDIDATES, TREE_CANDIDATES),
+        # target_replay (Gated DeltaNet targets): the tokens replayed, up to a verify block (the executor: all of it)
+        "steps": DimRange(1, block, block),
     }
 
 
@@ -336,10 +351,13 @@ def cache_updates(network) -> dict[str, str]:
 
 
 def _check_in_place(network, onnx_path: Path) -> None:
+    """Every present_* output but a recurrent state's (STATE_OUTPUTS: bound to buffers of their own) is the in-place
+    KV-cache update of its past_* input."""
     pairs = cache_updates(network)
     for i in range(network.num_outputs):
         name = network.get_output(i).name
-        if name.startswith("present_") and pairs.get(name) != name.replace("present_", "past_", 1):
+        if name.startswith("present_") and not name.startswith(STATE_OUTPUTS) and \
+                pairs.get(name) != name.replace("present_", "past_", 1):
             raise PlanBuildError(f"{onnx_path}: output {name} is not a KV-cache update of "
                                  f"{name.replace('present_', 'past_', 1)}, so it cannot share its memory")
 
@@ -444,8 +462,8 @@ def plan_source(root: Path, rank: int, plan: str, plugin: bool) -> Path:
     return graph_dir(root, rank) / f"{ACCEPT_PLUGIN if plan == ACCEPT and plugin else plan}.onnx"
 
 
-def _missing_graphs(root: Path, ranks: int, plugin: bool) -> list[Path]:
-    return [path for r in range(ranks) for g in PLANS if not (path := plan_source(root, r, g, plugin)).is_file()]
+def _missing_graphs(root: Path, ranks: int, plugin: bool, plans: Sequence[str] = PLANS) -> list[Path]:
+    return [path for r in range(ranks) for g in plans if not (path := plan_source(root, r, g, plugin)).is_file()]
 
 
 def file_sha256(path: Path) -> str:
@@ -473,7 +491,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     root = Path(engine_dir)
     cfg = open_engine(root)  # the manifest check: a damaged or edited graph is refused here, before TensorRT
     ranks = cfg.mapping.tp_size
-    missing = _missing_graphs(root, ranks, plugin_library is not None)
+    missing = _missing_graphs(root, ranks, plugin_library is not None, engine_plans(cfg))
     if missing:
         raise UserError(f"{root}: the engine has no ONNX graphs to compile ({missing[0]} is missing); build it "
                         "with `backend: onnxruntime` (an engine built with backend torch has none).")
@@ -508,7 +526,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
         _link_tree(root, tmp, skip=[root / ".trtllm-dflash", root / "manifest.json", root / PLANS_DIR])
         for rank in range(ranks):
             plan_dir(tmp, rank).mkdir(parents=True)
-            for graph in PLANS:
+            for graph in engine_plans(cfg):
                 source = plan_source(tmp, rank, graph, plugin_library is not None)
                 plan = build_plan(trt, source, dtype_note=cfg.dtype, shapes=shapes, plugin_library=plugin_library)
                 plan_file(tmp, rank, graph).write_bytes(plan)

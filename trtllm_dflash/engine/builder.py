@@ -94,13 +94,10 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 def check_target_family(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
     """What Gemma 4, Qwen3.5 and DeepSeek-V3 / Kimi K2 targets can be built into today: Gemma 4 the torch executor
     only (the exported graphs have one head_dim per model and no soft-capped logits), unquantized (ModelOpt's export
-    of Gemma 4 is not wired in yet); Qwen3.5 the torch executor and onnxruntime (its Gated DeltaNet layers' states
-    bound in place, which TensorRT does only for KV-cache updates); DeepSeek-V3 / Kimi K2 the torch executor and
+    of Gemma 4 is not wired in yet); Qwen3.5 every backend (its Gated DeltaNet layers' states as graph inputs and
+    outputs, docs/models.md §Recurrent state); DeepSeek-V3 / Kimi K2 the torch executor and
     onnxruntime (its latent cache as one KV head without V; the TensorRT executor's caches have V)."""
     why = ("per-layer-type head dims, attention scale 1, soft-capped logits" if spec.is_gemma4 else
-           "Gated DeltaNet layers: TensorRT shares an output's memory with an input only in a KV-cache update, so "
-           "their states need output buffers of their own, which the TensorRT executor does not have yet"
-           if spec.is_qwen3_5 and cfg.backend == "tensorrt" else
            "multi-head latent attention: its graphs cache one latent per position and no V, which the TensorRT "
            "executor does not bind yet" if spec.is_mla and cfg.backend == "tensorrt" else None)
     if cfg.quantization != "none" and spec.is_gemma4:

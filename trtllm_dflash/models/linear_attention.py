@@ -146,8 +146,10 @@ class RecurrentStates:
         return RecurrentPass(slots, starts, kept, fresh, valid, tokens, tokens <= self.depth)
 
     def end(self, step: RecurrentPass) -> None:
-        """After every layer has run the pass: where each slot's kept tokens now begin."""
-        self.kept_from[step.slots] = step.starts if step.keep_all else step.starts + step.valid
+        """After every layer has run the pass: where each slot's kept tokens now begin (a longer pass: at its end, so
+        that no later pass replays any of it, even one that starts past a row's last real token, as the next part of
+        a prompt cut into passes does for a shorter prompt beside it)."""
+        self.kept_from[step.slots] = step.starts if step.keep_all else step.starts + step.tokens
 
     def read(self, layer: int, step: RecurrentPass) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' conv inputs [B, K - 1, C] and recurrent state [B, H, dk, dv] before the pass: the slot's kept state

@@ -8,6 +8,13 @@ the run's first row (`set_tensor_address`), so TensorRT's KV-cache-update layers
 place (its IKVCacheUpdateLayer requires input and output to share memory; `from_engine` checks the plans alias
 them). Inputs and outputs are torch tensors too; outputs are allocated per call by torch's caching allocator.
 
+A Qwen3.5 target's Gated DeltaNet layers keep their states (models/linear_attention.RecurrentStates) in rows beside the
+caches. TensorRT aliases an output with an input only in a KV-cache update, so a state a plan reads and writes (conv
+and state in target_step, the state in target_replay) is written to a buffer of its own and copied back into the rows
+after the plan, on the same stream; the delta_* that target_step writes and does not read go straight into the rows.
+Before each target pass the target_replay plan advances the states over each row's kept tokens (all `depth` steps:
+no host read of how many any row keeps).
+
 Streams: the plans run on this executor's own CUDA stream (TensorRT advises against the default stream), after
 the caller's pending work, and the caller's stream waits for them before it reads an output.
 
@@ -44,8 +51,10 @@ import torch
 
 from trtllm_dflash.compile.tensorrt_build import (
     ACCEPT,
-    PLANS,
     PLANS_DIR,
+    REPLAY,
+    STATE_OUTPUTS,
+    engine_plans,
     PLANS_INFO,
     file_sha256,
     import_tensorrt,
@@ -57,6 +66,7 @@ from trtllm_dflash.compile.tensorrt_build import (
 from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
+from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
 from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
 from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
@@ -111,11 +121,17 @@ class TensorRTExecutor:
         self.mask_token_id = params.mask_token_id
         self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
         self._cache_length = cache_length
-        self._target = LayerCaches.zeros(target.num_layers, self.num_slots, target.num_kv_heads, cache_length,
+        attention = [i for i in range(target.num_layers) if not target.is_linear(i)]  # (Qwen3.5's: not all)
+        self._target = LayerCaches.zeros(attention, self.num_slots, target.num_kv_heads, cache_length,
                                          target.head_dim, dtype, self.device)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
                                           drafter.head_dim, dtype, self.device)
-        self._rows = CacheRows((self._target, self._drafter))  # slot -> cache row (runtime/cache_rows.py)
+        # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
+        self._states = RecurrentStates.of(target, cfg.mapping.tp_size, self.num_slots, params.block_size, dtype,
+                                          self.device)
+        self._linear = [i for i in range(target.num_layers) if target.is_linear(i)]
+        # slot -> cache row (runtime/cache_rows.py)
+        self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
         self._contexts = dict(contexts)
         self._accept_ints = torch.int32 if accept_plugin else torch.int64
         if accept_plugin and self.block_size != params.block_size:
@@ -134,7 +150,8 @@ class TensorRTExecutor:
         tp > 1, inside the torch.distributed NCCL group of the MPI ranks)."""
         root = Path(root)
         info_path = root / PLANS_DIR / PLANS_INFO
-        missing = [p for p in (*(plan_file(root, rank, g) for g in PLANS), info_path) if not p.is_file()]
+        plans = engine_plans(cfg)
+        missing = [p for p in (*(plan_file(root, rank, g) for g in plans), info_path) if not p.is_file()]
         if missing:
             raise UserError(f"{root}: the engine has no TensorRT plans ({missing[0]} is missing); run "
                             f"`trtllm-dflash compile {root}` on the GPU machine first.")
@@ -173,7 +190,7 @@ class TensorRTExecutor:
             load_plugin_library(trt, plugin_library)
         plugin = bool(info.get("plugin_library"))
         engines = {}
-        for graph in PLANS:
+        for graph in plans:
             path = plan_file(root, rank, graph)
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
@@ -234,10 +251,17 @@ class TensorRTExecutor:
             c1 = min(T, c0 + self._pass_tokens)
             logits = torch.empty((rows, c1 - c0, self.vocab_size), dtype=torch.float32, device=self.device)
             part = torch.empty((rows, c1 - c0, self._features), dtype=self._dtype, device=self.device)
-            self._execute("target_step", {"token_ids": token_ids[:, c0:c1].contiguous(),
-                                          "positions": positions[:, c0:c1].contiguous(),
-                                          "key_positions": self._key_positions(host, starts, c1)},
-                          {"logits": logits, "hidden": part}, self._target, run, write=True)
+            inputs = {"token_ids": token_ids[:, c0:c1].contiguous(), "positions": positions[:, c0:c1].contiguous(),
+                      "key_positions": self._key_positions(host, starts, c1)}
+            step = None
+            if self._states is not None:  # this pass's real tokens per row: those before last + 1 (or all)
+                real = (last + 1 - c0 if last is not None else torch.full_like(positions[:, 0], T - c0))
+                step = self._resume(run, inputs["positions"][:, 0].contiguous(), c1 - c0, real.clamp(0, c1 - c0))
+                inputs |= {"kept": step.kept, "valid": step.valid}
+            self._execute("target_step", inputs, {"logits": logits, "hidden": part}, self._target, run, write=True,
+                          states=step is not None)
+            if step is not None:
+                self._states.end(step)
             if hidden is not None:
                 hidden[:, c0:c1] = part
             if last is None:
@@ -249,6 +273,17 @@ class TensorRTExecutor:
             found = logits.gather(1, column[:, None, None].expand(-1, 1, self.vocab_size))
             picked = found if picked is None else torch.where(here[:, None, None], found, picked)
         return picked, hidden
+
+    def _resume(self, run: RowRun, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
+        """Before a target pass over the run's rows (a Gated DeltaNet target): the pass's view of the states, and the
+        target_replay plan run over the whole verify block (no host read of how many tokens any row keeps: the steps
+        past a row's `kept` leave its state as it was), its states written to a buffer of their own, then copied back
+        into the rows (TensorRT aliases an output with an input only in a KV-cache update)."""
+        rows = torch.arange(run.first, run.first + run.rows, device=self.device)
+        step = self._states.begin(rows, starts, tokens, valid)
+        self._execute(REPLAY, {"kept": step.kept, "steps": torch.arange(self._states.depth, device=self.device)}, {},
+                      None, run, write=False, states=True)
+        return step
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
@@ -324,8 +359,11 @@ class TensorRTExecutor:
     # ------------------------------------------------------------------------------------------------
 
     def _execute(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-                 caches: LayerCaches | None, run: RowRun | None, write: bool) -> None:
+                 caches: LayerCaches | None, run: RowRun | None, write: bool, states: bool = False) -> None:
+        """Run plan `graph`: `inputs` and `outputs` bound where they lie, `caches` rows of `run` in place (past_*, and
+        with `write` present_*), and with `states` the run's rows of the Gated DeltaNet states (_state_io)."""
         context = self._contexts[graph]
+        copies = self._state_io(graph, run, inputs, outputs) if states else []
         for name, tensor in inputs.items():
             shape = tuple(tensor.shape)
             _ok(context.set_input_shape(name, shape), f"{graph} input {name} of shape {shape}")
@@ -335,6 +373,28 @@ class TensorRTExecutor:
         for name, tensor in outputs.items():
             _ok(context.set_tensor_address(name, tensor.data_ptr()), f"the address of {graph} output {name}")
         _ok(context.execute_async_v3(self._stream.cuda_stream if self._stream is not None else 0), f"to run {graph}")
+        for rows, written in copies:  # (on the same stream, after the plan)
+            rows.copy_(written)
+
+    def _state_io(self, graph: str, run: RowRun, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Add the run's rows of the states to `inputs` / `outputs` of target_step (reads conv and state, writes all
+        six: delta_* into the rows, which it does not read) or target_replay (reads state and delta_*, writes the
+        state). A state that the plan reads and writes goes to a new buffer; returns (rows, buffer) pairs to copy
+        back once it ran."""
+        rows = slice(run.first, run.first + run.rows)
+        read = READ_KINDS if graph == "target_step" else REPLAY_KINDS
+        written = STATE_KINDS if graph == "target_step" else ("state",)
+        copies = []
+        for name, buf in self._states.named(self._linear, read):
+            inputs[f"past_{name}"] = buf[rows]
+        for name, buf in self._states.named(self._linear, written):
+            if name.split("_")[0] in ("conv", "state"):  # read too: a buffer of its own, copied back
+                copies.append((buf[rows], torch.empty_like(buf[rows])))
+                outputs[f"present_{name}"] = copies[-1][1]
+            else:
+                outputs[f"present_{name}"] = buf[rows]
+        return copies
 
     @contextmanager
     def _on_own_stream(self) -> Iterator[None]:
@@ -424,12 +484,22 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
     target, drafter, _ = engine_specs(cfg)
     dtype, ids = getattr(torch, cfg.dtype), torch.int64
 
-    def caches(layers: int) -> dict[str, torch.dtype]:
-        return {f"{io}_{kind}_{i}": dtype for i in range(layers) for kind in ("key", "value") for io in ("past", "present")}
+    def caches(layers: int | list[int]) -> dict[str, torch.dtype]:
+        numbers = range(layers) if isinstance(layers, int) else layers
+        return {f"{io}_{kind}_{i}": dtype for i in numbers for kind in ("key", "value") for io in ("past", "present")}
 
+    linear = [i for i in range(target.num_layers) if target.is_linear(i)]
+    # a Gated DeltaNet layer's states: the conv inputs and delta_* in the model's dtype, the state and delta_g fp32
+    states = {f"{kind}_{i}": torch.float32 if kind in ("state", "delta_g") else dtype for i in linear
+              for kind in STATE_KINDS}
+    if graph == REPLAY:
+        return {"kept": ids, "steps": ids, **{f"past_{n}": t for n, t in states.items() if n.split("_")[0] != "conv"},
+                **{f"present_{n}": t for n, t in states.items() if n.startswith("state_")}}
     if graph == "target_step":
+        recurrent = {"kept": ids, "valid": ids, **{f"present_{n}": t for n, t in states.items()},
+                     **{f"past_{n}": t for n, t in states.items() if n.split("_")[0] in READ_KINDS}} if linear else {}
         return {"token_ids": ids, "positions": ids, "key_positions": ids, "logits": torch.float32, "hidden": dtype,
-                **caches(target.num_layers)}
+                **caches([i for i in range(target.num_layers) if i not in linear]), **recurrent}
     if graph == "drafter_context":
         return {"target_hidden": dtype, "positions": ids, **caches(drafter.num_layers)}
     if graph == "drafter_draft":
@@ -448,10 +518,11 @@ def _check_plan(trt: Any, engine, path: Path, cache_length: int, dtypes: Mapping
     it binds them as (`dtypes`: bound_dtypes): a buffer of another dtype would be read as garbage, silently."""
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     for name in names:
-        if name.startswith("past_") and engine.get_tensor_shape(name)[2] != cache_length:
+        if name.startswith(("past_key_", "past_value_")) and engine.get_tensor_shape(name)[2] != cache_length:
             raise RuntimeError(f"{path}: {name} has {engine.get_tensor_shape(name)[2]} positions, not the "
                                f"{cache_length} of {PLANS_INFO}")
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT and name.startswith("present_"):
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT and name.startswith("present_") and \
+                not name.startswith(STATE_OUTPUTS):  # (a recurrent state's: a buffer of its own, copied back)
             past = name.replace("present_", "past_", 1)
             if engine.get_aliased_input_tensor(name) != past:
                 raise RuntimeError(f"{path}: output {name} is not aliased to input {past} in this plan; binding both "
