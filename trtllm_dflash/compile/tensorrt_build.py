@@ -507,7 +507,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     _require_onnx(command)
     require_gpu(command)
     for rank in range(ranks):  # a graph of another export (copied in from a tp 4 engine, ...) before any build
-        for graph in GRAPHS:
+        for graph in (g for g in engine_plans(cfg) if g != ACCEPT):
             path = graph_dir(root, rank) / f"{graph}.onnx"
             if graph_placement(path) != (rank, ranks):
                 exported = "rank {} of tp_size {}".format(*graph_placement(path))
