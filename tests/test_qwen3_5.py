@@ -323,8 +323,11 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     of prompts cut into passes (a row whose prompt ends in the first) then decodes the torch executor's logits; and
     TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer) and target_replay into plans, their
     state outputs not aliased to inputs (TensorRT aliases only KV-cache updates: the executor copies them back)."""
+    import onnx
+
     from tests.tensorrt_standin import standin_executor
     from trtllm_dflash.compile.tensorrt_build import build_plan, cache_length, engine_shapes, layer_types, parse_graph
+    from trtllm_dflash.runtime.tensorrt_executor import bound_dtypes
     from trtllm_dflash.config import BuildConfig
     from trtllm_dflash.engine.builder import build_engine
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
@@ -357,8 +360,14 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
         want, got = (e.target_forward(ids, starts, slots, False, last_index=last) for e in (eager, executor))
         torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=0)
         ids, starts = want.logits[:, -1].argmax(-1)[:, None], lengths + step
-    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
+    # what the executor binds, by name and dtype, is each plan's graph's inputs and outputs
     cfg = read_engine_config(engine_dir)
+    onnx_types = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.INT64: torch.int64}
+    for graph in ("target_step", "target_replay"):
+        model = onnx.load(str(graph_dir(engine_dir, 0) / f"{graph}.onnx"), load_external_data=False).graph
+        assert bound_dtypes(cfg, graph, False) == {v.name: onnx_types[v.type.tensor_type.elem_type]
+                                                   for v in (*model.input, *model.output)}, graph
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
     for graph, loops in (("target_step", 3), ("target_replay", 3)):
         path = graph_dir(engine_dir, 0) / f"{graph}.onnx"
         parsed = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)})

@@ -52,10 +52,10 @@ import torch
 from trtllm_dflash.compile.tensorrt_build import (
     ACCEPT,
     PLANS_DIR,
+    PLANS_INFO,
     REPLAY,
     STATE_OUTPUTS,
     engine_plans,
-    PLANS_INFO,
     file_sha256,
     import_tensorrt,
     load_plugin_library,
