@@ -477,7 +477,8 @@ class GraphRecurrentStates:
 
     def recur(self, step: RecurrentPass, q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
         """RecurrentStates.recur as one Scan over the tokens, prompts too (`scanned`: token by token where the torch
-        executor runs a prompt in chunks, so a prompt's values may differ from its in the last bits)."""
+        executor runs a prompt in chunks, so a prompt's values may differ from the torch executor's in the last
+        bits)."""
         out, final = scanned(q, k, v, g, beta, state)
         return out, torch.where(step.keep_all, state, final)
 
