@@ -235,8 +235,7 @@ class RecurrentTargetStep(TargetStep):
 
     def forward(self, token_ids, positions, key_positions, kept, valid, past: list[torch.Tensor],
                 states: list[torch.Tensor]):
-        cache = GraphKVCache(past, layers=[i for i in range(self.target.spec.num_layers)
-                                           if not self.target.spec.is_linear(i)])
+        cache = GraphKVCache(past, layers=self.target.spec.attention_layers)
         recurrent = GraphRecurrentStates(states, kept, valid, self.target.spec.linear_conv_kernel, self.depth)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0],
@@ -387,7 +386,7 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
         return {(c, a): d for c in cache_names(layers, "past") for a, d in ((0, "batch"), (2, "max_len"))}
 
     spec = target.spec
-    attention = [i for i in range(spec.num_layers) if not spec.is_linear(i)]  # (a hybrid model's: not all)
+    attention = spec.attention_layers  # (a hybrid model's: not all)
     heads, k_dims, v_dims = target.kv_layout()  # (every attention layer's alike in the targets the graphs export)
     a, dtype = attention[0], target.lm_head.weight.dtype
     t_past = _caches(len(attention), heads[a], k_dims[a], dtype, b, n, v_dims[a])

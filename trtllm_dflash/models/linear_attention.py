@@ -118,8 +118,7 @@ class RecurrentStates:
         model without them."""
         if not spec.has_recurrent_state:
             return None
-        layers = sum(spec.is_linear(i) for i in range(spec.num_layers))
-        return cls(layers, num_slots, depth, conv_channels(spec, tp_size), spec.linear_conv_kernel,
+        return cls(len(spec.linear_layers), num_slots, depth, conv_channels(spec, tp_size), spec.linear_conv_kernel,
                    linear_heads(spec, tp_size)[1], spec.linear_key_head_dim, spec.linear_value_head_dim, dtype, device)
 
     @property

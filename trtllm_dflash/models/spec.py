@@ -203,6 +203,16 @@ class DecoderSpec:
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     @property
+    def linear_layers(self) -> list[int]:
+        """The numbers of the Gated DeltaNet layers (none but in Qwen3.5)."""
+        return [i for i in range(self.num_layers) if self.is_linear(i)]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The numbers of the layers with a KV cache: every layer but the Gated DeltaNet ones."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
+
+    @property
     def has_recurrent_state(self) -> bool:
         """Some layers carry a recurrent state (Qwen3.5): a rejected draft cannot just be masked, the state after the
         accepted prefix must be kept (models/linear_attention.py)."""

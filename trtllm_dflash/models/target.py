@@ -132,8 +132,7 @@ class TargetModel(nn.Module):
         self.rope_keys = [spec.layer_type(i) if spec.is_gemma4 else "all" for i in range(spec.num_layers)]
         self.rotary = nn.ModuleDict({t: Rotary(spec, None if t == "all" else t) for t in sorted(set(self.rope_keys))})
         # Gated DeltaNet layers (Qwen3.5) -> their index in RecurrentStates
-        linear = [i for i in range(spec.num_layers) if spec.is_linear(i)]
-        self.linear_index = {layer: n for n, layer in enumerate(linear)}
+        self.linear_index = {layer: n for n, layer in enumerate(spec.linear_layers)}
 
     def kv_layout(self) -> tuple[list[int], list[int], list[int]]:
         """Per layer, this rank's KV heads, K head size and V head size in the KV caches (a Gated DeltaNet layer: 0

@@ -153,13 +153,12 @@ class OnnxRuntimeExecutor:
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
         self._cache_length = max_len
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
-        attention = [i for i in range(target.num_layers) if not target.is_linear(i)]  # (Qwen3.5's: not all)
-        self._target = LayerCaches.zeros(attention, self.num_slots, heads, max_len, k_dim, dtype, self.device, v_dim)
+        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, max_len, k_dim, dtype, self.device, v_dim)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
         self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
-        self._linear = [i for i in range(target.num_layers) if target.is_linear(i)]
+        self._linear = target.linear_layers
         self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 

@@ -121,15 +121,14 @@ class TensorRTExecutor:
         self.mask_token_id = params.mask_token_id
         self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
         self._cache_length = cache_length
-        attention = [i for i in range(target.num_layers) if not target.is_linear(i)]  # (Qwen3.5's: not all)
-        self._target = LayerCaches.zeros(attention, self.num_slots, target.num_kv_heads, cache_length,
+        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, target.num_kv_heads, cache_length,
                                          target.head_dim, dtype, self.device)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
         self._states = RecurrentStates.of(target, cfg.mapping.tp_size, self.num_slots, params.block_size, dtype,
                                           self.device)
-        self._linear = [i for i in range(target.num_layers) if target.is_linear(i)]
+        self._linear = target.linear_layers
         # slot -> cache row (runtime/cache_rows.py)
         self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
         self._contexts = dict(contexts)
@@ -389,7 +388,7 @@ class TensorRTExecutor:
         for name, buf in self._states.named(self._linear, read):
             inputs[f"past_{name}"] = buf[rows]
         for name, buf in self._states.named(self._linear, written):
-            if name.split("_")[0] in ("conv", "state"):  # read too: a buffer of its own, copied back
+            if name.split("_")[0] in READ_KINDS:  # read too: a buffer of its own, copied back
                 copies.append((buf[rows], torch.empty_like(buf[rows])))
                 outputs[f"present_{name}"] = copies[-1][1]
             else:
@@ -488,7 +487,7 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
         numbers = range(layers) if isinstance(layers, int) else layers
         return {f"{io}_{kind}_{i}": dtype for i in numbers for kind in ("key", "value") for io in ("past", "present")}
 
-    linear = [i for i in range(target.num_layers) if target.is_linear(i)]
+    linear = target.linear_layers
     # a Gated DeltaNet layer's states: the conv inputs and delta_* in the model's dtype, the state and delta_g fp32
     states = {f"{kind}_{i}": torch.float32 if kind in ("state", "delta_g") else dtype for i in linear
               for kind in STATE_KINDS}
@@ -499,7 +498,7 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
         recurrent = {"kept": ids, "valid": ids, **{f"present_{n}": t for n, t in states.items()},
                      **{f"past_{n}": t for n, t in states.items() if n.split("_")[0] in READ_KINDS}} if linear else {}
         return {"token_ids": ids, "positions": ids, "key_positions": ids, "logits": torch.float32, "hidden": dtype,
-                **caches([i for i in range(target.num_layers) if i not in linear]), **recurrent}
+                **caches(target.attention_layers), **recurrent}
     if graph == "drafter_context":
         return {"target_hidden": dtype, "positions": ids, **caches(drafter.num_layers)}
     if graph == "drafter_draft":
