@@ -270,10 +270,59 @@ def test_onnxruntime_runs_latent_attention_and_the_experts_as_one_op(pair, tmp_p
     assert trees[0] == trees[1]
 
 
+@pytest.mark.slow
+def test_tensorrt_executor_binds_the_latent_cache_and_its_plans_build(pair, tmp_path):
+    """backend tensorrt: the graphs in TensorRT's form (dense experts) keep the latent cache with a zero-wide V passed
+    through (no KV-cache update of zero width: TensorRT-RTX's builder fails on one); the TensorRT executor, its
+    execution contexts stood in for by onnxruntime over exactly the memory it binds (tests/tensorrt_standin.py), gives
+    the torch executor's tokens and acceptance lengths, dflash (drafts accepted and rejected) and ar, greedy and
+    sampled, in one pass per prompt and in passes of 16; what it binds is each plan's graph I/O; and TensorRT-RTX
+    builds the target step (one KV-cache update per layer, of the latent) into a plan."""
+    import onnx
+
+    from tests.conftest import bias_target
+    from tests.tensorrt_standin import standin_executor
+    from trtllm_dflash.compile.tensorrt_build import build_plan, cache_length, engine_shapes, layer_types, parse_graph
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+    from trtllm_dflash.runtime.decoding import Decoder
+    from trtllm_dflash.runtime.tensorrt_executor import bound_dtypes
+
+    biased = tmp_path / "pair"
+    shutil.copytree(pair, biased)
+    bias_target(biased)
+    engine_dir = build_engine(BuildConfig(target=biased / "target", drafter=biased / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="tensorrt",
+                                          output=tmp_path / "engine"), progress=False)
+    eager = Engine.load(engine_dir, backend="torch")
+    reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.8 if r.id % 2 else 0.0, seed=r.id)
+            for r in requests(eager.executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in eager.decoder(mode).generate(reqs)}
+        if mode == "dflash":
+            steps = [n for _, lengths in expected.values() for n in lengths]
+            assert max(steps) > 2 and min(steps) == 1, steps  # drafts accepted and rejected
+        for pass_tokens in (None, 16):  # (the 19-token prompt in two passes)
+            executor = standin_executor(engine_dir, pass_tokens=pass_tokens)
+            got = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in
+                   Decoder(executor, eager.decoder(mode).policy, eager.config.eos_token_ids).generate(reqs)}
+            assert got == expected, (mode, pass_tokens)
+    cfg = read_engine_config(engine_dir)
+    model = onnx.load(str(graph_dir(engine_dir, 0) / "target_step.onnx"), load_external_data=False).graph
+    onnx_types = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.INT64: torch.int64}
+    assert bound_dtypes(cfg, "target_step", False) == {v.name: onnx_types[v.type.tensor_type.elem_type]
+                                                       for v in (*model.input, *model.output)}
+    assert [(n.op_type, list(n.input)) for n in model.node if "present_value_0" in n.output] == \
+        [("Identity", ["past_value_0"])]  # (the zero-wide V passed through)
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
+    path = graph_dir(engine_dir, 0) / "target_step.onnx"
+    types = layer_types(parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network)
+    assert types["KV_CACHE_UPDATE"] == 4 and types["ATTENTION_OUTPUT"] == 4, types
+    assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 100_000
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"backend": "tensorrt"}, "backend tensorrt cannot export deepseek_v3 targets yet (multi-head latent attention: "
-                              "its graphs cache one latent per position and no V, which the TensorRT executor does "
-                              "not bind yet); use backend: torch for this engine."),
     ({"tp_size": 8}, "num_attention_heads 4 is not divisible by tp_size 8."),
 ])
 def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fields, message):

@@ -425,7 +425,9 @@ class GraphKVCache:
         # positions: [B, T]; k, v: [B, T, kv_heads, hd]
         start = positions[:, 0]
         self.keys[layer] = tensor_scatter(self.keys[layer], k.transpose(1, 2), start)
-        self.values[layer] = tensor_scatter(self.values[layer], v.transpose(1, 2), start)
+        if v.shape[-1]:  # (a latent attention layer's V is zero-wide: nothing to write, and TensorRT-RTX 1.7's
+            # builder fails on a KV-cache update of zero width: "MyelinCheckException ... is_update_tensor()")
+            self.values[layer] = tensor_scatter(self.values[layer], v.transpose(1, 2), start)
 
     def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:

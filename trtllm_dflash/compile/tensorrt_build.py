@@ -89,15 +89,15 @@ class PlanBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class DimRange:
-    """One optimization-profile range of a named ONNX dimension."""
+    """One optimization-profile range of an ONNX dimension (0 only for a fixed one: a latent attention layer's V)."""
 
     min: int
     opt: int
     max: int
 
     def __post_init__(self):
-        if not 1 <= self.min <= self.opt <= self.max:
-            raise ValueError(f"a dimension range needs 1 <= min <= opt <= max, not {self}")
+        if not (0 <= self.min <= self.opt <= self.max and (self.min >= 1 or self.min == self.max)):
+            raise ValueError(f"a dimension range needs 1 <= min <= opt <= max (or min = max = 0), not {self}")
 
     @classmethod
     def fixed(cls, n: int) -> "DimRange":
@@ -351,12 +351,14 @@ def cache_updates(network) -> dict[str, str]:
 
 
 def _check_in_place(network, onnx_path: Path) -> None:
-    """Every present_* output but a recurrent state's (STATE_OUTPUTS: bound to buffers of their own) is the in-place
-    KV-cache update of its past_* input."""
+    """Every present_* output but a recurrent state's (STATE_OUTPUTS: bound to buffers of their own) and a zero-wide
+    one (a latent attention layer's V: its past_* passed through, no bytes to share) is the in-place KV-cache update
+    of its past_* input."""
     pairs = cache_updates(network)
     for i in range(network.num_outputs):
-        name = network.get_output(i).name
-        if name.startswith("present_") and not name.startswith(STATE_OUTPUTS) and \
+        output = network.get_output(i)
+        name = output.name
+        if name.startswith("present_") and not name.startswith(STATE_OUTPUTS) and output.shape[-1] != 0 and \
                 pairs.get(name) != name.replace("present_", "past_", 1):
             raise PlanBuildError(f"{onnx_path}: output {name} is not a KV-cache update of "
                                  f"{name.replace('present_', 'past_', 1)}, so it cannot share its memory")

@@ -59,6 +59,13 @@ class LayerCaches:
             buf[dst].copy_(buf[src])
 
 
+def row_address(buf: torch.Tensor, row: int) -> int:
+    """The address of row `row` of a cache buffer, from its storage: a latent attention layer's V is zero-width, and
+    torch gives an empty tensor the address 0, which onnxruntime refuses to bind (LayerCaches gives its storage one
+    real element per row)."""
+    return buf.untyped_storage().data_ptr() + (buf.storage_offset() + row * buf.stride(0)) * buf.element_size()
+
+
 class RowRun:
     """Consecutive cache rows first .. first + rows - 1, and the batch rows that fill them, in row order.
 

@@ -30,7 +30,7 @@ import torch
 from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order, row_address
 from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -73,9 +73,7 @@ def _bind_output(binding, name: str, tensor: torch.Tensor) -> None:
 
 def _bind_rows(binding, name: str, buf: torch.Tensor, run: RowRun, past: bool, present: bool) -> None:
     """Bind rows run.first .. run.first + run.rows - 1 of `buf` as past_<name> and / or present_<name>, in place."""
-    # (the address from the storage: a latent attention layer's V is zero-width, and torch gives an empty tensor
-    # the address 0, which onnxruntime refuses to bind; LayerCaches gives its storage one real element per row)
-    ptr = buf.untyped_storage().data_ptr() + (buf.storage_offset() + run.first * buf.stride(0)) * buf.element_size()
+    ptr = row_address(buf, run.first)  # (not data_ptr(): a latent attention layer's V is zero-width)
     shape, element = (run.rows, *buf.shape[1:]), _NUMPY[buf.dtype]
     if past:
         binding.bind_input(f"past_{name}", *_where(buf), element, shape, ptr)

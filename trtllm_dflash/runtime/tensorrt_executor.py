@@ -68,7 +68,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order, row_address
 from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -93,7 +93,7 @@ def _ok(done: bool, what: str) -> None:
 def _bind_caches(context: ExecutionContext, caches: LayerCaches, run: RowRun, write: bool) -> None:
     """Bind rows run.first .. run.first + run.rows - 1 of every cache as past_* (and, with `write`, present_*)."""
     for name, buf in caches.named():
-        shape, address = (run.rows, *buf.shape[1:]), buf[run.first].data_ptr()
+        shape, address = (run.rows, *buf.shape[1:]), row_address(buf, run.first)  # (a latent attention V: 0 wide)
         _ok(context.set_input_shape(f"past_{name}", shape), f"past_{name} of shape {shape}")
         _ok(context.set_tensor_address(f"past_{name}", address), f"the address of past_{name}")
         if write:
@@ -121,8 +121,9 @@ class TensorRTExecutor:
         self.mask_token_id = params.mask_token_id
         self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
         self._cache_length = cache_length
-        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, target.num_kv_heads, cache_length,
-                                         target.head_dim, dtype, self.device)
+        heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
+        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, cache_length, k_dim, dtype,
+                                         self.device, v_dim)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
@@ -521,7 +522,8 @@ def _check_plan(trt: Any, engine, path: Path, cache_length: int, dtypes: Mapping
             raise RuntimeError(f"{path}: {name} has {engine.get_tensor_shape(name)[2]} positions, not the "
                                f"{cache_length} of {PLANS_INFO}")
         if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT and name.startswith("present_") and \
-                not name.startswith(STATE_OUTPUTS):  # (a recurrent state's: a buffer of its own, copied back)
+                not name.startswith(STATE_OUTPUTS) and engine.get_tensor_shape(name)[-1] != 0:
+            # (a recurrent state's: a buffer of its own, copied back; a latent attention V holds no bytes)
             past = name.replace("present_", "past_", 1)
             if engine.get_aliased_input_tensor(name) != past:
                 raise RuntimeError(f"{path}: output {name} is not aliased to input {past} in this plan; binding both "
