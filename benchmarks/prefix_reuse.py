@@ -4,11 +4,13 @@
 
 The workload: one long system prompt (--prefix-tokens tokens of held-out code, the demo tokenizer's) followed by a
 short user turn (a held-out prompt's first 32 tokens), --num-requests requests submitted one after another at
-concurrency 1 (an agent's turns), greedy, --max-new-tokens each, dflash, torch executor, 1 thread, a paged cache of
---kv-cache-memory. With reuse the first request prefills the whole prompt and publishes its blocks, the others prefill
-only their own turn; without (--no-prefix-cache) every request prefills everything. A fresh executor per run (no
-blocks cached from an earlier run), the two alternating by round, medians. Reported: TTFT of the first request and
-the median of the rest, total time, and whether the tokens are the same. Results: benchmarks/results/prefix_reuse.json.
+concurrency 1 (an agent's turns), greedy, --max-new-tokens each, dflash, 1 thread. `--backend torch`: the torch
+executor with a paged cache of --kv-cache-memory (blocks shared); `--backend onnxruntime` (an engine built for it,
+such as build_configs/demo.yaml's): its static rows, the prompt blocks copied from a pool (runtime/cache_rows.PrefixRows).
+With reuse the first request prefills the whole prompt and publishes its blocks, the others prefill only their own
+turn; without (--no-prefix-cache) every request prefills everything. A fresh executor per run (no blocks cached from
+an earlier run), the two alternating by round, medians. Reported: TTFT of the first request and
+the median of the rest, total time, and whether the tokens are the same. Results: benchmarks/results/prefix_reuse.json (torch), prefix_reuse_onnxruntime.json.
 """
 
 from __future__ import annotations
@@ -32,16 +34,21 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def run(engine: Engine, requests: list[Request], budget: int, reuse: bool) -> dict:
-    ex = engine.executor
-    executor = TorchExecutor(ex.target, ex.drafter, engine.config.max_batch_size, engine.config.max_seq_len,
-                             kv_cache_memory=budget, prefix_cache=reuse)
+def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse: bool, backend: str) -> dict:
+    if backend == "torch":
+        ex = engine.executor
+        executor = TorchExecutor(ex.target, ex.drafter, engine.config.max_batch_size, engine.config.max_seq_len,
+                                 kv_cache_memory=budget, prefix_cache=reuse)
+        prefix = executor.kv_blocks
+    else:  # (loading, untimed)
+        executor = Engine.load(root, backend=backend, threads=1, prefix_cache=reuse).executor
+        prefix = executor.prefix_rows
     decoder = Decoder(executor, FixedBlock(executor.block_size), engine.config.eos_token_ids)
     start = time.perf_counter()
     results = [r for q in requests for r in decoder.generate([q])]
     return {"seconds": time.perf_counter() - start, "ttft_ms": [round(r.ttft_s * 1e3, 2) for r in results],
             "outputs": [r.output_token_ids for r in results],
-            "prefix_hit_rate": executor.kv_blocks.prefix_blocks_hit / max(1, executor.kv_blocks.prefix_blocks_looked_up)}
+            "prefix_hit_rate": prefix.prefix_blocks_hit / max(1, prefix.prefix_blocks_looked_up) if prefix else 0.0}
 
 
 def main() -> None:
@@ -52,8 +59,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_reuse.json")
+    ap.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
+    ap.add_argument("--output", type=Path)
     args = ap.parse_args()
+    suffix = "" if args.backend == "torch" else f"_{args.backend}"
+    args.output = args.output or ROOT / "benchmarks" / "results" / f"prefix_reuse{suffix}.json"
     engine = Engine.load(args.engine, backend="torch", threads=1)
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
                if line.strip()]
@@ -67,11 +77,11 @@ def main() -> None:
     load_before = load()
     print(f"{len(requests)} requests: a {len(system)}-token shared prefix + 32-token turns, {args.max_new_tokens} new "
           f"tokens each, concurrency 1; load before: {load_before}", flush=True)
-    run(engine, requests[:2], budget, True)  # warm-up
+    run(engine, args.engine, requests[:2], budget, True, args.backend)  # warm-up
     runs: dict[str, list[dict]] = {"reuse": [], "no reuse": []}
     for r in range(args.rounds):
         for name in (("reuse", "no reuse") if r % 2 == 0 else ("no reuse", "reuse")):
-            runs[name].append(run(engine, requests, budget, name == "reuse"))
+            runs[name].append(run(engine, args.engine, requests, budget, name == "reuse", args.backend))
             x = runs[name][-1]
             print(f"round {r + 1} {name}: {x['seconds']:.2f} s, TTFT first {x['ttft_ms'][0]} ms, rest median "
                   f"{statistics.median(x['ttft_ms'][1:])} ms", flush=True)
@@ -81,8 +91,8 @@ def main() -> None:
                     "prefix_hit_rate": round(rs[0]["prefix_hit_rate"], 4)}
              for name, rs in runs.items()}
     same = all(x["outputs"] == runs["no reuse"][0]["outputs"] for rs in runs.values() for x in rs)
-    report = {"engine": str(args.engine), "prefix_tokens": len(system), "num_requests": len(requests),
-              "max_new_tokens": args.max_new_tokens, "kv_cache_memory": args.kv_cache_memory, "rounds": args.rounds,
+    report = {"engine": str(args.engine), "backend": args.backend, "prefix_tokens": len(system), "num_requests": len(requests),
+              "max_new_tokens": args.max_new_tokens, "kv_cache_memory": args.kv_cache_memory if args.backend == "torch" else "static rows", "rounds": args.rounds,
               "threads": 1, "load_before": load_before, "load_after": load(), "results": table,
               "outputs_identical": same,
               "ttft_no_reuse_over_reuse": round(table["no reuse"]["ttft_rest_median_ms"]

@@ -67,7 +67,7 @@ class OnnxRuntimeContext:
 
 
 def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None,
-                     pass_tokens: int | None = None) -> TensorRTExecutor:
+                     pass_tokens: int | None = None, prefix_cache: bool = True) -> TensorRTExecutor:
     """A TensorRTExecutor of `engine` (rank 0, built with backend onnxruntime) whose contexts are OnnxRuntimeContexts,
     holding the profile `compile` would give its plans (and taking passes of its length, or of `pass_tokens`), unless
     `profile` is False."""
@@ -91,4 +91,5 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
                                                            providers=["CPUExecutionProvider"]), output_shape, shapes)
                 for g in engine_plans(cfg)}
     return TensorRTExecutor(contexts, cfg, block_size, "cpu", cache_length(cfg),
-                            pass_tokens=pass_tokens or (shapes["seq"].max if shapes is not None else None))
+                            pass_tokens=pass_tokens or (shapes["seq"].max if shapes is not None else None),
+                            prefix_cache=prefix_cache)

@@ -115,6 +115,74 @@ def test_one_token_passes_attend_in_place(ort_engine, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("executor", ["onnxruntime", "tensorrt"])
+def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort_engine, executor):
+    """Static rows with prefix reuse (cache_rows.PrefixRows), the onnxruntime executor and the TensorRT executor's
+    bindings (onnxruntime standing in for TensorRT): a first request publishes its prompt's two full blocks (a shared
+    prefix of 40 tokens); three later ones with that prefix and tails of their own get them copied into their rows and
+    prefill only the rest (3 x 32 fewer prompt positions computed); tokens and acceptance lengths are those without
+    reuse, dflash and ar, greedy and sampled."""
+    from tests.tensorrt_standin import standin_executor
+    from trtllm_dflash.runtime.decoding import Decoder
+
+    g = torch.Generator().manual_seed(5)
+    engine = Engine.load(qwen3_ort_engine, backend="torch")
+    vocab = engine.executor.vocab_size
+    shared = torch.randint(4, vocab, (40,), generator=g).tolist()
+    reqs = [Request(i, shared + torch.randint(4, vocab, (3 + 2 * i,), generator=g).tolist(), 12,
+                    temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(4)]
+
+    def load(reuse: bool):
+        if executor == "tensorrt":
+            return standin_executor(qwen3_ort_engine, prefix_cache=reuse)
+        return Engine.load(qwen3_ort_engine, backend="onnxruntime", prefix_cache=reuse).executor
+
+    for mode in ("dflash", "ar"):
+        results, prefilled = {}, {}
+        for reuse in (True, False):
+            ex = load(reuse)
+            prefilled[reuse] = 0
+            forward = ex.target_forward
+
+            def counted(token_ids, starts, slots, capture, last_index=None, rows=None):
+                if last_index is not None:  # a prefill: the positions it computes
+                    prefilled[reuse] += int((last_index + 1).sum())
+                return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
+
+            ex.target_forward = counted
+            decoder = Decoder(ex, engine.decoder(mode).policy, engine.config.eos_token_ids)
+            results[reuse] = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                              for wave in (reqs[:1], reqs[1:]) for r in decoder.generate(wave)}
+            assert (ex.prefix_rows is not None) == reuse
+        assert results[True] == results[False], mode
+        assert prefilled[False] - prefilled[True] == 3 * 32, (mode, prefilled)
+
+
+def test_the_prefix_pool_copies_blocks_and_drops_the_least_recently_used():
+    """PrefixRows over two rows of one layer's caches and a pool of 2 blocks of 4 positions: a published prompt's
+    full blocks (not its last token's) come back into another row with their values; a third block published drops
+    the least recently used one, after which a prompt starting with it hits nothing."""
+    from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, PrefixRows
+
+    caches = LayerCaches.zeros(1, 2, 1, 16, 2, torch.float32)
+    rows = CacheRows((caches,))
+    pool = PrefixRows((caches,), rows, num_blocks=2, block_tokens=4)
+    a, b = list(range(10, 19)), list(range(30, 35))  # a: 2 full blocks before its last token; b: 1
+    assert pool.reserve(0, a, "target") == 0
+    caches.keys[0][0, 0, :9] = torch.arange(9.0)[:, None]
+    pool.publish(0)
+    pool.release(0)
+    assert pool.reserve(1, a[:7] + [99], "target") == 4  # block 1 is not full before the last token
+    assert pool.reserve(1, a[:9] + [99], "target") == 8
+    assert torch.equal(caches.keys[0][1, 0, :8], torch.arange(8.0)[:, None].expand(8, 2))
+    assert pool.reserve(1, a, "target+drafter") == 0  # other caches: other hashes
+    assert pool.reserve(0, b, "target") == 0
+    pool.publish(0)  # pool full: drops a's first block (least recently used)
+    assert pool.reserve(1, a, "target") == 0 and pool.reserve(1, b, "target") == 4
+    assert pool.reserve(1, a, None) == 0
+
+
+@pytest.mark.slow
 def test_cli_run_backends_agree(ort_engine, tmp_path, capsys):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [5 + i, 6, 7, 8], "temperature": 0.5 * (i % 2)})

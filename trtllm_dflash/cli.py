@@ -284,8 +284,10 @@ KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (5
                         "as they grow, and when none is free the latest one is preempted and recomputed later; torch "
                         "executor; static: a max_seq_len slot per request (default: the engine's build config "
                         "kv_cache_memory, else static)")
-PREFIX_CACHE_HELP = ("with --kv-cache-memory: a request whose prompt starts with the full 16-position blocks of an "
-                     "earlier request's prompt shares their cache and skips their prefill (not with --block-size auto)")
+PREFIX_CACHE_HELP = ("a request whose prompt starts with the full 16-position blocks of an earlier request's prompt "
+                     "skips their prefill: a paged cache (--kv-cache-memory) shares the blocks, the onnxruntime and "
+                     "tensorrt executors copy them into the request's row from a pool of one row's size (not with "
+                     "--block-size auto, nor for Qwen3.5 targets)")
 BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "
                    "that maximises expected tokens/s, from pass costs measured once and cached (default: the engine's)")
 

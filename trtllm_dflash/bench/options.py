@@ -21,6 +21,6 @@ class BenchOptions:
     threads: int | None = None  # CPU threads (None: Engine.load's default, runtime/runner.py cpu_threads)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (None: a static slot per request)
-    prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
+    prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     system_prompt: Path | None = None  # a text file every request begins with (a shared prefix)
     multi_turn: bool = False  # SPEED-Bench: every turn of a conversation, each after the engine's answer

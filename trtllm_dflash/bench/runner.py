@@ -185,10 +185,17 @@ def _system_tokens(engine: Engine, dataset: Dataset, system: str) -> int:
 
 def _kv_cache_report(engine: Engine) -> dict:
     """The KV cache the runs had: a paged cache's blocks (total, peak in use over every run, free at the end, prefix
-    lookups; the sliding-window layers' rings apart), or the static slots."""
+    lookups; the sliding-window layers' rings apart), or the static slots (and their prefix pool's lookups)."""
     tables = getattr(engine.executor, "kv_blocks", None)
     if tables is None:
-        return {"layout": "static", "slots": engine.config.max_batch_size}
+        report = {"layout": "static", "slots": engine.config.max_batch_size}
+        pool = getattr(engine.executor, "prefix_rows", None)  # the compiled executors' copied prompt blocks
+        if pool is not None:
+            looked_up = pool.prefix_blocks_looked_up
+            report |= {"prefix_cache": True, "block_tokens": pool.block_tokens, "prefix_pool_blocks": pool.num_blocks,
+                       "prefix_blocks_looked_up": looked_up,
+                       "prefix_hit_rate": round(pool.prefix_blocks_hit / looked_up, 4) if looked_up else None}
+        return report
     looked_up = tables.prefix_blocks_looked_up
     report = {"layout": "paged", "block_tokens": tables.block_tokens, "blocks": tables.num_blocks,
               "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free,

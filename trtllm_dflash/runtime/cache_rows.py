@@ -16,12 +16,14 @@ the tokens stayed right and its acceptance dropped.)
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from trtllm_dflash.models.linear_attention import RecurrentStates
+from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, prefix_hashes
 
 
 @dataclass
@@ -147,3 +149,78 @@ class CacheRows:
             for caches in self._caches:
                 caches.move_row(last, row)
             self._row[moved] = row
+
+
+class PrefixRows:
+    """Prefix reuse for caches kept in rows (the compiled executors' Executor.reserve / publish / release).
+
+    When a request's prefill has written its prompt (`publish`), its full prompt blocks of BLOCK_TOKENS positions are
+    copied, from every cache given (the target's and the drafter's), into a pool under their prefix_hashes
+    (runtime/kv_blocks.py: a block's hash covers every token before it and what the caches hold, `share`); a later
+    request whose prompt starts with published blocks gets them copied into its own row (`reserve`), and its prefill
+    skips those positions. Copies, where the torch executor's paged cache shares blocks: the rows stay contiguous for
+    the graphs (a paged read costs onnxruntime more than it saves: docs/backends.md), and no block is ever held by
+    a request, so the pool drops its least recently used block whenever it needs room. Copying a block costs a few
+    microseconds per layer; prefilling it costs the whole model.
+
+    The pool holds `num_blocks` blocks (the executors: one request row's worth, max_seq_len positions and a block):
+    a longer published prefix keeps its first num_blocks blocks."""
+
+    def __init__(self, caches: Sequence[LayerCaches], rows: CacheRows, num_blocks: int,
+                 block_tokens: int = BLOCK_TOKENS):
+        self._buffers = [buf for c in caches for _, buf in c.named()]
+        self._rows, self.num_blocks, self.block_tokens = rows, num_blocks, block_tokens
+        self._pool = [torch.empty((num_blocks, buf.shape[1], block_tokens, buf.shape[3]), dtype=buf.dtype,
+                                  device=buf.device) for buf in self._buffers]
+        self._blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> pool block, least recently used first
+        self._free = list(range(num_blocks))
+        self._prompts: dict[int, list[bytes]] = {}  # slot -> its prompt's block hashes, until published
+        self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
+
+    @classmethod
+    def for_rows(cls, caches: Sequence[LayerCaches], rows: CacheRows, cache_length: int) -> "PrefixRows":
+        """A pool of one row's worth of full blocks."""
+        return cls(caches, rows, max(1, cache_length // BLOCK_TOKENS))
+
+    def reserve(self, slot: int, tokens: list[int], share: str | None) -> int:
+        """Copy the published blocks `tokens` starts with into the slot's row; returns how many positions they cover.
+        The last token is never taken from the pool (a prefill needs its logits); `share` None: nothing shared."""
+        if share is None:
+            return 0
+        hashes = self._prompts[slot] = prefix_hashes(tokens[:-1], share, self.block_tokens)
+        row = self._rows.rows_of([slot])[0]
+        hit = 0
+        for h in hashes:
+            block = self._blocks.get(h)
+            if block is None:
+                break
+            self._blocks.move_to_end(h)
+            self._copy(row, hit, block, into_row=True)
+            hit += 1
+        self.prefix_blocks_looked_up += len(hashes)
+        self.prefix_blocks_hit += hit
+        return hit * self.block_tokens
+
+    def publish(self, slot: int) -> None:
+        """The slot's prompt is written: copy its full blocks the pool lacks into it (at most num_blocks: a longer
+        prefix's first blocks, which a later prompt must hit first)."""
+        row = self._rows.rows_of([slot])[0]
+        for j, h in enumerate(self._prompts.pop(slot, [])[: self.num_blocks]):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+                continue
+            block = self._free.pop() if self._free else self._blocks.popitem(last=False)[1]
+            self._blocks[h] = block
+            self._copy(row, j, block, into_row=False)
+
+    def release(self, slot: int) -> None:
+        self._prompts.pop(slot, None)
+
+    def _copy(self, row: int, j: int, block: int, into_row: bool) -> None:
+        """Positions j * block_tokens .. (j + 1) * block_tokens - 1 of `row`, from or to pool block `block`."""
+        at = slice(j * self.block_tokens, (j + 1) * self.block_tokens)
+        for buf, pool in zip(self._buffers, self._pool):
+            if into_row:
+                buf[row, :, at].copy_(pool[block])
+            else:
+                pool[block].copy_(buf[row, :, at])

@@ -30,7 +30,7 @@ import torch
 from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order, row_address
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, PrefixRows, RowRun, batch_order, row_address
 from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -107,9 +107,11 @@ class OnnxRuntimeExecutor:
     `cuda` device (onnxruntime-gpu; written, never run: no GPU here), with the caches on that device."""
 
     def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None,
-                 device: torch.device | str = "cpu", tree_budget: int = 0):
+                 device: torch.device | str = "cpu", tree_budget: int = 0, prefix_cache: bool = True):
         """`tree_budget`: the most draft nodes a tree step verifies (target_tree.onnx, drafter_candidates.onnx; its
-        nodes are written past a request's positions, so the caches hold that many more); 0: no trees."""
+        nodes are written past a request's positions, so the caches hold that many more); 0: no trees.
+        `prefix_cache`: prompt blocks copied between requests with the same prefix (cache_rows.PrefixRows; not for
+        targets with recurrent states, whose state after a prefix is one matrix, not blocks)."""
         ort = _onnxruntime()
         if cfg.quantization.get("quant_algo") == "NVFP4":
             raise UserError("--backend onnxruntime cannot run NVFP4 graphs (TensorRT's FP4 quantize node); use "
@@ -158,11 +160,14 @@ class OnnxRuntimeExecutor:
         self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
         self._linear = target.linear_layers
         self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
+        self.prefix_rows = (PrefixRows.for_rows((self._target, self._drafter), self._rows, max_len)
+                            if prefix_cache and self._states is None else None)
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
-                    threads: int | None, device: str = "cpu", tree_budget: int = 0) -> "OnnxRuntimeExecutor":
+                    threads: int | None, device: str = "cpu", tree_budget: int = 0, prefix_cache: bool = True
+                    ) -> "OnnxRuntimeExecutor":
         graphs = graph_dir(Path(root), rank)
         recurrent = engine_specs(cfg)[0].has_recurrent_state
         missing = [name for name in GRAPHS + ((REPLAY_GRAPH,) if recurrent else ()) if not (graphs / name).is_file()]
@@ -173,7 +178,7 @@ class OnnxRuntimeExecutor:
         if missing:
             raise UserError(f"{root}: --tree-budget needs {graphs / missing[0]}, which engines built by an earlier "
                             "trtllm-dflash lack; build it again with `trtllm-dflash build CONFIG --force`.")
-        return cls(graphs, cfg, block_size, threads, device, tree_budget)
+        return cls(graphs, cfg, block_size, threads, device, tree_budget, prefix_cache)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -396,13 +401,17 @@ class OnnxRuntimeExecutor:
         caller.wait_stream(self._stream)
 
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
-        return 0  # a static row per request, nothing shared
+        """A static row per request, always there; its first positions copied from published prompt blocks."""
+        return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
 
     def extend(self, slot: int, start: int) -> bool:
         return True  # its row holds max_seq_len positions
 
     def publish(self, slot: int) -> None:
-        pass
+        if self.prefix_rows is not None:
+            self.prefix_rows.publish(slot)
 
     def release(self, slot: int) -> None:
+        if self.prefix_rows is not None:
+            self.prefix_rows.release(slot)
         self._rows.release(slot)

@@ -66,7 +66,8 @@ class Engine:
         cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
         executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
         request; 'static': the static slots whatever the engine says); `prefix_cache`: with it, prompt
-        blocks shared across requests by prefix. `tree_budget`: dflash steps verify a DDTree of that many draft nodes
+        blocks shared across requests by prefix (a paged cache's blocks; the compiled executors' static rows copy
+        them from a pool: runtime/cache_rows.PrefixRows). `tree_budget`: dflash steps verify a DDTree of that many draft nodes
         (speculative/tree.py; torch executor, targets without sliding windows or Gated DeltaNet layers).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
@@ -110,11 +111,11 @@ class Engine:
             from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
             executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None, device=device,
-                                                       tree_budget=tree_budget or 0)
+                                                       tree_budget=tree_budget or 0, prefix_cache=prefix_cache)
         elif backend == "tensorrt":
             from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
-            executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library)
+            executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library, prefix_cache)
         else:
             try:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,

@@ -68,7 +68,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, RowRun, batch_order, row_address
+from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, PrefixRows, RowRun, batch_order, row_address
 from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -105,12 +105,13 @@ class TensorRTExecutor:
 
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
                  device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False,
-                 pass_tokens: int | None = None):
+                 pass_tokens: int | None = None, prefix_cache: bool = True):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
         row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
         plain ops'; `pass_tokens`: the most positions per row a target_step or drafter_context call may take (the
-        plans' profile; None: no limit)."""
+        plans' profile; None: no limit); `prefix_cache`: prompt blocks copied between requests with the same prefix
+        (cache_rows.PrefixRows; not for targets with recurrent states)."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -132,6 +133,8 @@ class TensorRTExecutor:
         self._linear = target.linear_layers
         # slot -> cache row (runtime/cache_rows.py)
         self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
+        self.prefix_rows = (PrefixRows.for_rows((self._target, self._drafter), self._rows, cache_length)
+                            if prefix_cache and self._states is None else None)
         self._contexts = dict(contexts)
         self._accept_ints = torch.int32 if accept_plugin else torch.int64
         if accept_plugin and self.block_size != params.block_size:
@@ -145,7 +148,7 @@ class TensorRTExecutor:
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
-                    plugin_library: Path | None = None) -> "TensorRTExecutor":
+                    plugin_library: Path | None = None, prefix_cache: bool = True) -> "TensorRTExecutor":
         """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device (under
         tp > 1, inside the torch.distributed NCCL group of the MPI ranks)."""
         root = Path(root)
@@ -214,7 +217,7 @@ class TensorRTExecutor:
         shapes = info.get("shapes", {})
         return cls(contexts, cfg, block_size, device, int(info["cache_length"]),
                    owners=(logger, runtime, engines, scratch, communicator), accept_plugin=plugin,
-                   pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None)
+                   pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None, prefix_cache=prefix_cache)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -340,15 +343,19 @@ class TensorRTExecutor:
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
 
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
-        return 0  # a static row per request, nothing shared
+        """A static row per request, always there; its first positions copied from published prompt blocks."""
+        return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
 
     def extend(self, slot: int, start: int) -> bool:
         return True  # its row holds max_seq_len positions
 
     def publish(self, slot: int) -> None:
-        pass
+        if self.prefix_rows is not None:
+            self.prefix_rows.publish(slot)
 
     def release(self, slot: int) -> None:
+        if self.prefix_rows is not None:
+            self.prefix_rows.release(slot)
         self._rows.release(slot)
 
     def _key_positions(self, rows: HostRows | None, starts: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ class ServeConfig(BaseModel):
     threads: int | None = Field(None, ge=1, le=4096)  # torch CPU threads (None: torch's default)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
-    prefix_cache: bool = True  # with kv_cache_memory: prompt blocks shared across requests by prefix
+    prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     tree_budget: int | None = Field(None, ge=1, le=1024)  # dflash: verify a DDTree of this many nodes (None: a chain)
 
 
