@@ -228,6 +228,20 @@ def test_group_routed_experts_as_one_op_equal_the_routed_loop(pair):
         moe.exporting, block.export_as_one_op = exporting, False
 
 
+def biased_engine(pair: Path, tmp_path: Path, backend: str) -> Path:
+    """An engine of a copy of the pair whose target is biased (tests/conftest.py: drafts accepted and rejected)."""
+    from tests.conftest import bias_target
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+
+    biased = tmp_path / "pair"
+    shutil.copytree(pair, biased)
+    bias_target(biased)
+    return build_engine(BuildConfig(target=biased / "target", drafter=biased / "drafter", dtype="float32",
+                                    max_batch_size=4, max_seq_len=256, backend=backend, output=tmp_path / "engine"),
+                        progress=False)
+
+
 @pytest.mark.slow
 def test_onnxruntime_runs_latent_attention_and_the_experts_as_one_op(pair, tmp_path):
     """backend onnxruntime: the graphs cache the latent (one KV head of latent + roped key, and a zero-width V), every
@@ -236,19 +250,11 @@ def test_onnxruntime_runs_latent_attention_and_the_experts_as_one_op(pair, tmp_p
     target), ar and draft trees, greedy and sampled."""
     import onnx
 
-    from tests.conftest import bias_target
-    from trtllm_dflash.config import BuildConfig
-    from trtllm_dflash.engine.builder import build_engine
     from trtllm_dflash.engine_dir import graph_dir
     from trtllm_dflash.runtime.decoding import Decoder
     from trtllm_dflash.runtime.verify import TreeDrafting
 
-    biased = tmp_path / "pair"
-    shutil.copytree(pair, biased)
-    bias_target(biased)
-    engine_dir = build_engine(BuildConfig(target=biased / "target", drafter=biased / "drafter", dtype="float32",
-                                          max_batch_size=4, max_seq_len=256, backend="onnxruntime",
-                                          output=tmp_path / "engine"), progress=False)
+    engine_dir = biased_engine(pair, tmp_path, "onnxruntime")
     graph = onnx.load(str(graph_dir(engine_dir, 0) / "target_step.onnx"), load_external_data=False).graph
     assert sum(n.op_type == "MoE" and n.domain == "com.microsoft" for n in graph.node) == 3  # layers 1-3
     caches = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
@@ -280,21 +286,13 @@ def test_tensorrt_executor_binds_the_latent_cache_and_its_plans_build(pair, tmp_
     builds the target step (one KV-cache update per layer, of the latent) into a plan."""
     import onnx
 
-    from tests.conftest import bias_target
     from tests.tensorrt_standin import standin_executor
     from trtllm_dflash.compile.tensorrt_build import build_plan, cache_length, engine_shapes, layer_types, parse_graph
-    from trtllm_dflash.config import BuildConfig
-    from trtllm_dflash.engine.builder import build_engine
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
     from trtllm_dflash.runtime.decoding import Decoder
     from trtllm_dflash.runtime.tensorrt_executor import bound_dtypes
 
-    biased = tmp_path / "pair"
-    shutil.copytree(pair, biased)
-    bias_target(biased)
-    engine_dir = build_engine(BuildConfig(target=biased / "target", drafter=biased / "drafter", dtype="float32",
-                                          max_batch_size=4, max_seq_len=256, backend="tensorrt",
-                                          output=tmp_path / "engine"), progress=False)
+    engine_dir = biased_engine(pair, tmp_path, "tensorrt")
     eager = Engine.load(engine_dir, backend="torch")
     reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.8 if r.id % 2 else 0.0, seed=r.id)
             for r in requests(eager.executor.vocab_size)]
