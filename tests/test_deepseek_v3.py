@@ -320,6 +320,29 @@ def test_tensorrt_executor_binds_the_latent_cache_and_its_plans_build(pair, tmp_
     assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 100_000
 
 
+@pytest.mark.slow
+def test_tensorrt_rank_graphs_of_a_tp_2_ep_engine_build(pair, tmp_path):
+    """backend tensorrt, tp 2 with the experts split by ep: each rank's target step parses into one KV-cache update
+    (the latent's) and one attention per layer, its all-reduces and all-gather into DistCollective layers, and
+    TensorRT-RTX builds it into a plan (SM89)."""
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
+    from trtllm_dflash.compile.tensorrt_build import build_plan, cache_length, engine_shapes, layer_types, parse_graph
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+
+    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                          max_batch_size=4, max_seq_len=256, backend="tensorrt", tp_size=2,
+                                          moe_parallel="ep", output=tmp_path / "engine"), progress=False)
+    cfg = read_engine_config(engine_dir)
+    for rank in range(2):
+        path = graph_dir(engine_dir, rank) / "target_step.onnx"
+        types = layer_types(parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network)
+        # all-reduces: the embedding's, and per layer o_proj's and the MLP's; the logits' vocabulary all-gather
+        assert (types["KV_CACHE_UPDATE"], types["ATTENTION_OUTPUT"], types["DIST_COLLECTIVE"]) == (4, 4, 10), types
+        assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 100_000
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"tp_size": 8}, "num_attention_heads 4 is not divisible by tp_size 8."),
 ])
