@@ -132,10 +132,13 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
     reqs = [Request(i, shared + torch.randint(4, vocab, (3 + 2 * i,), generator=g).tolist(), 12,
                     temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(4)]
 
+    loaded = {}
+
     def load(reuse: bool):
         if executor == "tensorrt":
             return standin_executor(qwen3_ort_engine, prefix_cache=reuse)
-        return Engine.load(qwen3_ort_engine, backend="onnxruntime", prefix_cache=reuse).executor
+        loaded[reuse] = Engine.load(qwen3_ort_engine, backend="onnxruntime", prefix_cache=reuse)
+        return loaded[reuse].executor
 
     for mode in ("dflash", "ar"):
         results, prefilled = {}, {}
@@ -156,6 +159,14 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
             assert (ex.prefix_rows is not None) == reuse
         assert results[True] == results[False], mode
         assert prefilled[False] - prefilled[True] == 3 * 32, (mode, prefilled)
+    if loaded:  # what `bench` reports of the static rows' pool (the last run's: ar, with reuse)
+        from trtllm_dflash.bench.runner import _kv_cache_report
+
+        # full blocks before each prompt's last token: 2, 2, 2 and 3 (a 49-token prompt); hit: the later three's 2
+        assert _kv_cache_report(loaded[True]) == {
+            "layout": "static", "slots": 4, "prefix_cache": True, "block_tokens": 16,
+            "prefix_pool_blocks": (256 + 8) // 16, "prefix_blocks_looked_up": 9, "prefix_hit_rate": round(6 / 9, 4)}
+        assert _kv_cache_report(loaded[False]) == {"layout": "static", "slots": 4}
 
 
 def test_the_prefix_pool_copies_blocks_and_drops_the_least_recently_used():
