@@ -6,11 +6,12 @@ The workload: one long system prompt (--prefix-tokens tokens of held-out code, t
 short user turn (a held-out prompt's first 32 tokens), --num-requests requests submitted one after another at
 concurrency 1 (an agent's turns), greedy, --max-new-tokens each, dflash, 1 thread. `--backend torch`: the torch
 executor with a paged cache of --kv-cache-memory (blocks shared); `--backend onnxruntime` (an engine built for it,
-such as build_configs/demo.yaml's): its static rows, the prompt blocks copied from a pool (runtime/cache_rows.PrefixRows).
-With reuse the first request prefills the whole prompt and publishes its blocks, the others prefill only their own
-turn; without (--no-prefix-cache) every request prefills everything. A fresh executor per run (no blocks cached from
-an earlier run), the two alternating by round, medians. Reported: TTFT of the first request and
-the median of the rest, total time, and whether the tokens are the same. Results: benchmarks/results/prefix_reuse.json (torch), prefix_reuse_onnxruntime.json.
+such as build_configs/demo.yaml's): its static rows, the prompt blocks copied from a pool
+(runtime/cache_rows.PrefixRows). With reuse the first request prefills the whole prompt and publishes its blocks, the
+others prefill only their own turn; without (--no-prefix-cache) every request prefills everything. A fresh executor
+per run (no blocks cached from an earlier run), the two alternating by round, medians. Reported: TTFT of the first
+request and the median of the rest, total time, and whether the tokens are the same. Results:
+benchmarks/results/prefix_reuse.json (torch), prefix_reuse_onnxruntime.json.
 """
 
 from __future__ import annotations
@@ -91,8 +92,10 @@ def main() -> None:
                     "prefix_hit_rate": round(rs[0]["prefix_hit_rate"], 4)}
              for name, rs in runs.items()}
     same = all(x["outputs"] == runs["no reuse"][0]["outputs"] for rs in runs.values() for x in rs)
-    report = {"engine": str(args.engine), "backend": args.backend, "prefix_tokens": len(system), "num_requests": len(requests),
-              "max_new_tokens": args.max_new_tokens, "kv_cache_memory": args.kv_cache_memory if args.backend == "torch" else "static rows", "rounds": args.rounds,
+    kv_cache = args.kv_cache_memory if args.backend == "torch" else "static rows"
+    report = {"engine": str(args.engine), "backend": args.backend, "prefix_tokens": len(system),
+              "num_requests": len(requests), "max_new_tokens": args.max_new_tokens, "kv_cache_memory": kv_cache,
+              "rounds": args.rounds,
               "threads": 1, "load_before": load_before, "load_after": load(), "results": table,
               "outputs_identical": same,
               "ttft_no_reuse_over_reuse": round(table["no reuse"]["ttft_rest_median_ms"]

@@ -297,7 +297,8 @@ def test_tensorrt_executor_binds_the_latent_cache_and_its_plans_build(pair, tmp_
     reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.8 if r.id % 2 else 0.0, seed=r.id)
             for r in requests(eager.executor.vocab_size)]
     for mode in ("dflash", "ar"):
-        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in eager.decoder(mode).generate(reqs)}
+        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                    for r in eager.decoder(mode).generate(reqs)}
         if mode == "dflash":
             steps = [n for _, lengths in expected.values() for n in lengths]
             assert max(steps) > 2 and min(steps) == 1, steps  # drafts accepted and rejected

@@ -160,8 +160,7 @@ class PrefixRows:
     request whose prompt starts with published blocks gets them copied into its own row (`reserve`), and its prefill
     skips those positions. Copies, where the torch executor's paged cache shares blocks: the rows stay contiguous for
     the graphs (a paged read costs onnxruntime more than it saves: docs/backends.md), and no block is ever held by
-    a request, so the pool drops its least recently used block whenever it needs room. Copying a block costs a few
-    microseconds per layer; prefilling it costs the whole model.
+    a request, so the pool drops its least recently used block whenever it needs room.
 
     The pool holds `num_blocks` blocks (the executors: one request row's worth, max_seq_len positions and a block):
     a longer published prefix keeps its first num_blocks blocks."""

@@ -67,8 +67,8 @@ class Engine:
         executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
         request; 'static': the static slots whatever the engine says); `prefix_cache`: with it, prompt
         blocks shared across requests by prefix (a paged cache's blocks; the compiled executors' static rows copy
-        them from a pool: runtime/cache_rows.PrefixRows). `tree_budget`: dflash steps verify a DDTree of that many draft nodes
-        (speculative/tree.py; torch executor, targets without sliding windows or Gated DeltaNet layers).
+        them from a pool: runtime/cache_rows.PrefixRows). `tree_budget`: dflash steps verify a DDTree of that many
+        draft nodes (speculative/tree.py; torch executor, targets without sliding windows or Gated DeltaNet layers).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
