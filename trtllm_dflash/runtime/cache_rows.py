@@ -223,3 +223,36 @@ class PrefixRows:
                 buf[row, :, at].copy_(pool[block])
             else:
                 pool[block].copy_(buf[row, :, at])
+
+
+class StaticRows:
+    """The Executor contract's memory methods for the executors that keep one static cache row per request (onnxruntime,
+    TensorRT): every row holds max_seq_len positions, so a request is always admitted and never extended; its first
+    positions may be copied from published prompt blocks (`prefix_rows`). `_keep_rows` sets them up."""
+
+    _rows: CacheRows
+    prefix_rows: PrefixRows | None
+
+    def _keep_rows(self, caches: tuple[LayerCaches, ...], states: RecurrentStates | None, cache_length: int,
+                   prefix_cache: bool) -> None:
+        """Rows for `caches` (and a hybrid target's recurrent `states`); prompt blocks copied between requests with
+        `prefix_cache`, except for targets with recurrent states (whose state after a prefix is one matrix, not
+        blocks)."""
+        self._rows = CacheRows(caches + ((states,) if states is not None else ()))
+        self.prefix_rows = (PrefixRows.for_rows(caches, self._rows, cache_length)
+                            if prefix_cache and states is None else None)
+
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
+        return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
+
+    def extend(self, slot: int, start: int) -> bool:
+        return True
+
+    def publish(self, slot: int) -> None:
+        if self.prefix_rows is not None:
+            self.prefix_rows.publish(slot)
+
+    def release(self, slot: int) -> None:
+        if self.prefix_rows is not None:
+            self.prefix_rows.release(slot)
+        self._rows.release(slot)

@@ -30,7 +30,7 @@ import torch
 from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, PrefixRows, RowRun, batch_order, row_address
+from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
 from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -102,7 +102,7 @@ def providers(ort, device: torch.device, stream: int = 0) -> list:
     return [cuda_provider(device, stream), "CPUExecutionProvider"]
 
 
-class OnnxRuntimeExecutor:
+class OnnxRuntimeExecutor(StaticRows):
     """Target + drafter + acceptance graphs in onnxruntime sessions: the CPU execution provider, or CUDA's on a
     `cuda` device (onnxruntime-gpu; written, never run: no GPU here), with the caches on that device."""
 
@@ -153,15 +153,14 @@ class OnnxRuntimeExecutor:
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
         self._cache_length = max_len
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
-        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, max_len, k_dim, dtype, self.device, v_dim)
+        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, max_len, k_dim, dtype,
+                                         self.device, v_dim)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
         self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
         self._linear = target.linear_layers
-        self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
-        self.prefix_rows = (PrefixRows.for_rows((self._target, self._drafter), self._rows, max_len)
-                            if prefix_cache and self._states is None else None)
+        self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache)  # (StaticRows)
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
@@ -399,19 +398,3 @@ class OnnxRuntimeExecutor:
         with torch.cuda.stream(self._stream):
             yield
         caller.wait_stream(self._stream)
-
-    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
-        """A static row per request, always there; its first positions copied from published prompt blocks."""
-        return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
-
-    def extend(self, slot: int, start: int) -> bool:
-        return True  # its row holds max_seq_len positions
-
-    def publish(self, slot: int) -> None:
-        if self.prefix_rows is not None:
-            self.prefix_rows.publish(slot)
-
-    def release(self, slot: int) -> None:
-        if self.prefix_rows is not None:
-            self.prefix_rows.release(slot)
-        self._rows.release(slot)

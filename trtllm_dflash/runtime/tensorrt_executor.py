@@ -68,7 +68,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
-from trtllm_dflash.runtime.cache_rows import CacheRows, LayerCaches, PrefixRows, RowRun, batch_order, row_address
+from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
 from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -100,7 +100,7 @@ def _bind_caches(context: ExecutionContext, caches: LayerCaches, run: RowRun, wr
             _ok(context.set_tensor_address(f"present_{name}", address), f"the address of present_{name}")
 
 
-class TensorRTExecutor:
+class TensorRTExecutor(StaticRows):
     """Target + drafter plans: three execution contexts over caches this executor owns."""
 
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
@@ -131,10 +131,8 @@ class TensorRTExecutor:
         self._states = RecurrentStates.of(target, cfg.mapping.tp_size, self.num_slots, params.block_size, dtype,
                                           self.device)
         self._linear = target.linear_layers
-        # slot -> cache row (runtime/cache_rows.py)
-        self._rows = CacheRows((self._target, self._drafter) + ((self._states,) if self._states else ()))
-        self.prefix_rows = (PrefixRows.for_rows((self._target, self._drafter), self._rows, cache_length)
-                            if prefix_cache and self._states is None else None)
+        # slot -> cache row, and the prefix pool (runtime/cache_rows.py StaticRows)
+        self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache)
         self._contexts = dict(contexts)
         self._accept_ints = torch.int32 if accept_plugin else torch.int64
         if accept_plugin and self.block_size != params.block_size:
@@ -341,22 +339,6 @@ class TensorRTExecutor:
                                    "temperature": plan.temperature, "gumbel_noise": plan.noise,
                                    "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
-
-    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
-        """A static row per request, always there; its first positions copied from published prompt blocks."""
-        return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
-
-    def extend(self, slot: int, start: int) -> bool:
-        return True  # its row holds max_seq_len positions
-
-    def publish(self, slot: int) -> None:
-        if self.prefix_rows is not None:
-            self.prefix_rows.publish(slot)
-
-    def release(self, slot: int) -> None:
-        if self.prefix_rows is not None:
-            self.prefix_rows.release(slot)
-        self._rows.release(slot)
 
     def _key_positions(self, rows: HostRows | None, starts: torch.Tensor, tokens: int) -> torch.Tensor:
         """The plans' `key_positions` input, 0 .. keys - 1: its length is the pass's attended length (a bucket,
