@@ -107,6 +107,9 @@ def graph_dir(root: Path, rank: int) -> Path:
 # Graph metadata (compile/onnx_export.py): the experts of these graphs are this one onnxruntime op
 # ("com.microsoft.MoE"), which TensorRT cannot parse; absent in graphs with the experts' dense form.
 EXPERTS_OP_KEY = "experts_op"
+# ... target_step's sliding-window layers keep rings of (window + this) positions, and no pass may write more positions
+# per row than this (onnx_ops.GraphKVCache); absent: every layer keeps max_len positions
+RING_PASS_KEY = "window_ring_pass"
 
 
 def check_graph_inputs(graph: str, inputs: list[str], where: Path) -> None:

@@ -185,10 +185,14 @@ def _system_tokens(engine: Engine, dataset: Dataset, system: str) -> int:
 
 def _kv_cache_report(engine: Engine) -> dict:
     """The KV cache the runs had: a paged cache's blocks (total, peak in use over every run, free at the end, prefix
-    lookups; the sliding-window layers' rings apart), or the static slots (and their prefix pool's lookups)."""
+    lookups; the sliding-window layers' rings apart), or the static slots (and their prefix pool's lookups, and the
+    positions per slot of onnxruntime's rings)."""
     tables = getattr(engine.executor, "kv_blocks", None)
     if tables is None:
         report = {"layout": "static", "slots": engine.config.max_batch_size}
+        ring = getattr(engine.executor, "window_ring", None)  # onnxruntime's sliding-window layers' rings
+        if ring is not None:
+            report["window_ring_positions"] = ring
         pool = getattr(engine.executor, "prefix_rows", None)  # the compiled executors' copied prompt blocks
         if pool is not None:
             looked_up = pool.prefix_blocks_looked_up

@@ -176,7 +176,7 @@ from trtllm_dflash.compile.onnx_ops import (
     GraphKVCache,
     GraphRecurrentStates,
 )
-from trtllm_dflash.engine_dir import EXPERTS_OP_KEY
+from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, RING_PASS_KEY
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates, scanned
 from trtllm_dflash.models.moe import Experts, experts_as_one_op
@@ -184,6 +184,7 @@ from trtllm_dflash.models.quantized import ActivationQuant, QuantizedInput
 from trtllm_dflash.quantize.experts import EXPERT_WEIGHTS, read_quantized_experts
 from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS
 
 OPSET = 24  # TensorScatter; Attention and RotaryEmbedding are opset 23
 WEIGHTS_FILE = "weights.onnx.data"
@@ -212,12 +213,13 @@ def state_names(layers: Sequence[int], kind: str, kinds: Sequence[str] = STATE_K
 class TargetStep(nn.Module):
     """target_step.onnx: TargetModel.forward over the bound cache rows."""
 
-    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]):
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...], rings: Sequence[int] = ()):
+        """`rings`: the sliding-window layers whose caches are rings (GraphKVCache)."""
         super().__init__()
-        self.target, self.capture_layers = target, capture_layers
+        self.target, self.capture_layers, self.rings = target, capture_layers, tuple(rings)
 
     def forward(self, token_ids, positions, key_positions, past: list[torch.Tensor]):
-        cache = GraphKVCache(past)
+        cache = GraphKVCache(past, rings=self.rings)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0])
         hidden = (out.hidden,) if self.capture_layers else ()
@@ -277,6 +279,16 @@ class TargetDecode(nn.Module):
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=1)
         hidden = (out.hidden,) if self.capture_layers else ()
         return (out.logits, *hidden, *cache.present())
+
+
+def ring_pass_tokens(target: TargetModel, drafter: DFlashDrafter | None) -> int | None:
+    """The most positions per row a pass of an onnxruntime engine may write when `target`'s sliding-window layers keep
+    rings (of the window plus this many positions): a verify block, or the window (rounded up to a block of the paged
+    cache) if longer, which longer prefills are cut into; None: no sliding-window layers."""
+    window = target.spec.sliding_window
+    if not window:
+        return None
+    return max(drafter.params.block_size if drafter is not None else 1, -(-window // BLOCK_TOKENS) * BLOCK_TOKENS)
 
 
 def attends_in_place(target: TargetModel) -> bool:
@@ -375,9 +387,9 @@ def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, b
 
 
 def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False,
-            in_place: bool = False) -> list[_Graph]:
+            in_place: bool = False, rings: bool = False) -> list[_Graph]:
     """The graphs to export, with their sample inputs and dynamic dimensions (`trees`: the draft trees' too;
-    `in_place`: target_decode too)."""
+    `in_place`: target_decode too; `rings`: target_step's sliding-window layers keep rings, GraphKVCache)."""
     batch, max_len = Dim("batch", min=1), Dim("max_len", min=2)
     b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
     cache_axes = {0: batch, 2: max_len}
@@ -398,10 +410,14 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
     step_names = {("token_ids", 0): "batch", ("token_ids", 1): "seq", ("key_positions", 0): "keys",
                   **names(attention)}
     if not spec.has_recurrent_state:
-        graphs = [_Graph(TARGET_STEP, TargetStep(target, capture), (*step_ids, t_past),
-                         (*step_axes, [cache_axes] * len(t_past)),
+        ringed = [i for i in attention if rings and spec.is_sliding(i)]
+        ring, r = Dim("ring", min=2), 19  # (sample length: differs from every other)
+        past, axes = list(t_past), [cache_axes] * len(t_past)
+        for j in (2 * attention.index(i) + kv for i in ringed for kv in (0, 1)):
+            past[j], axes[j] = past[j][:, :, :r].clone(), {0: batch, 2: ring}
+        graphs = [_Graph(TARGET_STEP, TargetStep(target, capture, ringed), (*step_ids, past), (*step_axes, axes),
                          ["token_ids", "positions", "key_positions", *cache_names(attention, "past")], step_outputs,
-                         step_names)]
+                         {**step_names, **{(c, 2): "ring" for c in cache_names(ringed, "past")}})]
     else:  # Qwen3.5: the Gated DeltaNet layers' states, and the replay graph that resumes them
         linear = list(target.linear_index)
         depth = drafter.params.block_size if drafter is not None else 2  # (the executors' depth: a verify block)
@@ -586,7 +602,8 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
 
 
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
-                         experts_op: bool = False, trees: bool = False, in_place: bool = False) -> list[Path]:
+                         experts_op: bool = False, trees: bool = False, in_place: bool = False,
+                         rings: bool = False) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
     drafter_candidates and target_tree) into `out_dir`.
 
@@ -594,7 +611,9 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     target_step has no `hidden` output (plain autoregressive engines). `experts_op` (graphs for onnxruntime): every
     MLP of experts that can be is one com.microsoft.MoE node (compile/onnx_ops.py), recorded in the graphs' metadata
     as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs). `in_place` (graphs for
-    onnxruntime): target_decode too, where the target can run it (attends_in_place).
+    onnxruntime): target_decode too, where the target can run it (attends_in_place). `rings` (graphs for onnxruntime):
+    target_step's sliding-window layers keep rings of the window + ring_pass_tokens positions (GraphKVCache), recorded
+    in its metadata as `window_ring_pass`; TensorRT's KV-cache update writes linearly only.
     """
     _check_exportable(target, "target")
     if drafter is not None:
@@ -605,7 +624,9 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     try:
         for m in one_op:
             m.export_as_one_op = True
-        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target))}
+        ring_pass = ring_pass_tokens(target, drafter) if rings else None
+        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target),
+                                                         ring_pass is not None)}
     finally:
         for m in one_op:
             m.export_as_one_op = False
@@ -613,6 +634,8 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
         model.metadata_props.update({"rank": str(target.tp.rank), "tp_size": str(target.tp.size)})
         if one_op:
             model.metadata_props[EXPERTS_OP_KEY] = f"{MOE_DOMAIN}.{MOE_OP}"
+    if ring_pass is not None:
+        models[TARGET_STEP].metadata_props[RING_PASS_KEY] = str(ring_pass)
     written = _save_sharing_weights(models, out_dir)
     if drafter is not None:  # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
         p = drafter.params

@@ -71,6 +71,7 @@ node into its DYNAMIC_QUANTIZE layer; onnxruntime has no kernel for it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,27 @@ def _(cache, update, write_indices):
 
 def _tensor_scatter_onnx(cache, update, write_indices):
     return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="linear")
+
+
+@torch.library.custom_op("dflash_onnx::ring_scatter", mutates_args=())
+def ring_scatter(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """ONNX TensorScatter(mode="circular", axis=2): tensor_scatter's write at positions modulo the cache's length L (a
+    ring of L positions: position p at p % L)."""
+    assert cache.ndim == 4 and update.shape[:2] == cache.shape[:2] and write_indices.shape == cache.shape[:1]
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]  # [B, 1]
+    cols = (write_indices[:, None] + torch.arange(update.shape[2], device=cache.device)) % cache.shape[2]  # [B, T]
+    out = cache.clone()
+    out[rows, :, cols] = update.transpose(1, 2)  # indexed view: [B, T, H, D]
+    return out
+
+
+@ring_scatter.register_fake
+def _(cache, update, write_indices):
+    return torch.empty_like(cache)
+
+
+def _ring_scatter_onnx(cache, update, write_indices):
+    return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="circular")
 
 
 GQA_DOMAIN, GQA_OP = "com.microsoft", "GroupQueryAttention"
@@ -388,6 +410,7 @@ TRANSLATIONS = {
     torch.ops.dflash_onnx.fp8_qdq.default: _fp8_qdq_onnx,
     torch.ops.dflash_onnx.fp8_dequantize.default: _fp8_dequantize_onnx,
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
+    torch.ops.dflash_onnx.ring_scatter.default: _ring_scatter_onnx,
     torch.ops.dflash_onnx.attend_in_place.default: _attend_in_place_onnx,
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
@@ -401,15 +424,28 @@ class GraphKVCache:
     Row b of every cache is row b of the step's batch: the `slots` the models pass are ignored. Writes
     cover positions[b, 0] .. positions[b, 0] + T - 1, so each row's positions must be consecutive (they
     are: start + arange(T)).
+
+    Rings (`rings`, target_step.onnx for onnxruntime): a sliding-window layer's caches hold `ring` positions, not
+    max_len: position p lies at p % ring (TensorScatter's circular mode), and the layer attends over the whole ring,
+    masked by the position each entry holds (TargetModel.forward). The executor sizes a ring as the window plus the
+    most positions a pass writes, and passes never write more (docs/backends.md §Windowed layers in rings).
     """
 
-    def __init__(self, past: list[torch.Tensor], in_place: bool = False, layers: list[int] | None = None):
+    def __init__(self, past: list[torch.Tensor], in_place: bool = False, layers: list[int] | None = None,
+                 rings: Sequence[int] = ()):
         """past: [k_0, v_0, k_1, v_1, ...], of the layers numbered `layers` (None: every layer, 0, 1, ...; a hybrid
         model's attention layers only). `in_place` (target_decode.onnx, one token per row): each layer's write and
-        attention are one GroupQueryAttention node (write_and_attend) that reads and writes the cache where it lies."""
+        attention are one GroupQueryAttention node (write_and_attend) that reads and writes the cache where it lies.
+        `rings`: the layers whose caches are rings."""
         layers = range(len(past) // 2) if layers is None else layers
         self.keys, self.values = dict(zip(layers, past[0::2])), dict(zip(layers, past[1::2]))
         self.in_place = in_place
+        self._rings = frozenset(rings)
+
+    @property
+    def ring(self) -> torch.SymInt | int | None:
+        """The rings' length (the graph's `ring` dimension), None without rings."""
+        return self.keys[min(self._rings)].shape[2] if self._rings else None
 
     def write_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor) -> torch.Tensor:
@@ -424,10 +460,11 @@ class GraphKVCache:
               k: torch.Tensor, v: torch.Tensor) -> None:
         # positions: [B, T]; k, v: [B, T, kv_heads, hd]
         start = positions[:, 0]
-        self.keys[layer] = tensor_scatter(self.keys[layer], k.transpose(1, 2), start)
+        scatter = ring_scatter if layer in self._rings else tensor_scatter
+        self.keys[layer] = scatter(self.keys[layer], k.transpose(1, 2), start)
         if v.shape[-1]:  # (a latent attention layer's V is zero-wide: nothing to write, and TensorRT-RTX 1.7's
             # builder fails on a KV-cache update of zero width: "MyelinCheckException ... is_update_tensor()")
-            self.values[layer] = tensor_scatter(self.values[layer], v.transpose(1, 2), start)
+            self.values[layer] = scatter(self.values[layer], v.transpose(1, 2), start)
 
     def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:

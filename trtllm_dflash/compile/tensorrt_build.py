@@ -49,6 +49,7 @@ from typing import Any
 
 from trtllm_dflash.engine_dir import (
     EXPERTS_OP_KEY,
+    RING_PASS_KEY,
     EngineConfig,
     check_graph_inputs,
     graph_dir,
@@ -500,10 +501,14 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     if plugin_library is not None and not Path(plugin_library).is_file():
         raise UserError(f"--plugin-library {plugin_library}: no such file.")
     target_graph = graph_dir(root, 0) / "target_step.onnx"
-    experts_op = graph_metadata(target_graph).get(EXPERTS_OP_KEY)
-    if experts_op:
-        raise UserError(f"{target_graph}: its experts are onnxruntime's {experts_op} node (the engine was built with "
-                        "backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with backend: "
+    metadata = graph_metadata(target_graph)
+    if metadata.get(EXPERTS_OP_KEY):
+        raise UserError(f"{target_graph}: its experts are onnxruntime's {metadata[EXPERTS_OP_KEY]} node (the engine was "
+                        "built with backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with "
+                        "backend: tensorrt.")
+    if metadata.get(RING_PASS_KEY):
+        raise UserError(f"{target_graph}: its sliding-window layers keep rings (the engine was built with backend: "
+                        "onnxruntime), which TensorRT's KV-cache update cannot write; rebuild the engine with backend: "
                         "tensorrt.")
     trt = import_tensorrt(command)
     _require_onnx(command)

@@ -302,6 +302,9 @@ class KVCache:
     # a layer's write and attention are one op over the cache in place (write_and_attend): only an exported one-token
     # graph's are
     in_place = False
+    # ... and whether its sliding-window layers' caches are rings of this many positions, attended whole (only an
+    # exported target_step's for onnxruntime are: GraphKVCache)
+    ring = None
 
     def __init__(self, num_layers: int, num_slots: int, capacity: int, num_kv_heads: int | list[int],
                  head_dim: int | list[int], dtype: torch.dtype, device: torch.device | str = "cpu",

@@ -224,7 +224,13 @@ class TargetModel(nn.Module):
             node = tree.gather(2, offset.clamp(0, t - 1).expand(b, t, kv_len))
             causal = (offset < 0) | (node & (offset < t))
         window = self.spec.sliding_window
-        if window:  # over keys window_key .. kv_len - 1 only: the mask is built for the keys the layers read
+        if window and cache.ring is not None:  # rings (GraphKVCache): entry j holds the latest position p written
+            # with p % ring == j, this pass's last or one before it (never written: negative)
+            last, entry = cached_at[:, -1:], torch.arange(cache.ring, device=x.device)
+            length = entry[-1:] + 1  # (the ring's length as a tensor: the exporter cannot take a tensor % a SymInt)
+            seen = (last - (last - entry) % length)[:, None, :]  # [B, 1, ring]
+            sliding = (seen >= 0) & (seen <= positions[:, :, None]) & (seen > positions[:, :, None] - window)
+        elif window:  # over keys window_key .. kv_len - 1 only: the mask is built for the keys the layers read
             seen = key_pos[None, None, window_key:]
             sliding = (seen <= positions[:, :, None]) & (seen > positions[:, :, None] - window)
         else:

@@ -36,19 +36,21 @@ class LayerCaches:
     layer_ids: list[int] | None = None
 
     @classmethod
-    def zeros(cls, layers: int | list[int], num_slots: int, kv_heads: int, length: int, head_dim: int,
+    def zeros(cls, layers: int | list[int], num_slots: int, kv_heads: int, length: int | Sequence[int], head_dim: int,
               dtype: torch.dtype, device: torch.device | str = "cpu", v_head_dim: int | None = None) -> "LayerCaches":
-        """`layers`: how many (numbered 0 ..), or their numbers. `v_head_dim`: V's head size where it differs from
-        K's (0: a latent attention layer, which keeps no V)."""
-        def new(width: int) -> torch.Tensor:
+        """`layers`: how many (numbered 0 ..), or their numbers. `length`: positions per row, or per layer (rings of
+        sliding-window layers are shorter). `v_head_dim`: V's head size where it differs from K's (0: a latent
+        attention layer, which keeps no V)."""
+        def new(width: int, positions: int) -> torch.Tensor:
             # (no V: a zero-width view of a one-wide buffer, whose address is a real one: onnxruntime refuses to bind
             # a null pointer, even to no bytes)
-            return torch.zeros(num_slots, kv_heads, length, max(width, 1), dtype=dtype, device=device)[..., :width]
+            return torch.zeros(num_slots, kv_heads, positions, max(width, 1), dtype=dtype, device=device)[..., :width]
 
         ids = None if isinstance(layers, int) else list(layers)
         count = layers if ids is None else len(ids)
+        lengths = [length] * count if isinstance(length, int) else list(length)
         v_width = head_dim if v_head_dim is None else v_head_dim
-        return cls([new(head_dim) for _ in range(count)], [new(v_width) for _ in range(count)], ids)
+        return cls([new(head_dim, n) for n in lengths], [new(v_width, n) for n in lengths], ids)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """("key_0", K_0), ("value_0", V_0), ...: the suffixes of the graphs' past_* / present_* names."""
@@ -163,23 +165,51 @@ class PrefixRows:
     a request, so the pool drops its least recently used block whenever it needs room.
 
     The pool holds `num_blocks` blocks (the executors: one request row's worth, max_seq_len positions and a block):
-    a longer published prefix keeps its first num_blocks blocks."""
+    a longer published prefix keeps its first num_blocks blocks.
+
+    Rings (buffers shorter than the longest: sliding-window layers that keep the `window` and a pass, position p at
+    p % length): a ring holds only the last positions its row wrote (`wrote`), so a block's rings' part is published
+    from the first of its positions the ring still holds, and a request takes a prefix of n blocks only if the pool
+    holds the rings' part of the window before position n * block_tokens: its prefill's first queries attend to it.
+    The rings' part of those blocks only is copied into the row (no query of the request sees an earlier position,
+    and the other positions of those blocks land where only the prefill's later writes or masked entries lie)."""
 
     def __init__(self, caches: Sequence[LayerCaches], rows: CacheRows, num_blocks: int,
-                 block_tokens: int = BLOCK_TOKENS):
+                 block_tokens: int = BLOCK_TOKENS, window: int = 0):
         self._buffers = [buf for c in caches for _, buf in c.named()]
         self._rows, self.num_blocks, self.block_tokens = rows, num_blocks, block_tokens
         self._pool = [torch.empty((num_blocks, buf.shape[1], block_tokens, buf.shape[3]), dtype=buf.dtype,
                                   device=buf.device) for buf in self._buffers]
+        longest = max(buf.shape[2] for buf in self._buffers)
+        self._ring = [buf.shape[2] if buf.shape[2] < longest else None for buf in self._buffers]  # its length
+        self.window = window if any(self._ring) else 0
         self._blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> pool block, least recently used first
         self._free = list(range(num_blocks))
+        self._ring_from: dict[int, int] = {}  # pool block -> the first of its positions whose rings' part it holds
         self._prompts: dict[int, list[bytes]] = {}  # slot -> its prompt's block hashes, until published
+        self._last: dict[int, int] = {}  # slot -> the last position its target pass wrote (rings only)
         self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
 
     @classmethod
-    def for_rows(cls, caches: Sequence[LayerCaches], rows: CacheRows, cache_length: int) -> "PrefixRows":
+    def for_rows(cls, caches: Sequence[LayerCaches], rows: CacheRows, cache_length: int, window: int = 0
+                 ) -> "PrefixRows":
         """A pool of one row's worth of full blocks."""
-        return cls(caches, rows, max(1, cache_length // BLOCK_TOKENS))
+        return cls(caches, rows, max(1, cache_length // BLOCK_TOKENS), window=window)
+
+    def wrote(self, slots: Sequence[int], last: Sequence[int]) -> None:
+        """A target pass wrote the slots' rows up to positions `last` (rings: what they hold now)."""
+        if self.window:
+            self._last.update(zip(slots, last))
+
+    def _window_start(self, blocks: int) -> int:
+        """The first position (not block) whose rings' part a prefix of `blocks` blocks needs."""
+        return max(0, blocks * self.block_tokens - self.window) if self.window else blocks * self.block_tokens
+
+    def _has_window(self, found: list[int]) -> bool:
+        """Whether pool blocks `found` (a prefix's) hold the rings' part of the window before the prefix's end."""
+        start, size = self._window_start(len(found)), self.block_tokens
+        return all(j * size + self._ring_from.get(block, size) <= max(start, j * size)
+                   for j, block in enumerate(found) if (j + 1) * size > start)
 
     def reserve(self, slot: int, tokens: list[int], share: str | None) -> int:
         """Copy the published blocks `tokens` starts with into the slot's row; returns how many positions they cover.
@@ -188,14 +218,17 @@ class PrefixRows:
             return 0
         hashes = self._prompts[slot] = prefix_hashes(tokens[:-1], share, self.block_tokens)
         row = self._rows.rows_of([slot])[0]
-        hit = 0
+        found = []
         for h in hashes:
-            block = self._blocks.get(h)
-            if block is None:
+            if h not in self._blocks:
                 break
+            found.append(self._blocks[h])
+        hit = len(found)
+        while hit and not self._has_window(found[:hit]):
+            hit -= 1  # (rings: the window before the first computed position must be there)
+        for j, (h, block) in enumerate(zip(hashes[:hit], found)):
             self._blocks.move_to_end(h)
-            self._copy(row, hit, block, into_row=True)
-            hit += 1
+            self._copy(row, j, block, into_row=True, rings=(j + 1) * self.block_tokens > self._window_start(hit))
         self.prefix_blocks_looked_up += len(hashes)
         self.prefix_blocks_hit += hit
         return hit * self.block_tokens
@@ -204,25 +237,38 @@ class PrefixRows:
         """The slot's prompt is written: copy its full blocks the pool lacks into it (at most num_blocks: a longer
         prefix's first blocks, which a later prompt must hit first)."""
         row = self._rows.rows_of([slot])[0]
+        # the rings hold positions last - length + 1 .. last
+        first = self._last.get(slot, 0) - min((n for n in self._ring if n), default=0) + 1 if self.window else 0
         for j, h in enumerate(self._prompts.pop(slot, [])[: self.num_blocks]):
-            if h in self._blocks:
+            held = min(max(first - j * self.block_tokens, 0), self.block_tokens)  # the first position the rings hold
+            block = self._blocks.get(h)
+            if block is not None:
                 self._blocks.move_to_end(h)
+                if held < self._ring_from.get(block, self.block_tokens):  # more of the rings' part than the pool's
+                    self._copy(row, j, block, into_row=False, others=False)
+                    self._ring_from[block] = held
                 continue
             block = self._free.pop() if self._free else self._blocks.popitem(last=False)[1]
             self._blocks[h] = block
             self._copy(row, j, block, into_row=False)
+            self._ring_from[block] = held
 
     def release(self, slot: int) -> None:
         self._prompts.pop(slot, None)
+        self._last.pop(slot, None)
 
-    def _copy(self, row: int, j: int, block: int, into_row: bool) -> None:
-        """Positions j * block_tokens .. (j + 1) * block_tokens - 1 of `row`, from or to pool block `block`."""
+    def _copy(self, row: int, j: int, block: int, into_row: bool, rings: bool = True, others: bool = True) -> None:
+        """Positions j * block_tokens .. (j + 1) * block_tokens - 1 of `row`, from or to pool block `block`: of the
+        rings (where they lie in them) with `rings`, of the other buffers with `others`."""
         at = slice(j * self.block_tokens, (j + 1) * self.block_tokens)
-        for buf, pool in zip(self._buffers, self._pool):
+        for buf, pool, ring in zip(self._buffers, self._pool, self._ring):
+            if not (rings if ring else others):
+                continue
+            where = at if ring is None else torch.arange(at.start, at.stop, device=buf.device) % ring
             if into_row:
-                buf[row, :, at].copy_(pool[block])
+                buf[row, :, where] = pool[block]
             else:
-                pool[block].copy_(buf[row, :, at])
+                pool[block].copy_(buf[row, :, where])
 
 
 class StaticRows:
@@ -234,12 +280,12 @@ class StaticRows:
     prefix_rows: PrefixRows | None
 
     def _keep_rows(self, caches: tuple[LayerCaches, ...], states: RecurrentStates | None, cache_length: int,
-                   prefix_cache: bool) -> None:
+                   prefix_cache: bool, window: int = 0) -> None:
         """Rows for `caches` (and a hybrid target's recurrent `states`); prompt blocks copied between requests with
         `prefix_cache`, except for targets with recurrent states (whose state after a prefix is one matrix, not
-        blocks)."""
+        blocks). `window`: the sliding window of the layers whose caches are rings (shorter buffers)."""
         self._rows = CacheRows(caches + ((states,) if states is not None else ()))
-        self.prefix_rows = (PrefixRows.for_rows(caches, self._rows, cache_length)
+        self.prefix_rows = (PrefixRows.for_rows(caches, self._rows, cache_length, window)
                             if prefix_cache and states is None else None)
 
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:

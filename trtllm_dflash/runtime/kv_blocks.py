@@ -293,7 +293,7 @@ class PagedKVCache:
     the same positions), or per layer where some layers have tables of their own (`layer_tables`: sliding-window
     layers' rings)."""
 
-    in_place = False  # (as KVCache's)
+    in_place, ring = False, None  # (as KVCache's)
 
     def __init__(self, tables: BlockTables, shape: CacheShape, dtype: torch.dtype, device: torch.device | str,
                  layer_tables: list[BlockTables] | None = None):

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs, graph_dir
+from trtllm_dflash.engine_dir import RING_PASS_KEY, EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
-from trtllm_dflash.runtime.executor import DraftContext, StepOutput, attended_keys, engine_specs
+from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
@@ -152,15 +152,22 @@ class OnnxRuntimeExecutor(StaticRows):
             inputs = [i.name for i in self._sessions[f"{graph}.onnx"].get_inputs()]
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
         self._cache_length = max_len
+        # Engines built since 2026-12-05: the sliding-window layers' caches are rings of the window + pass_tokens
+        # positions, and no pass writes more positions per row than that (longer prefills run in passes)
+        ring_pass = self._sessions["target_step.onnx"].get_modelmeta().custom_metadata_map.get(RING_PASS_KEY)
+        self._pass_tokens = int(ring_pass) if ring_pass else None
+        window = target.sliding_window if ring_pass else 0
+        self.window_ring = window + self._pass_tokens if window else None  # positions per row of those layers
+        lengths = [self.window_ring if window and target.is_sliding(i) else max_len for i in target.attention_layers]
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
-        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, max_len, k_dim, dtype,
+        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, lengths, k_dim, dtype,
                                          self.device, v_dim)
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
         self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
         self._linear = target.linear_layers
-        self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache)  # (StaticRows)
+        self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window)  # (StaticRows)
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
@@ -184,9 +191,16 @@ class OnnxRuntimeExecutor(StaticRows):
     # ------------------------------------------------------------------------------------------------
 
     def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None) -> StepOutput:
-        """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`)."""
-        runs = self._rows.runs_of(slots if rows is None else rows.slots)
+        """token_ids [B, T] at positions starts + arange(T); logits [B, T, V] (or [B, 1, V] at `last_index`).
+
+        With rings (pass_tokens), a longer pass (a prefill, with `last_index`) runs in passes of pass_tokens."""
         T = token_ids.shape[1]
+        if self._pass_tokens is not None and T > self._pass_tokens:
+            return self._in_passes(token_ids, starts, slots, capture, last_index, rows)
+        runs = self._rows.runs_of(slots if rows is None else rows.slots)
+        if self._pass_tokens is not None and self.prefix_rows is not None:
+            last = rows.starts if rows is not None else starts.tolist()
+            self.prefix_rows.wrote(rows.slots if rows is not None else slots.tolist(), [s + T - 1 for s in last])
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(T, device=self.device)
             # one token per row: the in-place graph (no key_positions: each row attends up to its own position)
@@ -200,6 +214,24 @@ class OnnxRuntimeExecutor(StaticRows):
             if last_index is not None:
                 logits = logits[torch.arange(logits.shape[0], device=self.device), last_index][:, None]
         return StepOutput(logits, hidden)
+
+    def _in_passes(self, token_ids, starts, slots, capture, last_index, rows) -> StepOutput:
+        """target_forward over columns c0 .. c0 + pass_tokens - 1, one pass after another: the logits at last_index
+        (kept from the pass that holds each row's), the hidden states of every column."""
+        if last_index is None:
+            raise ValueError(f"{token_ids.shape[1]} positions without last_index: a pass takes at most "
+                             f"{self._pass_tokens}")
+        picked, hidden = None, []
+        for c0 in range(0, token_ids.shape[1], self._pass_tokens):
+            part = token_ids[:, c0:c0 + self._pass_tokens]
+            shifted = HostRows(rows.slots, tuple(s + c0 for s in rows.starts)) if rows is not None else None
+            out = self.target_forward(part, starts + c0, slots, capture, rows=shifted)
+            here = (last_index >= c0) & (last_index < c0 + part.shape[1])
+            found = out.logits.gather(1, (last_index - c0).clamp(0, part.shape[1] - 1)[:, None, None].expand(
+                -1, 1, self.vocab_size))
+            picked = found if picked is None else torch.where(here[:, None, None], found, picked)
+            hidden.append(out.hidden)
+        return StepOutput(picked, torch.cat(hidden, dim=1) if capture else None)
 
     def _target_run(self, run: RowRun, token_ids: torch.Tensor, positions: torch.Tensor,
                     key_positions: torch.Tensor | None, valid: torch.Tensor | None = None):
