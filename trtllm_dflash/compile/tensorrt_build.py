@@ -503,8 +503,8 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     target_graph = graph_dir(root, 0) / "target_step.onnx"
     metadata = graph_metadata(target_graph)
     if metadata.get(EXPERTS_OP_KEY):
-        raise UserError(f"{target_graph}: its experts are onnxruntime's {metadata[EXPERTS_OP_KEY]} node (the engine was "
-                        "built with backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with "
+        raise UserError(f"{target_graph}: its experts are onnxruntime's {metadata[EXPERTS_OP_KEY]} node (the engine "
+                        "was built with backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with "
                         "backend: tensorrt.")
     if metadata.get(RING_PASS_KEY):
         raise UserError(f"{target_graph}: its sliding-window layers keep rings (the engine was built with backend: "
