@@ -169,6 +169,38 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
         assert _kv_cache_report(loaded[False]) == {"layout": "static", "slots": 4}
 
 
+@pytest.mark.slow
+def test_kv_cache_memory_sizes_the_static_rows_prefix_pool(qwen3_ort_engine, tmp_path, capsys):
+    """--kv-cache-memory on the onnxruntime executor: the static rows take their share and the prefix pool the rest (a
+    size), or a fraction of the memory free then; a budget smaller than the rows, or leaving less than one prefix block,
+    is one sentence and writes nothing; without the prefix cache the rows alone fit."""
+    from trtllm_dflash.runtime.kv_blocks import format_size
+
+    default = Engine.load(qwen3_ort_engine, backend="onnxruntime").executor
+    rows, length = default.rows_bytes, default._cache_length
+    assert default.prefix_rows.num_blocks == length // 16  # one row's worth
+    block = rows // (default.num_slots * length) * 16
+    sized = Engine.load(qwen3_ort_engine, backend="onnxruntime", kv_cache_memory=str(rows + 5 * block + 7)).executor
+    assert sized.prefix_rows.num_blocks == 5
+    fraction = Engine.load(qwen3_ort_engine, backend="onnxruntime", kv_cache_memory="0.001").executor
+    assert fraction.prefix_rows.num_blocks > 5
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 1, "prompt_token_ids": [5, 6, 7]}) + "\n")
+    for value, extra, words in (
+            ("1KiB", (), f"--kv-cache-memory 1KiB: smaller than the static rows' {format_size(rows)} (max_batch_size "
+                         f"{default.num_slots} rows of {length} positions)."),
+            (str(rows + 10), (), f"--kv-cache-memory {rows + 10}: leaves 10 B beside the static rows' "
+                                 f"{format_size(rows)}, less than one prefix block's {format_size(block)}; give more, "
+                                 "or add --no-prefix-cache.")):
+        out = tmp_path / "out.jsonl"
+        code = main(["run", str(qwen3_ort_engine), "--input", str(inp), "--output", str(out), "--backend",
+                     "onnxruntime", "--kv-cache-memory", value, *extra])
+        assert (code, capsys.readouterr().err.strip()) == (EXIT_USER_ERROR, f"error: {words}") and not out.exists()
+    assert main(["run", str(qwen3_ort_engine), "--input", str(inp), "--output", str(out), "--backend", "onnxruntime",
+                 "--kv-cache-memory", str(rows + 10), "--no-prefix-cache", "--max-new-tokens", "4"]) == 0
+    assert len(json.loads(out.read_text())["output_token_ids"]) == 4
+
+
 def test_the_prefix_pool_copies_blocks_and_drops_the_least_recently_used():
     """PrefixRows over two rows of one layer's caches and a pool of 2 blocks of 4 positions: a published prompt's
     full blocks (not its last token's) come back into another row with their values; a third block published drops

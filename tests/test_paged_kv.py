@@ -100,8 +100,6 @@ def test_sizes_and_fractions():
                   "request of the engine's max_seq_len needs 33; give at least 816.0 KiB."),
     ("64PiB", (), "error: --kv-cache-memory 64PiB: '64PiB' is not a size"),
     ("9000GiB", (), "error: --kv-cache-memory 9000GiB: more than the"),
-    ("64MiB", ("--backend", "onnxruntime"), "error: --kv-cache-memory: only the torch executor has a paged KV cache "
-                                             "yet, and this run's backend is onnxruntime"),
 ])
 def test_bad_budgets_are_one_sentence(qwen3_engine_dir, tmp_path, capsys, value, extra, words):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -131,7 +129,7 @@ def test_a_budget_refuses_cuda_graphs():
     from trtllm_dflash.runtime.runner import _kv_budget
 
     with pytest.raises(UserError, match="a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs"):
-        _kv_budget("64MiB", "torch", "cuda:0", cuda_graphs=True)
+        _kv_budget("64MiB", "cuda:0", cuda_graphs=True)
 
 
 def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
@@ -255,10 +253,7 @@ def test_the_build_config_sets_the_default(qwen3_pair, tmp_path, capsys):
         assert main(["run", str(engine_dir), "--input", str(inp), "--output", str(out), *extra]) == 0
         outs.append(json.loads(out.read_text())["output_token_ids"])
     assert outs[0] == outs[1]
-    for bad, words in (({"kv_cache_memory": "lots"}, "build config: kv_cache_memory lots: 'lots' is not a size"),
-                       ({"kv_cache_memory": 0.5, "backend": "onnxruntime"},
-                        "build config: kv_cache_memory: only the torch executor has a paged KV cache yet, and this "
-                        "engine is built for backend onnxruntime")):
+    for bad, words in (({"kv_cache_memory": "lots"}, "build config: kv_cache_memory lots: 'lots' is not a size"),):
         with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
             build_engine(BuildConfig(**base, output=tmp_path / "bad", **bad), progress=False)
         assert not (tmp_path / "bad").exists()

@@ -17,13 +17,13 @@ the tokens stayed right and its acceptance dropped.)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from trtllm_dflash.models.linear_attention import RecurrentStates
-from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, prefix_hashes
+from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, KVBudgetError, format_size, prefix_hashes
 
 
 @dataclass
@@ -164,8 +164,9 @@ class PrefixRows:
     the graphs (a paged read costs onnxruntime more than it saves: docs/backends.md), and no block is ever held by
     a request, so the pool drops its least recently used block whenever it needs room.
 
-    The pool holds `num_blocks` blocks (the executors: one request row's worth, max_seq_len positions and a block):
-    a longer published prefix keeps its first num_blocks blocks.
+    The pool holds `num_blocks` blocks (the executors: one request row's worth, max_seq_len positions and a block, or
+    what --kv-cache-memory leaves beside the rows: StaticRows._keep_rows); a longer published prefix keeps its first
+    num_blocks blocks.
 
     Rings (buffers shorter than the longest: sliding-window layers that keep the `window` and a pass, position p at
     p % length): a ring holds only the last positions its row wrote (`wrote`), so a block's rings' part is published
@@ -189,12 +190,6 @@ class PrefixRows:
         self._prompts: dict[int, list[bytes]] = {}  # slot -> its prompt's block hashes, until published
         self._last: dict[int, int] = {}  # slot -> the last position its target pass wrote (rings only)
         self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
-
-    @classmethod
-    def for_rows(cls, caches: Sequence[LayerCaches], rows: CacheRows, cache_length: int, window: int = 0
-                 ) -> "PrefixRows":
-        """A pool of one row's worth of full blocks."""
-        return cls(caches, rows, max(1, cache_length // BLOCK_TOKENS), window=window)
 
     def wrote(self, slots: Sequence[int], last: Sequence[int]) -> None:
         """A target pass wrote the slots' rows up to positions `last` (rings: what they hold now)."""
@@ -280,13 +275,35 @@ class StaticRows:
     prefix_rows: PrefixRows | None
 
     def _keep_rows(self, caches: tuple[LayerCaches, ...], states: RecurrentStates | None, cache_length: int,
-                   prefix_cache: bool, window: int = 0) -> None:
+                   prefix_cache: bool, window: int = 0, budget: int | Callable[[], int] | None = None) -> None:
         """Rows for `caches` (and a hybrid target's recurrent `states`); prompt blocks copied between requests with
         `prefix_cache`, except for targets with recurrent states (whose state after a prefix is one matrix, not
-        blocks). `window`: the sliding window of the layers whose caches are rings (shorter buffers)."""
+        blocks). `window`: the sliding window of the layers whose caches are rings (shorter buffers).
+
+        The prefix pool holds one row's worth of blocks, or what `budget` leaves (--kv-cache-memory): bytes for the
+        rows (and states) and the pool together, or a function giving the bytes the pool may take (a fraction of the
+        memory free once the rows are allocated). KVBudgetError, in words, when no block would fit."""
         self._rows = CacheRows(caches + ((states,) if states is not None else ()))
-        self.prefix_rows = (PrefixRows.for_rows(caches, self._rows, cache_length, window)
-                            if prefix_cache and states is None else None)
+        self.prefix_rows = None
+        self.rows_bytes = sum(buf.untyped_storage().nbytes() for c in caches for _, buf in c.named()) + (
+            states.nbytes if states is not None else 0)
+        if budget is not None and not callable(budget) and budget < self.rows_bytes:
+            raise KVBudgetError(f"smaller than the static rows' {format_size(self.rows_bytes)} (max_batch_size "
+                                f"{caches[0].keys[0].shape[0]} rows of {cache_length} positions)")
+        if not prefix_cache or states is not None:
+            return
+        block = sum(buf.shape[1] * BLOCK_TOKENS * buf.shape[3] * buf.element_size() for c in caches
+                    for _, buf in c.named())
+        if budget is None:
+            blocks = max(1, cache_length // BLOCK_TOKENS)
+        else:
+            spare = budget() if callable(budget) else budget - self.rows_bytes
+            blocks = spare // block
+            if blocks < 1:
+                raise KVBudgetError(f"leaves {format_size(spare)} beside the static rows' "
+                                    f"{format_size(self.rows_bytes)}, less than one prefix block's {format_size(block)}"
+                                    "; give more, or add --no-prefix-cache")
+        self.prefix_rows = PrefixRows(caches, self._rows, blocks, window=window)
 
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
         return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0

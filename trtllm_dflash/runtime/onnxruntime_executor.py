@@ -20,7 +20,7 @@ input that torch was still writing on the caller's stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -107,11 +107,13 @@ class OnnxRuntimeExecutor(StaticRows):
     `cuda` device (onnxruntime-gpu; written, never run: no GPU here), with the caches on that device."""
 
     def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None,
-                 device: torch.device | str = "cpu", tree_budget: int = 0, prefix_cache: bool = True):
+                 device: torch.device | str = "cpu", tree_budget: int = 0, prefix_cache: bool = True,
+                 kv_cache_memory: int | Callable[[], int] | None = None):
         """`tree_budget`: the most draft nodes a tree step verifies (target_tree.onnx, drafter_candidates.onnx; its
         nodes are written past a request's positions, so the caches hold that many more); 0: no trees.
         `prefix_cache`: prompt blocks copied between requests with the same prefix (cache_rows.PrefixRows; not for
-        targets with recurrent states, whose state after a prefix is one matrix, not blocks)."""
+        targets with recurrent states, whose state after a prefix is one matrix, not blocks). `kv_cache_memory`: the
+        caches' and the prefix pool's bytes, or a function giving the pool's (StaticRows._keep_rows)."""
         ort = _onnxruntime()
         if cfg.quantization.get("quant_algo") == "NVFP4":
             raise UserError("--backend onnxruntime cannot run NVFP4 graphs (TensorRT's FP4 quantize node); use "
@@ -167,13 +169,14 @@ class OnnxRuntimeExecutor(StaticRows):
         # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
         self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
         self._linear = target.linear_layers
-        self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window)  # (StaticRows)
+        self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window,  # (StaticRows)
+                        kv_cache_memory)
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
-                    threads: int | None, device: str = "cpu", tree_budget: int = 0, prefix_cache: bool = True
-                    ) -> "OnnxRuntimeExecutor":
+                    threads: int | None, device: str = "cpu", tree_budget: int = 0, prefix_cache: bool = True,
+                    kv_cache_memory: int | Callable[[], int] | None = None) -> "OnnxRuntimeExecutor":
         graphs = graph_dir(Path(root), rank)
         recurrent = engine_specs(cfg)[0].has_recurrent_state
         missing = [name for name in GRAPHS + ((REPLAY_GRAPH,) if recurrent else ()) if not (graphs / name).is_file()]
@@ -184,7 +187,7 @@ class OnnxRuntimeExecutor(StaticRows):
         if missing:
             raise UserError(f"{root}: --tree-budget needs {graphs / missing[0]}, which engines built by an earlier "
                             "trtllm-dflash lack; build it again with `trtllm-dflash build CONFIG --force`.")
-        return cls(graphs, cfg, block_size, threads, device, tree_budget, prefix_cache)
+        return cls(graphs, cfg, block_size, threads, device, tree_budget, prefix_cache, kv_cache_memory)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract

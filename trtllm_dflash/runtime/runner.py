@@ -65,8 +65,9 @@ class Engine:
         target has no experts and tp_size is 1); True is refused where they cannot run. `kv_cache_memory`: a paged KV
         cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
         executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
-        request; 'static': the static slots whatever the engine says); `prefix_cache`: with it, prompt
-        blocks shared across requests by prefix (a paged cache's blocks; the compiled executors' static rows copy
+        request; 'static': the static slots whatever the engine says); for the compiled executors, whose rows are
+        static, the rows' and their prefix pool's memory together (cache_rows.StaticRows); `prefix_cache`: with it,
+        prompt blocks shared across requests by prefix (a paged cache's blocks; the compiled executors' static rows copy
         them from a pool: runtime/cache_rows.PrefixRows). `tree_budget`: dflash steps verify a DDTree of that many
         draft nodes (speculative/tree.py; torch executor, targets without sliding windows or Gated DeltaNet layers).
 
@@ -97,7 +98,7 @@ class Engine:
         if tree_budget is not None:
             _check_tree(cfg, backend, tree_budget, auto)
             cuda_graphs = False
-        if kv_cache_memory is None and backend == "torch":  # the engine's default (its build config), if any
+        if kv_cache_memory is None:  # the engine's default (its build config), if any
             kv_cache_memory = cfg.kv_cache_memory
         if kv_cache_memory is not None:
             kv_cache_memory = str(kv_cache_memory)
@@ -105,23 +106,25 @@ class Engine:
             kv_cache_memory = None
         kv_bytes = None
         if kv_cache_memory is not None:
-            kv_bytes = _kv_budget(kv_cache_memory, backend, device, cuda_graphs)
+            kv_bytes = _kv_budget(kv_cache_memory, device, cuda_graphs)
             cuda_graphs = False
-        if backend == "onnxruntime":
-            from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
+        try:
+            if backend == "onnxruntime":
+                from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
 
-            executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None, device=device,
-                                                       tree_budget=tree_budget or 0, prefix_cache=prefix_cache)
-        elif backend == "tensorrt":
-            from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
+                executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None,
+                                                           device=device, tree_budget=tree_budget or 0,
+                                                           prefix_cache=prefix_cache, kv_cache_memory=kv_bytes)
+            elif backend == "tensorrt":
+                from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
-            executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library, prefix_cache)
-        else:
-            try:
+                executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library,
+                                                        prefix_cache, kv_bytes)
+            else:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
                                                      kv_bytes, prefix_cache, tree_budget or 0)
-            except KVBudgetError as e:
-                raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
+        except KVBudgetError as e:
+            raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
         auto_block = None
         if auto:
             costs, _ = load_or_measure(root, executor, backend, report=report)
@@ -188,13 +191,11 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
                         "cannot verify a tree yet (their state follows one sequence of positions); drop --tree-budget.")
 
 
-def _kv_budget(text: str, backend: Backend, device: str, cuda_graphs: bool | None) -> int | Callable[[], int]:
+def _kv_budget(text: str, device: str, cuda_graphs: bool | None) -> int | Callable[[], int]:
     """--kv-cache-memory's bytes, or one sentence saying why not. A fraction ('0.9') is of the memory free once the
-    weights are loaded (TensorRT-LLM's free_gpu_memory_fraction): its form is checked now, and the executor calls the
-    function returned to read the free memory after loading them."""
-    if backend != "torch":
-        raise UserError(f"--kv-cache-memory: only the torch executor has a paged KV cache yet, and this run's backend "
-                        f"is {backend}; drop --kv-cache-memory or use --backend torch.")
+    weights are loaded (TensorRT-LLM's free_gpu_memory_fraction; the compiled executors: once their static rows are
+    allocated too, for their prefix pool): its form is checked now, and the executor calls the function returned to
+    read the free memory then."""
     if cuda_graphs:
         raise UserError("--kv-cache-memory: a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs.")
 

@@ -42,7 +42,7 @@ tested on the CPU with contexts that run the same graphs in onnxruntime (tests/t
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,13 +105,15 @@ class TensorRTExecutor(StaticRows):
 
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
                  device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False,
-                 pass_tokens: int | None = None, prefix_cache: bool = True):
+                 pass_tokens: int | None = None, prefix_cache: bool = True,
+                 kv_cache_memory: int | Callable[[], int] | None = None):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
         row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
         plain ops'; `pass_tokens`: the most positions per row a target_step or drafter_context call may take (the
         plans' profile; None: no limit); `prefix_cache`: prompt blocks copied between requests with the same prefix
-        (cache_rows.PrefixRows; not for targets with recurrent states)."""
+        (cache_rows.PrefixRows; not for targets with recurrent states); `kv_cache_memory`: the caches' and the prefix
+        pool's bytes, or a function giving the pool's (StaticRows._keep_rows)."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -132,7 +134,8 @@ class TensorRTExecutor(StaticRows):
                                           self.device)
         self._linear = target.linear_layers
         # slot -> cache row, and the prefix pool (runtime/cache_rows.py StaticRows)
-        self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache)
+        self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache,
+                        budget=kv_cache_memory)
         self._contexts = dict(contexts)
         self._accept_ints = torch.int32 if accept_plugin else torch.int64
         if accept_plugin and self.block_size != params.block_size:
@@ -146,7 +149,8 @@ class TensorRTExecutor(StaticRows):
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
-                    plugin_library: Path | None = None, prefix_cache: bool = True) -> "TensorRTExecutor":
+                    plugin_library: Path | None = None, prefix_cache: bool = True,
+                    kv_cache_memory: int | Callable[[], int] | None = None) -> "TensorRTExecutor":
         """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device (under
         tp > 1, inside the torch.distributed NCCL group of the MPI ranks)."""
         root = Path(root)
@@ -215,7 +219,8 @@ class TensorRTExecutor(StaticRows):
         shapes = info.get("shapes", {})
         return cls(contexts, cfg, block_size, device, int(info["cache_length"]),
                    owners=(logger, runtime, engines, scratch, communicator), accept_plugin=plugin,
-                   pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None, prefix_cache=prefix_cache)
+                   pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None, prefix_cache=prefix_cache,
+                   kv_cache_memory=kv_cache_memory)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract

@@ -74,7 +74,7 @@ class ServeConfig(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)  # when a request has no sampling_param_seed (`serve --seed`'s range)
     threads: int | None = Field(None, ge=1, le=4096)  # torch CPU threads (None: torch's default)
     backend: Backend | None = None  # the executor (None: what the engine was compiled for)
-    kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
+    kv_cache_memory: str | None = None  # KV memory: paged (torch executor) or rows + prefix pool (None: a slot each)
     prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     tree_budget: int | None = Field(None, ge=1, le=1024)  # dflash: verify a DDTree of this many nodes (None: a chain)
 
