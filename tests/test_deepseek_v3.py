@@ -357,6 +357,28 @@ def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fiel
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt, target, quantize_layer", [("fp8", "SM89", "QUANTIZE"),
+                                                         ("nvfp4", "SM120", "DYNAMIC_QUANTIZE")])
+def test_quantized_bfloat16_tensorrt_graphs_build(pair, tmp_path, fmt, target, quantize_layer):
+    """backend tensorrt with ModelOpt FP8 / NVFP4 at bfloat16: the target step parses into one KV-cache update (of the
+    latent) and one attention per layer beside the format's quantize layers, and TensorRT-RTX builds it into a plan for
+    a GPU with the format's tensor cores (SM89 for FP8; NVFP4 needs FP4's: SM120)."""
+    pytest.importorskip("modelopt.torch.quantization")
+    rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
+    from trtllm_dflash.compile.tensorrt_build import build_plan, cache_length, engine_shapes, layer_types, parse_graph
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+
+    config = write_family_config(tmp_path / "build.yaml", pair, quantization=fmt, dtype="bfloat16", backend="tensorrt",
+                                 calibration_samples=4, calibration_max_tokens=24)
+    assert main(["build", str(config), "--output", str(tmp_path / "engine")]) == 0
+    cfg = read_engine_config(tmp_path / "engine")
+    path = graph_dir(tmp_path / "engine", 0) / "target_step.onnx"
+    types = layer_types(parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network)
+    assert (types["KV_CACHE_UPDATE"], types["ATTENTION_OUTPUT"]) == (4, 4) and types[quantize_layer] > 0, types
+    assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=[target])) > 100_000
+
+
+@pytest.mark.slow
 def test_nvfp4_through_modelopt_quantizes_the_experts_and_is_lossless(pair, tmp_path):
     """quantization nvfp4: ModelOpt quantizes the dense MLP, every routed expert and the shared experts (the latent
     attention and the router stay in the compute dtype), the engine holds them as exported, a tp 2 / ep build gives
