@@ -291,8 +291,9 @@ class SparseMoE(nn.Module):
         weights, idx = self.route(flat)
         out = torch.zeros_like(flat)
         if exporting():  # every expert over every token, weighted 0 where not chosen (no data-dependent shapes)
-            for e, expert in self.experts.items():
-                out = out + expert.partial(flat) * (weights * (idx == int(e))).sum(-1, keepdim=True)
+            for e, expert in self.experts.items():  # (in the weights' dtype, then flat's, as below: DeepSeek-V3's
+                # weights are float32, and a float32 sum would carry into a 16-bit engine's next layer)
+                out = out + (expert.partial(flat) * (weights * (idx == int(e))).sum(-1, keepdim=True)).to(out.dtype)
             return out
         # Expert by expert over the tokens routed to it, in expert order, as transformers adds them.
         for e, expert in self.experts.items():
