@@ -111,44 +111,25 @@ _dist_collective = values.Op(values.Opset(COLLECTIVE_DOMAIN, 1), COLLECTIVE_OP, 
 
 
 @torch.library.custom_op("dflash_onnx::tensor_scatter", mutates_args=())
-def tensor_scatter(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
-    """ONNX TensorScatter(mode="linear", axis=2): cache [B, H, L, D], update [B, H, T, D], write_indices [B]."""
+def tensor_scatter(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor, circular: bool = False
+                   ) -> torch.Tensor:
+    """ONNX TensorScatter(axis=2): cache [B, H, L, D], update [B, H, T, D] written at write_indices [B] on; mode
+    "linear", or "circular" (a ring of L positions: position p at p % L)."""
     assert cache.ndim == 4 and update.shape[:2] == cache.shape[:2] and write_indices.shape == cache.shape[:1]
     rows = torch.arange(cache.shape[0], device=cache.device)[:, None]  # [B, 1]
     cols = write_indices[:, None] + torch.arange(update.shape[2], device=cache.device)  # [B, T]
     out = cache.clone()
-    out[rows, :, cols] = update.transpose(1, 2)  # indexed view: [B, T, H, D]
+    out[rows, :, cols % cache.shape[2] if circular else cols] = update.transpose(1, 2)  # indexed view: [B, T, H, D]
     return out
 
 
 @tensor_scatter.register_fake
-def _(cache, update, write_indices):
+def _(cache, update, write_indices, circular=False):
     return torch.empty_like(cache)
 
 
-def _tensor_scatter_onnx(cache, update, write_indices):
-    return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="linear")
-
-
-@torch.library.custom_op("dflash_onnx::ring_scatter", mutates_args=())
-def ring_scatter(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
-    """ONNX TensorScatter(mode="circular", axis=2): tensor_scatter's write at positions modulo the cache's length L (a
-    ring of L positions: position p at p % L)."""
-    assert cache.ndim == 4 and update.shape[:2] == cache.shape[:2] and write_indices.shape == cache.shape[:1]
-    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]  # [B, 1]
-    cols = (write_indices[:, None] + torch.arange(update.shape[2], device=cache.device)) % cache.shape[2]  # [B, T]
-    out = cache.clone()
-    out[rows, :, cols] = update.transpose(1, 2)  # indexed view: [B, T, H, D]
-    return out
-
-
-@ring_scatter.register_fake
-def _(cache, update, write_indices):
-    return torch.empty_like(cache)
-
-
-def _ring_scatter_onnx(cache, update, write_indices):
-    return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="circular")
+def _tensor_scatter_onnx(cache, update, write_indices, circular: bool = False):
+    return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="circular" if circular else "linear")
 
 
 GQA_DOMAIN, GQA_OP = "com.microsoft", "GroupQueryAttention"
@@ -410,7 +391,6 @@ TRANSLATIONS = {
     torch.ops.dflash_onnx.fp8_qdq.default: _fp8_qdq_onnx,
     torch.ops.dflash_onnx.fp8_dequantize.default: _fp8_dequantize_onnx,
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
-    torch.ops.dflash_onnx.ring_scatter.default: _ring_scatter_onnx,
     torch.ops.dflash_onnx.attend_in_place.default: _attend_in_place_onnx,
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
@@ -460,11 +440,11 @@ class GraphKVCache:
               k: torch.Tensor, v: torch.Tensor) -> None:
         # positions: [B, T]; k, v: [B, T, kv_heads, hd]
         start = positions[:, 0]
-        scatter = ring_scatter if layer in self._rings else tensor_scatter
-        self.keys[layer] = scatter(self.keys[layer], k.transpose(1, 2), start)
+        ring = layer in self._rings
+        self.keys[layer] = tensor_scatter(self.keys[layer], k.transpose(1, 2), start, ring)
         if v.shape[-1]:  # (a latent attention layer's V is zero-wide: nothing to write, and TensorRT-RTX 1.7's
             # builder fails on a KV-cache update of zero width: "MyelinCheckException ... is_update_tensor()")
-            self.values[layer] = scatter(self.values[layer], v.transpose(1, 2), start)
+            self.values[layer] = tensor_scatter(self.values[layer], v.transpose(1, 2), start, ring)
 
     def read(self, layer: int, slots: torch.Tensor, length: int, run: slice | None = None, first: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
