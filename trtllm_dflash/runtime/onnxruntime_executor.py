@@ -154,7 +154,7 @@ class OnnxRuntimeExecutor(StaticRows):
             inputs = [i.name for i in self._sessions[f"{graph}.onnx"].get_inputs()]
             check_graph_inputs(graph, inputs, graphs / f"{graph}.onnx")
         self._cache_length = max_len
-        # Engines built since 2026-12-05: the sliding-window layers' caches are rings of the window + pass_tokens
+        # Engines built since 2026-12-04: the sliding-window layers' caches are rings of the window + pass_tokens
         # positions, and no pass writes more positions per row than that (longer prefills run in passes)
         ring_pass = self._sessions["target_step.onnx"].get_modelmeta().custom_metadata_map.get(RING_PASS_KEY)
         self._pass_tokens = int(ring_pass) if ring_pass else None
