@@ -451,6 +451,26 @@ def test_onnxruntime_sliding_layers_keep_rings_and_prefix_reuse_copies_their_win
     torch.testing.assert_close(ring_out.hidden, full_out.hidden, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_an_engine_shorter_than_a_ring_keeps_its_sliding_layers_whole(gpt_oss_ort_engine):
+    """Where max_seq_len + block is shorter than window + pass (the engine's config cut to 8 positions here: 16 < 20),
+    the sliding layers keep max_len positions, not a longer ring, and their circular writes never wrap: the torch
+    executor's tokens, dflash and ar, greedy and sampled."""
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+    from trtllm_dflash.runtime.decoding import Decoder
+    from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
+
+    short = read_engine_config(gpt_oss_ort_engine).model_copy(update={"max_seq_len": 8})
+    executor = OnnxRuntimeExecutor(graph_dir(gpt_oss_ort_engine, 0), short, None, 1)
+    assert executor.window_ring == 16 and [buf.shape[2] for buf in executor._target.keys] == [16] * 4
+    torch_engine = Engine.load(gpt_oss_ort_engine, backend="torch")
+    reqs = [Request(i, [5 + i, 9, 30 + i], 5, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(3)]
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: r.output_token_ids for r in torch_engine.decoder(mode).generate(reqs)}
+        decoder = Decoder(executor, torch_engine.decoder(mode).policy, torch_engine.config.eos_token_ids)
+        assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == expected, mode
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_trt_engine(pair, tmp_path_factory) -> Path:
     """The pair built for backend tensorrt: its graphs keep the experts' dense form (TensorRT cannot parse

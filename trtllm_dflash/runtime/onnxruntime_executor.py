@@ -159,7 +159,9 @@ class OnnxRuntimeExecutor(StaticRows):
         ring_pass = self._sessions["target_step.onnx"].get_modelmeta().custom_metadata_map.get(RING_PASS_KEY)
         self._pass_tokens = int(ring_pass) if ring_pass else None
         window = target.sliding_window if ring_pass else 0
-        self.window_ring = window + self._pass_tokens if window else None  # positions per row of those layers
+        # positions per row of those layers; an engine shorter than the ring keeps them whole (no position wraps in a
+        # ring of max_len, and entries not yet written come out negative, so the same mask holds)
+        self.window_ring = min(window + self._pass_tokens, max_len) if window else None
         lengths = [self.window_ring if window and target.is_sliding(i) else max_len for i in target.attention_layers]
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
         self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, lengths, k_dim, dtype,
