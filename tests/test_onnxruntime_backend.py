@@ -163,10 +163,12 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
         from trtllm_dflash.bench.runner import _kv_cache_report
 
         # full blocks before each prompt's last token: 2, 2, 2 and 3 (a 49-token prompt); hit: the later three's 2
+        rows = loaded[True].executor.rows_bytes  # 4 rows of 264 positions; the pool: 16 blocks of 16 positions
         assert _kv_cache_report(loaded[True]) == {
-            "layout": "static", "slots": 4, "prefix_cache": True, "block_tokens": 16,
-            "prefix_pool_blocks": (256 + 8) // 16, "prefix_blocks_looked_up": 9, "prefix_hit_rate": round(6 / 9, 4)}
-        assert _kv_cache_report(loaded[False]) == {"layout": "static", "slots": 4}
+            "layout": "static", "slots": 4, "rows_bytes": rows, "prefix_cache": True, "block_tokens": 16,
+            "prefix_pool_blocks": (256 + 8) // 16, "prefix_pool_bytes": rows * 256 // (4 * 264),
+            "prefix_blocks_looked_up": 9, "prefix_hit_rate": round(6 / 9, 4)}
+        assert _kv_cache_report(loaded[False]) == {"layout": "static", "slots": 4, "rows_bytes": rows}
 
 
 @pytest.mark.slow

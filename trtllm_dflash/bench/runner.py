@@ -185,11 +185,14 @@ def _system_tokens(engine: Engine, dataset: Dataset, system: str) -> int:
 
 def _kv_cache_report(engine: Engine) -> dict:
     """The KV cache the runs had: a paged cache's blocks (total, peak in use over every run, free at the end, prefix
-    lookups; the sliding-window layers' rings apart), or the static slots (and their prefix pool's lookups, and the
-    positions per slot of onnxruntime's rings)."""
+    lookups; the sliding-window layers' rings apart), or the static slots (the compiled executors': their bytes, their
+    prefix pool's blocks, bytes and lookups, and the positions per slot of onnxruntime's rings)."""
     tables = getattr(engine.executor, "kv_blocks", None)
     if tables is None:
         report = {"layout": "static", "slots": engine.config.max_batch_size}
+        rows_bytes = getattr(engine.executor, "rows_bytes", None)  # the compiled executors' (cache_rows.StaticRows)
+        if rows_bytes is not None:
+            report["rows_bytes"] = rows_bytes
         ring = getattr(engine.executor, "window_ring", None)  # onnxruntime's sliding-window layers' rings
         if ring is not None:
             report["window_ring_positions"] = ring
@@ -197,7 +200,7 @@ def _kv_cache_report(engine: Engine) -> dict:
         if pool is not None:
             looked_up = pool.prefix_blocks_looked_up
             report |= {"prefix_cache": True, "block_tokens": pool.block_tokens, "prefix_pool_blocks": pool.num_blocks,
-                       "prefix_blocks_looked_up": looked_up,
+                       "prefix_pool_bytes": pool.nbytes, "prefix_blocks_looked_up": looked_up,
                        "prefix_hit_rate": round(pool.prefix_blocks_hit / looked_up, 4) if looked_up else None}
         return report
     looked_up = tables.prefix_blocks_looked_up

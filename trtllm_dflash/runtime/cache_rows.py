@@ -191,6 +191,10 @@ class PrefixRows:
         self._last: dict[int, int] = {}  # slot -> the last position its target pass wrote (rings only)
         self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
 
+    @property
+    def nbytes(self) -> int:
+        return sum(pool.nbytes for pool in self._pool)
+
     def wrote(self, slots: Sequence[int], last: Sequence[int]) -> None:
         """A target pass wrote the slots' rows up to positions `last` (rings: what they hold now)."""
         if self.window:
