@@ -194,6 +194,17 @@ def attended_keys(rows: HostRows | None, starts: torch.Tensor | None, tokens: in
     return min(-(-max(exact, 1) // KV_BUCKET) * KV_BUCKET, capacity)
 
 
+def logits_at_last(logits: torch.Tensor, last_index: torch.Tensor, first: int,
+                   picked: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill run in passes (the compiled executors): `logits` [B, T, V] of the pass over columns first ..
+    first + T - 1 -> [B, 1, V], each row's logits at its last_index [B] where this pass holds it, else `picked`'s (the
+    earlier passes'). No host read: a where, not an index."""
+    here = (last_index >= first) & (last_index < first + logits.shape[1])
+    column = (last_index - first).clamp(0, logits.shape[1] - 1)
+    found = logits.gather(1, column[:, None, None].expand(-1, 1, logits.shape[2]))
+    return found if picked is None else torch.where(here[:, None, None], found, picked)
+
+
 class TorchExecutor:
     """Target + drafter as torch modules, with static per-slot KV caches for both."""
 

@@ -31,7 +31,8 @@ from trtllm_dflash.engine_dir import RING_PASS_KEY, EngineConfig, check_graph_in
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
-from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
+from trtllm_dflash.runtime.executor import (DraftContext, HostRows, StepOutput, attended_keys, engine_specs,
+                                            logits_at_last)
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
@@ -231,10 +232,7 @@ class OnnxRuntimeExecutor(StaticRows):
             part = token_ids[:, c0:c0 + self._pass_tokens]
             shifted = HostRows(rows.slots, tuple(s + c0 for s in rows.starts)) if rows is not None else None
             out = self.target_forward(part, starts + c0, slots, capture, rows=shifted)
-            here = (last_index >= c0) & (last_index < c0 + part.shape[1])
-            found = out.logits.gather(1, (last_index - c0).clamp(0, part.shape[1] - 1)[:, None, None].expand(
-                -1, 1, self.vocab_size))
-            picked = found if picked is None else torch.where(here[:, None, None], found, picked)
+            picked = logits_at_last(out.logits, last_index, c0, picked)
             hidden.append(out.hidden)
         return StepOutput(picked, torch.cat(hidden, dim=1) if capture else None)
 

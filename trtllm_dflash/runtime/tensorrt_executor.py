@@ -69,7 +69,8 @@ from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
-from trtllm_dflash.runtime.executor import DraftContext, HostRows, StepOutput, attended_keys, engine_specs
+from trtllm_dflash.runtime.executor import (DraftContext, HostRows, StepOutput, attended_keys, engine_specs,
+                                            logits_at_last)
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 COMMAND = "--backend tensorrt"
@@ -273,11 +274,7 @@ class TensorRTExecutor(StaticRows):
             if last is None:
                 picked = logits  # one pass: T <= pass_tokens
                 continue
-            # The logits at each row's last_index, from the pass that holds it (no host sync: a where, not an index).
-            here = (last >= c0) & (last < c1)
-            column = (last - c0).clamp(0, c1 - c0 - 1)
-            found = logits.gather(1, column[:, None, None].expand(-1, 1, self.vocab_size))
-            picked = found if picked is None else torch.where(here[:, None, None], found, picked)
+            picked = logits_at_last(logits, last, c0, picked)  # each row's, from the pass that holds it
         return picked, hidden
 
     def _resume(self, run: RowRun, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
