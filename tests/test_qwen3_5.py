@@ -246,6 +246,32 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
     assert_mpiexec_run_equals_one_process(one, two, tmp_path)
 
 
+@pytest.mark.parametrize("tokens, chunk", [(1, 16), (15, 16), (16, 16), (17, 16), (70, 16), (150, 64), (40, 8)])
+def test_the_graphs_chunked_delta_rule_gives_the_token_by_token_rule(tokens, chunk):
+    """chunk_scanned (the exported graphs' form: each chunk's (I - L)^-1 as a product of squarings, a scan over chunks)
+    == _recurrent (transformers' token-by-token rule) within float32 rounding: outputs and the final state, from a
+    non-zero state, rows whose padding (g = beta = 0) starts anywhere, passes shorter than, equal to and across chunks;
+    the state-only form (q None: the replay's) gives the same state."""
+    import torch.nn.functional as F
+
+    from trtllm_dflash.models.linear_attention import _recurrent, chunk_scanned
+
+    g = torch.Generator().manual_seed(tokens)
+    B, H, dk, dv = 3, 2, 32, 24
+    q = F.normalize(torch.randn(B, tokens, H, dk, generator=g), dim=-1)
+    # keys close to each other: a chunk's tokens then depend on each other strongly (L's high powers are not small)
+    k = F.normalize(torch.randn(B, 1, H, dk, generator=g) + 0.3 * torch.randn(B, tokens, H, dk, generator=g), dim=-1)
+    v, state = torch.randn(B, tokens, H, dv, generator=g), torch.randn(B, H, dk, dv, generator=g)
+    real = (torch.arange(tokens)[None] < torch.tensor([tokens, max(tokens // 2, 1), 1])[:, None])[..., None]
+    decay = -0.1 * torch.rand(B, tokens, H, generator=g) * real
+    beta = (0.5 + 0.5 * torch.rand(B, tokens, H, generator=g)) * real
+    want_out, want_state = _recurrent(q, k, v, decay, beta, state)
+    out, final = chunk_scanned(q, k, v, decay, beta, state, chunk)
+    torch.testing.assert_close(out, want_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(final, want_state, atol=2e-6, rtol=0)
+    torch.testing.assert_close(chunk_scanned(None, k, v, decay, beta, state, chunk)[1], want_state, atol=2e-6, rtol=0)
+
+
 @pytest.mark.slow
 def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, engine, tmp_path):
     """backend onnxruntime: target_step carries each Gated DeltaNet layer's conv and state in place (an ONNX Scan over

@@ -178,7 +178,8 @@ from trtllm_dflash.compile.onnx_ops import (
 )
 from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, RING_PASS_KEY
 from trtllm_dflash.models.drafter import DFlashDrafter
-from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates, scanned
+from trtllm_dflash.models.linear_attention import (READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates,
+                                                  chunk_scanned)
 from trtllm_dflash.models.moe import Experts, experts_as_one_op
 from trtllm_dflash.models.quantized import ActivationQuant, QuantizedInput
 from trtllm_dflash.quantize.experts import EXPERT_WEIGHTS, read_quantized_experts
@@ -249,8 +250,9 @@ class RecurrentTargetStep(TargetStep):
 class TargetReplay(nn.Module):
     """target_replay.onnx (targets with Gated DeltaNet layers), run before a target_step whose rows keep tokens of
     their last pass: each layer's state advanced over the first `kept` tokens of the row's last pass (its delta_*),
-    the replay RecurrentStates.read makes, as one Scan over `steps` (0 .. n - 1, n the most tokens any row keeps;
-    the other rows' extra steps have g = beta = 0, which leave a state exactly as it was). The state is written
+    the replay RecurrentStates.read makes, over `steps` (0 .. n - 1, n the most tokens any row keeps; the other rows'
+    extra steps have g = beta = 0, which leave a state exactly as it was) in chunks (`chunk_scanned`: one Scan step
+    for a replay of up to 16 tokens). The state is written
     in place (present_state_i bound to past_state_i's memory: it is computed from every read of it)."""
 
     def forward(self, kept, steps, past: list[torch.Tensor]):
@@ -260,7 +262,7 @@ class TargetReplay(nn.Module):
             state, *deltas = past[i:i + len(REPLAY_KINDS)]
             # (the first n positions by index: a slice :n would make the export assume n != depth)
             k, v, g, beta = (x.index_select(1, steps) for x in deltas)
-            states.append(scanned(None, k, v, g * keep, beta * keep, state)[1])
+            states.append(chunk_scanned(None, k, v, g * keep, beta * keep, state)[1])
         return tuple(states)
 
 

@@ -82,7 +82,7 @@ import onnx_ir as ir
 from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
-from trtllm_dflash.models.linear_attention import READ_KINDS, RecurrentPass, scanned
+from trtllm_dflash.models.linear_attention import READ_KINDS, RecurrentPass, chunk_scanned
 from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
 from trtllm_dflash.quantize.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
 from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
@@ -495,10 +495,10 @@ class GraphRecurrentStates:
         return before * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
 
     def recur(self, step: RecurrentPass, q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """RecurrentStates.recur as one Scan over the tokens, prompts too (`scanned`: token by token where the torch
-        executor runs a prompt in chunks, so a prompt's values may differ from the torch executor's in the last
-        bits)."""
-        out, final = scanned(q, k, v, g, beta, state)
+        """RecurrentStates.recur as one Scan over the pass's chunks of 16 tokens, prompts and verify blocks alike
+        (`chunk_scanned`: where the torch executor runs a verify block token by token and a prompt in chunks of 64
+        solved row by row, so the values may differ from the torch executor's in the last bits)."""
+        out, final = chunk_scanned(q, k, v, g, beta, state)
         return out, torch.where(step.keep_all, state, final)
 
     def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,

@@ -43,6 +43,9 @@ READ_KINDS = STATE_KINDS[:2]  # what a pass reads (it writes all six)
 REPLAY_KINDS = STATE_KINDS[1:]  # what the replay before a pass reads (it writes the state)
 # Prompt passes run the gated delta rule in chunks of this many tokens (transformers' torch_chunk_gated_delta_rule).
 CHUNK = 64
+# The exported graphs run every pass in chunks of this many tokens (`chunk_scanned`): a verify block of up to 16 tokens
+# is one chunk (chunks of 64, and token by token, measured slower in onnxruntime: docs/models.md §Recurrent state)
+GRAPH_CHUNK = 16
 
 
 def linear_heads(spec: DecoderSpec, tp_size: int) -> tuple[int, int]:
@@ -257,23 +260,79 @@ def _recurrent(q, k, v, g, beta, state):
     return (None if q is None else torch.stack(outs, dim=1)), state
 
 
-def scanned(q, k, v, g, beta, state):
-    """`_recurrent` as one torch scan over the tokens (its exported graphs: one ONNX Scan, T dynamic): the same
-    operations per token, so the same values."""
+def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):
+    rounds = (chunk - 1).bit_length()
+    """The gated delta rule in chunks of `chunk` tokens (a power of 2) as the exported graphs run it: `_recurrent`'s
+    values within float32 rounding (q None: the final state only). Within a chunk, what makes its tokens depend on
+    each other is the unit lower triangular (I - L)^-1 that transformers' chunked form solves row by row in chunk - 1
+    steps; here it is inverted by blocks (`_unit_lower_inverse`: log2(chunk) rounds of two matrix products over every
+    chunk at once). Then one torch scan over the chunks carries the state (its exported graphs: one ONNX Scan of
+    T / chunk steps, where `_recurrent`'s form is one of T steps).
+
+    The number of chunks is read from the data (an unbacked size: the export assumes nothing about it, where
+    ceil(T / chunk) on T's symbol made it guard on values it cannot prove). Tokens with g = beta = 0 (padding past a
+    row's valid tokens, and the zeros padding T to whole chunks) leave the state and every other token's output
+    exactly as they are, as in `_recurrent`. Why chunks of 16 (GRAPH_CHUNK), measured: docs/models.md §Recurrent state."""
+    k, v, g, beta = (x.float().transpose(1, 2) for x in (k, v, g, beta))  # [B, H, T, ...]
+    b, h, t, dk = k.shape
+    tokens = k.new_ones(t, dtype=torch.long).sum()
+    chunk = int(tokens.clamp(max=chunk).item())  # a pass shorter than a chunk is one chunk of its own length
+    n = int(((tokens + (chunk - 1)) // chunk).item())
+    torch._check(chunk > 0)
+    torch._check(n > 0)
+    torch._check(n * chunk >= t)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, ...] -> [B, H, n, chunk, ...], zeros past T
+        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, n * chunk - t))
+        return x.reshape(b, h, n, chunk, *x.shape[3:])
+
+    k, v, g, beta = chunks(k), chunks(v), chunks(g).cumsum(dim=-1), chunks(beta)  # g: decay from the chunk's start
+    k_beta = k * beta[..., None]
+    i = torch.arange(chunk, device=k.device)
+    decay = torch.where(i[:, None] >= i[None, :], g[..., :, None] - g[..., None, :], float("-inf")).exp()
+    strict = torch.where(i[:, None] > i[None, :], -(k_beta @ k.transpose(-1, -2)) * decay, 0.0)  # L
+    solve = _unit_lower_inverse(strict, rounds)
+    v = solve @ (v * beta[..., None])  # each token's write, the chunk's earlier writes removed
+    k_cumdecay = solve @ (k_beta * g.exp()[..., None])  # what of the state at the chunk's start each write removes
+    k_decayed = k * (g[..., -1:] - g).exp()[..., None]  # each key's decay to the chunk's end
+    chunk_decay = g[..., -1].exp()
+    xs = [v, k_cumdecay, k_decayed, chunk_decay]
+    if q is not None:
+        q = chunks(q.float().transpose(1, 2)) * dk**-0.5
+        xs += [q @ k.transpose(-1, -2) * decay, q * g.exp()[..., None]]
+
+    def step(s, xs):
+        v_i, k_cumdecay_i, k_decayed_i, decay_i, *outputs = xs
+        written = v_i - k_cumdecay_i @ s
+        new = s * decay_i[..., None, None] + k_decayed_i.transpose(-1, -2) @ written
+        if not outputs:
+            return new, []
+        inner_i, q_decayed_i = outputs
+        return new, q_decayed_i @ s + inner_i @ written
+
     from torch._higher_order_ops.scan import scan
 
-    k, v, g, beta = (x.float() for x in (k, v, g, beta))
+    final, outs = scan(step, state, xs, dim=2)
     if q is None:
-        final, _ = scan(lambda s, xs: (delta_step(s, *xs), []), state, (k, v, g, beta), dim=1)
         return None, final
+    out = outs.reshape(b, h, n * chunk, outs.shape[-1])[:, :, :t]
+    return out.transpose(1, 2), final
 
-    def token(s, xs):
-        q_i, *rest = xs
-        s = delta_step(s, *rest)
-        return s, (s * q_i[..., :, None]).sum(dim=-2)
 
-    final, outs = scan(token, state, (q.float() * q.shape[-1] ** -0.5, k, v, g, beta), dim=1)
-    return outs, final  # (outs stacked on the scanned axis: [B, T, H, dv])
+def _unit_lower_inverse(lower: torch.Tensor, rounds: int) -> torch.Tensor:
+    """(I - L)^-1 for L [..., C, C] strictly lower triangular, C a power of 2, by blocks: the inverse of each diagonal
+    block of size s known (1 x 1 blocks: 1), a block of 2s [[A, 0], [-L21, D]] has the inverse [[A^-1, 0],
+    [D^-1 L21 A^-1, D^-1]]: with X the block-diagonal of the known inverses, X + X (L21's entries only) X, for every
+    block of every chunk at once. Stable as the substitution transformers runs (errors of float32 rounding where the
+    Neumann product (I + L)(I + L^2)(I + L^4)... reached 1e+8 at 64 tokens of nearly parallel keys)."""
+    c = lower.shape[-1]
+    i = torch.arange(c, device=lower.device)
+    inverse = torch.eye(c, device=lower.device, dtype=lower.dtype)
+    for size in (2**r for r in range(rounds)):
+        same_pair = i[:, None] // (2 * size) == i[None, :] // (2 * size)  # (row, column) in the same block of 2s
+        second, first = i[:, None] // size % 2 == 1, i[None, :] // size % 2 == 0  # its lower-left quarter
+        inverse = inverse + inverse @ torch.where(same_pair & second & first, lower, 0.0) @ inverse
+    return inverse
 
 
 def _chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
