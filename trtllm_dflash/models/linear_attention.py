@@ -14,8 +14,9 @@ the tokens before its own start (start - kept_from of them: the anchor and the a
 the device, without telling anyone what was accepted. A longer pass (a prompt) keeps the state after each row's last
 real token (`valid`: padding columns of a batched prefill have g = 0 and beta = 0, which leave S exactly as it was).
 A request's first pass (start 0) starts from zeros, so a slot needs no clearing when it is reused.
-The onnxruntime graphs run the same scheme: the replay as a graph of its own before the pass, the recurrence as one ONNX
-Scan (`scanned`; compile/onnx_export.py RecurrentTargetStep and TargetReplay, onnx_ops.GraphRecurrentStates).
+The onnxruntime graphs run the same scheme: the replay as a graph of its own before the pass, the recurrence in chunks of
+16 tokens, one ONNX Scan step per chunk (`chunk_scanned`; compile/onnx_export.py RecurrentTargetStep and TargetReplay,
+onnx_ops.GraphRecurrentStates).
 
 Replay, not per-token snapshots (the state after every token of the block kept, the next pass picking one):
 benchmarks/recurrent_rollback.py measured both at Qwen3.5-27B's per-rank shape. A snapshot per token costs (block + 1)
