@@ -7,12 +7,13 @@
    share on 2 ranks (24 value heads, key and value heads of 128): token by token, chunks of 16 (what the graphs run)
    and chunks of 64 (transformers' prefill chunk), at batch 1 and 8 over 1 token (a plain step), 16 (a verify
    block) and 512 / 2048 (prompts); medians of --rounds runs in alternating order; each form's largest error
-   against `_recurrent` (transformers' token-by-token rule in eager torch).
+   against `_recurrent` (transformers' token-by-token rule in eager torch). For passes of up to 16 tokens also the
+   two forms in eager torch, where the torch executor runs a verify block token by token (why it does).
 2. With --before CHECKOUT (`git worktree add /tmp/before <commit>`): a random Qwen3.5 pair at the demo's width (8
    layers, hidden 256, untrained drafter: DFlash accepts about nothing, so its steps measure verify passes) built
    with `backend: onnxruntime` by each checkout, then run in fresh processes (each checkout first on sys.path), in
-   rounds of alternating order: one 512-token prompt's prefill, and 8 held-out prompts x 64 new tokens at batch 1
-   (AR and DFlash, greedy, tokens compared across the checkouts).
+   rounds of alternating order, with the onnxruntime executor: one 512-token prompt's prefill, and 8 held-out
+   prompts x 64 new tokens at batch 1 (AR and DFlash, greedy, tokens compared across the checkouts).
 
 Writes benchmarks/results/recurrent_forms.json and prints markdown tables.
 """
@@ -38,6 +39,7 @@ HEADS, KEY_DIM, VALUE_DIM = 24, 128, 128
 CASES = [(1, 1), (8, 1), (1, 16), (8, 16), (1, 512), (1, 2048)]
 FORMS = {"token by token": 0, "chunks of 16": 16, "chunks of 64": 64}
 
+
 BUILD = r'''
 import sys
 from pathlib import Path
@@ -55,12 +57,11 @@ from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 
 engine_dir, prompts_path = sys.argv[1:3]
+out = {}
 engine = Engine.load(Path(engine_dir), backend="onnxruntime", threads=1)
-vocab = engine.executor.vocab_size
-long_prompt = torch.randint(4, vocab, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+long_prompt = torch.randint(4, engine.executor.vocab_size, (512,), generator=torch.Generator().manual_seed(0))
 prompts = [json.loads(line)["prompt"] for line in open(prompts_path) if line.strip()][:8]
 requests = [Request(i, engine.tokenizer(p)["input_ids"], 64) for i, p in enumerate(prompts)]
-out = {}
 for mode in ("ar", "dflash"):
     decoder = engine.decoder(mode)
     for _ in decoder.generate(requests[:1]):  # warm-up
@@ -70,11 +71,9 @@ for mode in ("ar", "dflash"):
     wall = time.perf_counter() - t
     tokens = {r.request.id: r.output_token_ids for r in results}
     out[mode] = {"tokens_per_s": sum(map(len, tokens.values())) / wall, "tokens": tokens}
-decoder = engine.decoder("ar")
 t = time.perf_counter()
-first = next(iter(decoder.generate([Request(99, long_prompt, 1)])))
-out["prefill_512_ms"] = 1e3 * (time.perf_counter() - t)
-out["prefill_token"] = first.output_token_ids
+first = next(iter(engine.decoder("ar").generate([Request(99, long_prompt.tolist(), 1)])))
+out["prefill"] = {"ms": 1e3 * (time.perf_counter() - t), "tokens": first.output_token_ids}
 print(json.dumps(out))
 '''
 
@@ -117,9 +116,11 @@ def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
 
 
 def forms(rounds: int, tmp: Path) -> list[dict]:
+    """Each case's medians (ms) and largest error against `_recurrent`, per form: the exported graphs in onnxruntime,
+    and for passes of up to 16 tokens the same two forms in eager torch (the torch executor's choice)."""
     import onnxruntime as ort
 
-    from trtllm_dflash.models.linear_attention import _recurrent
+    from trtllm_dflash.models.linear_attention import _recurrent, chunk_scanned
 
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)
     dynamic = ({0: batch, 1: seq},) * 5 + ({0: batch},)
@@ -137,20 +138,22 @@ def forms(rounds: int, tmp: Path) -> list[dict]:
     for batch_size, tokens in CASES:
         x = inputs(batch_size, tokens)
         feeds = dict(zip(names, (t.numpy() for t in x)))
-        want = [t.numpy() for t in _recurrent(*x)]
-        errors = {form: max(float(abs(got - w).max()) for got, w in zip(s.run(None, feeds), want))
-                  for form, s in sessions.items()}
-        times: dict[str, list[float]] = {form: [] for form in sessions}
+        runs = {form: (lambda s=s: [torch.from_numpy(o) for o in s.run(None, feeds)]) for form, s in sessions.items()}
+        if tokens <= 16:  # (a prompt in the torch executor: transformers' chunks of 64)
+            runs |= {"eager token by token": lambda: _recurrent(*x), "eager chunks of 16": lambda: chunk_scanned(*x)}
+        want = _recurrent(*x)
+        errors = {form: max(float((got - w).abs().max()) for got, w in zip(run(), want)) for form, run in runs.items()}
+        times: dict[str, list[float]] = {form: [] for form in runs}
         for r in range(rounds):
-            for form in (list(sessions) if r % 2 == 0 else list(sessions)[::-1]):
+            for form in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
                 t = time.perf_counter()
-                sessions[form].run(None, feeds)
+                runs[form]()
                 times[form].append(1e3 * (time.perf_counter() - t))
         row = {"batch": batch_size, "tokens": tokens, "load_before": os.getloadavg()[0]}
-        for form in sessions:
+        for form in runs:
             row[form] = {"ms": round(statistics.median(times[form]), 3), "max_error": errors[form]}
         rows.append(row)
-        print(f"batch {batch_size}, {tokens} tokens: " + ", ".join(f"{f} {row[f]['ms']:.2f} ms" for f in sessions),
+        print(f"batch {batch_size}, {tokens} tokens: " + ", ".join(f"{f} {row[f]['ms']:.2f} ms" for f in runs),
               file=sys.stderr, flush=True)
     return rows
 
@@ -174,19 +177,19 @@ def engines(before: Path, rounds: int, tmp: Path) -> dict:
             if out.returncode != 0:
                 raise RuntimeError(f"{side}: {out.stderr.strip().splitlines()[-3:]}")
             samples[side].append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_before": load})
-            print(f"round {r + 1} {side}: prefill {samples[side][-1]['prefill_512_ms']:.0f} ms", file=sys.stderr,
-                  flush=True)
+            print(f"round {r + 1} {side}: prefill {samples[side][-1]['prefill']['ms']:.0f} ms",
+                  file=sys.stderr, flush=True)
+    cells = [k for k in samples["after"][0] if k != "load_before"]
     first = samples["after"][0]
-    same = all(s[m]["tokens"] == first[m]["tokens"] and s["prefill_token"] == first["prefill_token"]
-               for side in sides for s in samples[side] for m in ("ar", "dflash"))
+    same = {cell: all(s[cell]["tokens"] == first[cell]["tokens"] for side in sides for s in samples[side])
+            for cell in cells}
     rev = subprocess.run(["git", "-C", str(before), "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     report = {"before": rev, "identical_tokens": same}
     for side in sides:
-        report[side] = {"prefill_512_ms": round(statistics.median(s["prefill_512_ms"] for s in samples[side]), 1),
-                        **{f"{m}_tokens_per_s": round(statistics.median(s[m]["tokens_per_s"] for s in samples[side]),
-                                                      1) for m in ("ar", "dflash")},
-                        "load_before": [s["load_before"] for s in samples[side]]}
+        report[side] = {cell: round(statistics.median(s[cell]["ms" if "prefill" in cell else "tokens_per_s"]
+                                                      for s in samples[side]), 1) for cell in cells}
+        report[side]["load_before"] = [s["load_before"] for s in samples[side]]
     return report
 
 
@@ -214,13 +217,18 @@ def main() -> None:
         ratio = row["token by token"]["ms"] / row["chunks of 16"]["ms"]
         print(f"| {row['batch']} | {row['tokens']} | " + " | ".join(f"{row[f]['ms']:.2f}" for f in FORMS) +
               f" | {ratio:.2f}x |")
+    print("\n| batch | tokens | eager torch, token by token ms | eager torch, chunks of 16 ms | token / chunks |\n|---|---|---|---|---|")
+    for row in report["forms"]:
+        if "eager chunks of 16" in row:
+            before, after = row["eager token by token"]["ms"], row["eager chunks of 16"]["ms"]
+            print(f"| {row['batch']} | {row['tokens']} | {before:.2f} | {after:.2f} | {before / after:.2f}x |")
     if "engines" in report:
         e = report["engines"]
-        print("\n| checkout | 512-token prefill ms | AR tok/s | DFlash tok/s |\n|---|---|---|---|")
-        for side in ("before", "after"):
-            print(f"| {side} | {e[side]['prefill_512_ms']} | {e[side]['ar_tokens_per_s']} | "
-                  f"{e[side]['dflash_tokens_per_s']} |")
-        print(f"\ntokens identical across checkouts: {e['identical_tokens']}")
+        print("\n| onnxruntime | measure | before | after | after / before | tokens identical |\n|---|---|---|---|---|---|")
+        for cell, same in e["identical_tokens"].items():
+            unit = "ms (512-token prefill)" if "prefill" in cell else "tok/s"
+            before, after = e["before"][cell], e["after"][cell]
+            print(f"| {cell} | {unit} | {before} | {after} | {after / before:.2f}x | {same} |")
 
 
 if __name__ == "__main__":

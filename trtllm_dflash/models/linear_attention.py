@@ -170,7 +170,9 @@ class RecurrentStates:
               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gated delta rule over the pass from `state`: its outputs [B, T, H, dv] fp32 and the state to keep, the
         one it started from (keep_all: the next pass replays what it keeps from there) or the one after it (a prompt,
-        in chunks as transformers runs a prefill)."""
+        in chunks as transformers runs a prefill). A verify block runs token by token here: in eager torch the
+        graphs' chunks (chunk_scanned) made the demo-width Qwen3.5 pair's decoding slower (benchmarks/recurrent_forms.py).
+        """
         if step.keep_all:
             return _recurrent(q, k, v, g, beta, state)[0], state
         return _chunked(q, k, v, g, beta, state)
@@ -297,23 +299,27 @@ def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):
     k_cumdecay = solve @ (k_beta * g.exp()[..., None])  # what of the state at the chunk's start each write removes
     k_decayed = k * (g[..., -1:] - g).exp()[..., None]  # each key's decay to the chunk's end
     chunk_decay = g[..., -1].exp()
-    xs = [v, k_cumdecay, k_decayed, chunk_decay]
+    readers, xs = k_cumdecay, [v, k_decayed, chunk_decay]
     if q is not None:
         q = chunks(q.float().transpose(1, 2)) * dk**-0.5
-        xs += [q @ k.transpose(-1, -2) * decay, q * g.exp()[..., None]]
+        # what each query reads of the state at the chunk's start, beside what each write removes: one product
+        readers = torch.cat([k_cumdecay, q * g.exp()[..., None]], dim=-2)  # [B, H, n, 2 chunk, dk]
+        xs.append(q @ k.transpose(-1, -2) * decay)
 
     def step(s, xs):
-        v_i, k_cumdecay_i, k_decayed_i, decay_i, *outputs = xs
-        written = v_i - k_cumdecay_i @ s
+        readers_i, v_i, k_decayed_i, decay_i, *inner = xs
+        read = readers_i @ s  # (the state read once)
+        if not inner:
+            written = v_i - read
+            return s * decay_i[..., None, None] + k_decayed_i.transpose(-1, -2) @ written, []
+        read = read.unflatten(-2, (2, -1))  # (no slice by the chunk's length: a size the scan's body cannot take)
+        written = v_i - read[..., 0, :, :]
         new = s * decay_i[..., None, None] + k_decayed_i.transpose(-1, -2) @ written
-        if not outputs:
-            return new, []
-        inner_i, q_decayed_i = outputs
-        return new, q_decayed_i @ s + inner_i @ written
+        return new, read[..., 1, :, :] + inner[0] @ written
 
     from torch._higher_order_ops.scan import scan
 
-    final, outs = scan(step, state, xs, dim=2)
+    final, outs = scan(step, state, [readers, *xs], dim=2)
     if q is None:
         return None, final
     out = outs.reshape(b, h, n * chunk, outs.shape[-1])[:, :, :t]
