@@ -217,14 +217,16 @@ def main() -> None:
         ratio = row["token by token"]["ms"] / row["chunks of 16"]["ms"]
         print(f"| {row['batch']} | {row['tokens']} | " + " | ".join(f"{row[f]['ms']:.2f}" for f in FORMS) +
               f" | {ratio:.2f}x |")
-    print("\n| batch | tokens | eager torch, token by token ms | eager torch, chunks of 16 ms | token / chunks |\n|---|---|---|---|---|")
+    print("\n| batch | tokens | eager torch, token by token ms | eager torch, chunks of 16 ms | token / chunks |")
+    print("|---|---|---|---|---|")
     for row in report["forms"]:
         if "eager chunks of 16" in row:
             before, after = row["eager token by token"]["ms"], row["eager chunks of 16"]["ms"]
             print(f"| {row['batch']} | {row['tokens']} | {before:.2f} | {after:.2f} | {before / after:.2f}x |")
     if "engines" in report:
         e = report["engines"]
-        print("\n| onnxruntime | measure | before | after | after / before | tokens identical |\n|---|---|---|---|---|---|")
+        print("\n| onnxruntime | measure | before | after | after / before | tokens identical |")
+        print("|---|---|---|---|---|---|")
         for cell, same in e["identical_tokens"].items():
             unit = "ms (512-token prefill)" if "prefill" in cell else "tok/s"
             before, after = e["before"][cell], e["after"][cell]

@@ -275,10 +275,10 @@ def test_the_graphs_chunked_delta_rule_gives_the_token_by_token_rule(tokens, chu
 @pytest.mark.slow
 def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, engine, tmp_path):
     """backend onnxruntime: target_step carries each Gated DeltaNet layer's conv and state in place (an ONNX Scan over
-    the pass's chunks of 16 tokens) and target_replay resumes them at the next pass's start; the onnxruntime executor's tokens
-    equal the torch executor's: drafts right for 0 .. k - 1 positions then wrong (blocks of 8 and 3: every accepted
-    length, so every replay length), the drafter's own drafts (same acceptance lengths), a 70-token prompt (longer
-    than the verify block, five chunks: the state after it kept), greedy and sampled, dflash and ar; the MoE target's experts one
+    the pass's chunks of 16 tokens) and target_replay resumes them at the next pass's start; the onnxruntime
+    executor's tokens equal the torch executor's: drafts right for 0 .. k - 1 positions then wrong (blocks of 8 and
+    3: every accepted length, so every replay length), the drafter's own drafts (same acceptance lengths), a 70-token
+    prompt (five chunks: the state after it kept), greedy and sampled, dflash and ar; the MoE target's experts one
     node per layer."""
     import onnx
 

@@ -14,9 +14,9 @@ the tokens before its own start (start - kept_from of them: the anchor and the a
 the device, without telling anyone what was accepted. A longer pass (a prompt) keeps the state after each row's last
 real token (`valid`: padding columns of a batched prefill have g = 0 and beta = 0, which leave S exactly as it was).
 A request's first pass (start 0) starts from zeros, so a slot needs no clearing when it is reused.
-The onnxruntime graphs run the same scheme: the replay as a graph of its own before the pass, the recurrence in chunks of
-16 tokens, one ONNX Scan step per chunk (`chunk_scanned`; compile/onnx_export.py RecurrentTargetStep and TargetReplay,
-onnx_ops.GraphRecurrentStates).
+The onnxruntime graphs run the same scheme: the replay as a graph of its own before the pass, the recurrence in chunks
+of 16 tokens, one ONNX Scan step per chunk (`chunk_scanned`; compile/onnx_export.py RecurrentTargetStep and
+TargetReplay, onnx_ops.GraphRecurrentStates).
 
 Replay, not per-token snapshots (the state after every token of the block kept, the next pass picking one):
 benchmarks/recurrent_rollback.py measured both at Qwen3.5-27B's per-rank shape. A snapshot per token costs (block + 1)
@@ -171,8 +171,7 @@ class RecurrentStates:
         """The gated delta rule over the pass from `state`: its outputs [B, T, H, dv] fp32 and the state to keep, the
         one it started from (keep_all: the next pass replays what it keeps from there) or the one after it (a prompt,
         in chunks as transformers runs a prefill). A verify block runs token by token here: in eager torch the
-        graphs' chunks (chunk_scanned) made the demo-width Qwen3.5 pair's decoding slower (benchmarks/recurrent_forms.py).
-        """
+        graphs' chunks (chunk_scanned) made a demo-width Qwen3.5 pair's decoding slower (docs/models.md)."""
         if step.keep_all:
             return _recurrent(q, k, v, g, beta, state)[0], state
         return _chunked(q, k, v, g, beta, state)
@@ -264,7 +263,6 @@ def _recurrent(q, k, v, g, beta, state):
 
 
 def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):
-    rounds = (chunk - 1).bit_length()
     """The gated delta rule in chunks of `chunk` tokens (a power of 2) as the exported graphs run it: `_recurrent`'s
     values within float32 rounding (q None: the final state only). Within a chunk, what makes its tokens depend on
     each other is the unit lower triangular (I - L)^-1 that transformers' chunked form solves row by row in chunk - 1
@@ -275,7 +273,9 @@ def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):
     The number of chunks is read from the data (an unbacked size: the export assumes nothing about it, where
     ceil(T / chunk) on T's symbol made it guard on values it cannot prove). Tokens with g = beta = 0 (padding past a
     row's valid tokens, and the zeros padding T to whole chunks) leave the state and every other token's output
-    exactly as they are, as in `_recurrent`. Why chunks of 16 (GRAPH_CHUNK), measured: docs/models.md §Recurrent state."""
+    exactly as they are, as in `_recurrent`. Why chunks of 16 (GRAPH_CHUNK), measured: docs/models.md §Recurrent
+    state."""
+    rounds = (chunk - 1).bit_length()  # (of _unit_lower_inverse: enough for a whole chunk)
     k, v, g, beta = (x.float().transpose(1, 2) for x in (k, v, g, beta))  # [B, H, T, ...]
     b, h, t, dk = k.shape
     tokens = k.new_ones(t, dtype=torch.long).sum()
@@ -327,7 +327,7 @@ def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):
 
 
 def _unit_lower_inverse(lower: torch.Tensor, rounds: int) -> torch.Tensor:
-    """(I - L)^-1 for L [..., C, C] strictly lower triangular, C a power of 2, by blocks: the inverse of each diagonal
+    """(I - L)^-1 for L [..., C, C] strictly lower triangular, C <= 2^rounds, by blocks: the inverse of each diagonal
     block of size s known (1 x 1 blocks: 1), a block of 2s [[A, 0], [-L21, D]] has the inverse [[A^-1, 0],
     [D^-1 L21 A^-1, D^-1]]: with X the block-diagonal of the known inverses, X + X (L21's entries only) X, for every
     block of every chunk at once. Stable as the substitution transformers runs (errors of float32 rounding where the
