@@ -1,6 +1,7 @@
 """Prefix reuse on a shared-prefix workload (issue 29): TTFT and total time with and without it, side by side.
 
     python benchmarks/prefix_reuse.py --engine /tmp/kv/demo --prefix-tokens 1536 --rounds 3
+    python benchmarks/prefix_reuse.py --engine /tmp/kv/demo --prefix-tokens 1968 --rounds 3 --burst
 
 The workload: one long system prompt (--prefix-tokens tokens of held-out code, the demo tokenizer's) followed by a
 short user turn (a held-out prompt's first 32 tokens), --num-requests requests submitted one after another at
@@ -12,6 +13,11 @@ others prefill only their own turn; without (--no-prefix-cache) every request pr
 per run (no blocks cached from an earlier run), the two alternating by round, medians. Reported: TTFT of the first
 request and the median of the rest, total time, and whether the tokens are the same. Results:
 benchmarks/results/prefix_reuse.json (torch), prefix_reuse_onnxruntime.json.
+
+`--burst`: the requests submitted together (a batch job over prompts with one system prompt), up to the engine's
+max_batch_size at once. With reuse the first prefills the prefix and the others, admitted in the same step's second
+wave, only their turns; without, every request prefills everything (as reuse did in a burst before 2026-12-05, when
+requests admitted in one step could not see each other's blocks). Results: prefix_reuse_burst[_onnxruntime].json.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse: bool, backend: str) -> dict:
+def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse: bool, backend: str,
+        burst: bool = False) -> dict:
     if backend == "torch":
         ex = engine.executor
         executor = TorchExecutor(ex.target, ex.drafter, engine.config.max_batch_size, engine.config.max_seq_len,
@@ -46,7 +53,10 @@ def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse:
         prefix = executor.prefix_rows
     decoder = Decoder(executor, FixedBlock(executor.block_size), engine.config.eos_token_ids)
     start = time.perf_counter()
-    results = [r for q in requests for r in decoder.generate([q])]
+    if burst:
+        results = sorted(decoder.generate(requests), key=lambda r: r.request.id)
+    else:
+        results = [r for q in requests for r in decoder.generate([q])]
     return {"seconds": time.perf_counter() - start, "ttft_ms": [round(r.ttft_s * 1e3, 2) for r in results],
             "outputs": [r.output_token_ids for r in results],
             "prefix_hit_rate": prefix.prefix_blocks_hit / max(1, prefix.prefix_blocks_looked_up) if prefix else 0.0}
@@ -61,9 +71,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
+    ap.add_argument("--burst", action="store_true", help="submit the requests together, not one after another")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
-    suffix = "" if args.backend == "torch" else f"_{args.backend}"
+    suffix = ("_burst" if args.burst else "") + ("" if args.backend == "torch" else f"_{args.backend}")
     args.output = args.output or ROOT / "benchmarks" / "results" / f"prefix_reuse{suffix}.json"
     engine = Engine.load(args.engine, backend="torch", threads=1)
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
@@ -77,12 +88,13 @@ def main() -> None:
     budget = parse_size(args.kv_cache_memory)
     load_before = load()
     print(f"{len(requests)} requests: a {len(system)}-token shared prefix + 32-token turns, {args.max_new_tokens} new "
-          f"tokens each, concurrency 1; load before: {load_before}", flush=True)
-    run(engine, args.engine, requests[:2], budget, True, args.backend)  # warm-up
+          f"tokens each, {'submitted together' if args.burst else 'concurrency 1'}; load before: {load_before}",
+          flush=True)
+    run(engine, args.engine, requests[:2], budget, True, args.backend, args.burst)  # warm-up
     runs: dict[str, list[dict]] = {"reuse": [], "no reuse": []}
     for r in range(args.rounds):
         for name in (("reuse", "no reuse") if r % 2 == 0 else ("no reuse", "reuse")):
-            runs[name].append(run(engine, args.engine, requests, budget, name == "reuse", args.backend))
+            runs[name].append(run(engine, args.engine, requests, budget, name == "reuse", args.backend, args.burst))
             x = runs[name][-1]
             print(f"round {r + 1} {name}: {x['seconds']:.2f} s, TTFT first {x['ttft_ms'][0]} ms, rest median "
                   f"{statistics.median(x['ttft_ms'][1:])} ms", flush=True)
@@ -95,7 +107,7 @@ def main() -> None:
     kv_cache = args.kv_cache_memory if args.backend == "torch" else "static rows"
     report = {"engine": str(args.engine), "backend": args.backend, "prefix_tokens": len(system),
               "num_requests": len(requests), "max_new_tokens": args.max_new_tokens, "kv_cache_memory": kv_cache,
-              "rounds": args.rounds,
+              "rounds": args.rounds, "submitted": "together" if args.burst else "one after another",
               "threads": 1, "load_before": load_before, "load_after": load(), "results": table,
               "outputs_identical": same,
               "ttft_no_reuse_over_reuse": round(table["no reuse"]["ttft_rest_median_ms"]

@@ -118,10 +118,11 @@ def test_one_token_passes_attend_in_place(ort_engine, tmp_path):
 @pytest.mark.parametrize("executor", ["onnxruntime", "tensorrt"])
 def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort_engine, executor):
     """Static rows with prefix reuse (cache_rows.PrefixRows), the onnxruntime executor and the TensorRT executor's
-    bindings (onnxruntime standing in for TensorRT): a first request publishes its prompt's two full blocks (a shared
-    prefix of 40 tokens); three later ones with that prefix and tails of their own get them copied into their rows and
-    prefill only the rest (3 x 32 fewer prompt positions computed); tokens and acceptance lengths are those without
-    reuse, dflash and ar, greedy and sampled."""
+    bindings (onnxruntime standing in for TensorRT): four requests with a shared prefix of 40 tokens and tails of their
+    own, submitted together: the first prefills its prompt and publishes its two full blocks, and the other three,
+    admitted after it in the same step (a second wave), get them copied into their rows and prefill only the rest (3 x
+    32 fewer prompt positions computed); tokens and acceptance lengths are those without reuse, dflash and ar, greedy
+    and sampled."""
     from tests.tensorrt_standin import standin_executor
     from trtllm_dflash.runtime.decoding import Decoder
 
@@ -155,7 +156,7 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
             ex.target_forward = counted
             decoder = Decoder(ex, engine.decoder(mode).policy, engine.config.eos_token_ids)
             results[reuse] = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
-                              for wave in (reqs[:1], reqs[1:]) for r in decoder.generate(wave)}
+                              for r in decoder.generate(reqs)}
             assert (ex.prefix_rows is not None) == reuse
         assert results[True] == results[False], mode
         assert prefilled[False] - prefilled[True] == 3 * 32, (mode, prefilled)

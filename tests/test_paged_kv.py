@@ -207,6 +207,36 @@ def test_prefix_hits_skip_the_prefill_and_keep_the_tokens(qwen3_engine_dir, engi
     assert tables.prefix_blocks_hit == 5 * 6 and tables.free == tables.num_blocks
 
 
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_requests_admitted_together_share_their_prefix(qwen3_engine_dir, engines, mode):
+    """Requests of two system prompts arriving together, interleaved: the first of each prompt prefills it whole and
+    the others wait for the step's second wave, after those prefills have published its blocks, so each system prompt
+    is computed once; the tokens are the static cache's, greedy and sampled. --no-prefix-cache: one wave, every prompt
+    whole."""
+    g = torch.Generator().manual_seed(11)
+    systems = [torch.randint(3, 500, (100,), generator=g).tolist() for _ in range(2)]
+    reqs = [Request(i, systems[i % 2] + torch.randint(3, 500, (3 + i,), generator=g).tolist(), 12,
+                    temperature=0.8 if i % 3 == 1 else 0.0, seed=i) for i in range(6)]
+    expected = outputs(engines[0], mode, reqs)
+    for reuse in (True, False):
+        engine = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB", prefix_cache=reuse)
+        waves, forward = [], engine.executor.target_forward
+
+        def counted(token_ids, starts, slots, capture, last_index=None, rows=None):
+            if last_index is not None:  # a prefill: the positions each request computes
+                waves.append((last_index + 1).tolist())
+            return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
+
+        engine.executor.target_forward = counted
+        assert outputs(engine, mode, reqs) == expected, reuse
+        lengths = [len(r.prompt_token_ids) for r in reqs]
+        if reuse:  # the first two whole (one pass), then the rest of the others past their 6 cached blocks
+            assert waves == [lengths[:2], [n - 96 for n in lengths[2:]]], waves
+            assert engine.executor.kv_blocks.prefix_blocks_hit == 4 * 6
+        else:
+            assert waves == [lengths], waves
+
+
 def test_no_prefix_cache_and_eviction(qwen3_engine_dir, engines):
     """--no-prefix-cache shares nothing; under the smallest budget, published blocks nobody holds are taken back when
     new requests need them (the least recently released first), and the tokens stay the static cache's."""

@@ -309,6 +309,10 @@ class StaticRows:
                                     "; give more, or add --no-prefix-cache")
         self.prefix_rows = PrefixRows(caches, self._rows, blocks, window=window)
 
+    @property
+    def prefix_block_tokens(self) -> int | None:
+        return self.prefix_rows.block_tokens if self.prefix_rows is not None else None
+
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
         return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
 

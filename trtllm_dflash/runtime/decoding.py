@@ -200,7 +200,9 @@ class Decoder:
     prefill; on the CPU, one per group of similar prompt lengths), runs one decoding step (a draft +
     verify pass, or one plain token) for every running request and returns what each request committed.
     Finished requests free their slot in the same step, so the next step admits new ones. `generate` is the batch-job
-    loop over it.
+    loop over it. Where prompt blocks are shared by prefix, a request whose prompt starts with blocks that another
+    request admitted in the same step is computing is admitted after that one's prefill (a second wave of the step),
+    and finds them cached.
 
     KV memory (a paged cache, runtime/kv_blocks.py): requests are admitted in arrival order while the executor can
     hold their prompts (`reserve`), leaving a block per running request for it to grow into; before every step each
@@ -278,22 +280,10 @@ class Decoder:
     def step(self) -> list[Update]:
         updates = self._drop_cancelled()
         admitted = []
-        while self._pending and self._free:  # in arrival order: one waiting for KV memory holds back those after it
-            a = self._pending[0]
-            # a block left free per running request: its next step may need one
-            cached = self.executor.reserve(self._free[0], a.known, self._share,
-                                           headroom=len(self._active) + len(admitted))
-            if cached is None:
-                if not self._active and not admitted:  # nothing will ever free memory for it
-                    raise RuntimeError(f"request {shown(a.request.id)} does not fit in the KV cache even alone")
-                break
-            self._pending.popleft()
-            a.slot, a.cached = self._free.pop(0), cached
-            if a.acceptance is None:  # a preempted request keeps its own
-                a.acceptance = self.policy.new_request()
-            admitted.append(a)
+        while wave := self._admit(admitted):  # each wave's prefill publishes blocks the next one's prompts start with
+            self._prefill(wave)
+            admitted += wave
         if admitted:
-            self._prefill(admitted)
             self._active = sorted(self._active + admitted, key=lambda a: a.slot)
         running = self._make_room([a for a in self._active if a.finish_reason is None])
         if running:
@@ -304,6 +294,46 @@ class Decoder:
             if new or result:
                 updates.append(Update(a.request, new, result))
         return updates
+
+    def _admit(self, earlier: list[_Active]) -> list[_Active]:
+        """Take waiting requests into free slots in arrival order (one waiting for KV memory holds back those after
+        it), until one whose prompt starts with blocks that a request of this wave is about to compute: it waits for
+        the next wave, after this one's prefill has published them, so that a burst of requests with one system prompt
+        prefills it once (`earlier`: this step's earlier waves, already prefilled and published)."""
+        wave: list[_Active] = []
+        while self._pending and self._free:
+            a = self._pending[0]
+            if wave and self._would_find(a, wave):
+                break
+            # a block left free per running request: its next step may need one
+            cached = self.executor.reserve(self._free[0], a.known, self._share,
+                                           headroom=len(self._active) + len(earlier) + len(wave))
+            if cached is None:
+                if not self._active and not earlier and not wave:  # nothing will ever free memory for it
+                    raise RuntimeError(f"request {shown(a.request.id)} does not fit in the KV cache even alone")
+                break
+            self._pending.popleft()
+            a.slot, a.cached = self._free.pop(0), cached
+            if a.acceptance is None:  # a preempted request keeps its own
+                a.acceptance = self.policy.new_request()
+            wave.append(a)
+        return wave
+
+    def _would_find(self, a: _Active, wave: list[_Active]) -> bool:
+        """Whether `a`'s prompt starts with a full block that a request of `wave` computes (past what it found cached)
+        and publishes: the blocks reserve shares, those of every token but the last."""
+        block = self.executor.prefix_block_tokens if self._share is not None else None
+        if block is None:
+            return False
+        tokens = a.known[:-1]
+        for b in wave:
+            theirs, shared = b.known[:-1], 0
+            while shared + block <= min(len(tokens), len(theirs)) and \
+                    tokens[shared:shared + block] == theirs[shared:shared + block]:
+                shared += block
+            if shared > b.cached:
+                return True
+        return False
 
     def _make_room(self, running: list[_Active]) -> list[_Active]:
         """Give every running request the cache positions its next step can write, oldest first; where none are free,

@@ -113,6 +113,8 @@ class Executor(Protocol):
     vocab_size: int
     max_seq_len: int  # prompt + output tokens a slot holds
     block_size: int  # tokens per DFlash block at run time (1 without a drafter)
+    # positions per prompt block shared by prefix (`reserve`); None: the executor shares no prefix
+    prefix_block_tokens: int | None
 
     def target_forward(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
                        capture: bool, last_index: torch.Tensor | None = None, rows: HostRows | None = None
@@ -426,6 +428,10 @@ class TorchExecutor:
         if rows is None:
             return None, None
         return attended_keys(rows, None, tokens, cache.capacity), rows.slot_run()
+
+    @property
+    def prefix_block_tokens(self) -> int | None:
+        return BLOCK_TOKENS if self.kv_blocks is not None and self.prefix_cache else None
 
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
         """Paged: take the blocks of `tokens` and of the first step's writes past them (a verify block), if that many
