@@ -1,7 +1,7 @@
 """The gated delta rule in Qwen3.5's ONNX graphs: token by token (one Scan step per token, the graphs before
 2026-12-05) against chunks (models/linear_attention.chunk_scanned, one Scan step per chunk), side by side (issue 30).
 
-    python benchmarks/recurrent_forms.py [--rounds 5] [--before /tmp/before]
+    python benchmarks/recurrent_forms.py [--rounds 5] [--before /tmp/before] [--end-to-end-only --output F]
 
 1. The recurrence alone, exported from torch as the graphs export it, run by onnxruntime (1 thread) at Qwen3.5-27B's
    share on 2 ranks (24 value heads, key and value heads of 128): token by token, chunks of 16 (what the graphs run)
@@ -13,7 +13,9 @@
    layers, hidden 256, untrained drafter: DFlash accepts about nothing, so its steps measure verify passes) built
    with `backend: onnxruntime` by each checkout, then run in fresh processes (each checkout first on sys.path), in
    rounds of alternating order, with the onnxruntime executor: one 512-token prompt's prefill, and 8 held-out
-   prompts x 64 new tokens at batch 1 (AR and DFlash, greedy, tokens compared across the checkouts).
+   prompts x 64 new tokens at batch 1 (AR and DFlash, greedy, tokens compared across the checkouts). With
+   --end-to-end-only, this part alone (results/recurrent_one_token.json: before / after one-token passes left the
+   states after their token, 2026-12-05).
 
 Writes benchmarks/results/recurrent_forms.json and prints markdown tables.
 """
@@ -196,7 +198,8 @@ def engines(before: Path, rounds: int, tmp: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--before", type=Path, help="a checkout whose graphs scan token by token (end to end)")
+    p.add_argument("--before", type=Path, help="an earlier checkout, its engine run beside this one's (end to end)")
+    p.add_argument("--end-to-end-only", action="store_true", help="with --before: skip the recurrence alone")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "recurrent_forms.json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -205,7 +208,7 @@ def main() -> None:
               "loadavg_start": open("/proc/loadavg").read().strip(), "heads": HEADS, "key_dim": KEY_DIM,
               "value_dim": VALUE_DIM, "rounds": args.rounds}
     with tempfile.TemporaryDirectory() as tmp:
-        report["forms"] = forms(args.rounds, Path(tmp))
+        report["forms"] = [] if args.end_to_end_only else forms(args.rounds, Path(tmp))
         if args.before:
             report["engines"] = engines(args.before, args.rounds, Path(tmp))
     report["minutes"] = round((time.time() - started) / 60, 1)

@@ -189,6 +189,24 @@ def test_rejected_drafts_roll_the_recurrent_state_back(engine, hf):
     assert_dflash_equals_ar_equals_generate(engine, hf, requests(engine.executor.vocab_size))
 
 
+def test_one_token_passes_advance_the_state_or_keep_their_inputs_alike(engine):
+    """A plain step's one token is never dropped, so its pass leaves each Gated DeltaNet state after it (the next pass
+    replays nothing); keeping its inputs instead, as the graphs of engines built before 2026-12-05 do, gives the same
+    tokens, ar and dflash, greedy and sampled."""
+    states = engine.executor.target_states
+    assert states.one_token_advances
+    reqs = [replace(r, temperature=0.9 if r.id % 2 else 0.0, seed=r.id) for r in requests(engine.executor.vocab_size)]
+    tokens = {}
+    try:
+        for advances in (True, False):
+            states.one_token_advances = advances
+            tokens[advances] = {mode: {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
+                                for mode in ("ar", "dflash")}
+    finally:
+        states.one_token_advances = True
+    assert tokens[True] == tokens[False]
+
+
 def test_sampled_dflash_equals_ar(engine):
     reqs = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=11 + r.id)
             for r in requests(engine.executor.vocab_size)]
@@ -304,7 +322,11 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     reqs = [replace(r, max_new_tokens=40) for r in requests(ort.executor.vocab_size)]
     reqs.append(Request(5, torch.randint(4, ort.executor.vocab_size, (70,), generator=g).tolist(), 24))
     ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    replays, replay = [], ort.executor._sessions["target_replay.onnx"]
+    run_replay = replay.run_with_iobinding
+    replay.run_with_iobinding = lambda binding: (replays.append(1), run_replay(binding))
     assert {r.request.id: r.output_token_ids for r in ort.decoder("ar").generate(reqs)} == ar
+    assert not replays  # (a one-token pass leaves the states after its token: ONE_TOKEN_ADVANCES_KEY)
     greedy = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
     for k in (8, 3):
         scripted = ScriptedDrafts(ort.executor, greedy)
@@ -312,6 +334,7 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
                Decoder(scripted, ort.decoder("dflash", block_size=k).policy, ort.config.eos_token_ids).generate(reqs)}
         assert got == ar, k
         assert set(scripted.accepted) == set(range(k)), (k, sorted(set(scripted.accepted)))
+    assert replays  # (verify blocks keep their inputs: the next pass replays the accepted ones)
     own = [{r.request.id: (r.output_token_ids, r.acceptance_lengths) for r in e.decoder("dflash").generate(reqs)}
            for e in (ort, engine)]
     assert own[0] == own[1]

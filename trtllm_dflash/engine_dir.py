@@ -110,6 +110,10 @@ EXPERTS_OP_KEY = "experts_op"
 # ... target_step's sliding-window layers keep rings of (window + this) positions, and no pass may write more positions
 # per row than this (onnx_ops.GraphKVCache); absent: every layer keeps max_len positions
 RING_PASS_KEY = "window_ring_pass"
+# ... (Qwen3.5 targets) a one-token pass leaves each Gated DeltaNet layer's state after its token, so the next pass
+# replays nothing (linear_attention.RecurrentStates one_token_advances); absent (graphs exported before 2026-12-05):
+# it keeps the pass's inputs, as a verify block's
+ONE_TOKEN_ADVANCES_KEY = "recurrent_one_token_advances"
 
 
 def check_graph_inputs(graph: str, inputs: list[str], where: Path) -> None:

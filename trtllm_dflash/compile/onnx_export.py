@@ -176,7 +176,7 @@ from trtllm_dflash.compile.onnx_ops import (
     GraphKVCache,
     GraphRecurrentStates,
 )
-from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, RING_PASS_KEY
+from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.linear_attention import (READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates,
                                                   chunk_scanned)
@@ -638,6 +638,8 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
             model.metadata_props[EXPERTS_OP_KEY] = f"{MOE_DOMAIN}.{MOE_OP}"
     if ring_pass is not None:
         models[TARGET_STEP].metadata_props[RING_PASS_KEY] = str(ring_pass)
+    if target.spec.has_recurrent_state:  # (GraphRecurrentStates.begin)
+        models[TARGET_STEP].metadata_props[ONE_TOKEN_ADVANCES_KEY] = "1"
     written = _save_sharing_weights(models, out_dir)
     if drafter is not None:  # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
         p = drafter.params

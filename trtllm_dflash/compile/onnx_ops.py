@@ -478,9 +478,11 @@ class GraphRecurrentStates:
         self.kept, self.valid, self.kernel, self.depth = kept, valid, kernel, depth
 
     def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens, valid: torch.Tensor) -> RecurrentPass:
-        """RecurrentStates.begin with the graph's `kept` and `valid`; whether the pass keeps its inputs (tokens <=
-        depth) a tensor, since `tokens` is the graph's dynamic length."""
-        keep_all = starts.new_ones(tokens).sum() <= self.depth
+        """RecurrentStates.begin with the graph's `kept` and `valid`; whether the pass keeps its inputs (2 <= tokens
+        <= depth: a one-token pass advances the state, as RecurrentStates' with one_token_advances) a tensor, since
+        `tokens` is the graph's dynamic length."""
+        n = starts.new_ones(tokens).sum()
+        keep_all = (n <= self.depth) & (n > 1)
         return RecurrentPass(slots, starts, self.kept, (starts > 0).to(torch.float32)[:, None], self.valid, tokens,
                              keep_all)
 

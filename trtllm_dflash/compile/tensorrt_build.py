@@ -49,6 +49,7 @@ from typing import Any
 
 from trtllm_dflash.engine_dir import (
     EXPERTS_OP_KEY,
+    ONE_TOKEN_ADVANCES_KEY,
     RING_PASS_KEY,
     EngineConfig,
     check_graph_inputs,
@@ -551,6 +552,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             "plugin_library": Path(plugin_library).name if plugin_library is not None else None,
             # the run must load this very library: a plugin of another build may read its fields differently
             "plugin_library_sha256": file_sha256(plugin_library) if plugin_library is not None else None,
+            ONE_TOKEN_ADVANCES_KEY: ONE_TOKEN_ADVANCES_KEY in metadata,  # (a Qwen3.5 target's graphs)
         }
         (tmp / PLANS_DIR / PLANS_INFO).write_text(json.dumps(info, indent=2) + "\n")
         write_manifest(tmp)

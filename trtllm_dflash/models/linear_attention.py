@@ -100,11 +100,14 @@ class RecurrentStates:
     state before that pass [value heads, dk, dv] (fp32, as transformers keeps it) and the inputs of its tokens to the
     gated delta rule (k, v, g, beta: `depth` of each), and the conv inputs of its positions and the K - 1 before them
     [K - 1 + depth, channels]. `kept_from`: the position of the pass's first token. A pass longer than `depth` (a
-    prompt) keeps the state after each row's last real token instead, as if that pass had no tokens."""
+    prompt) keeps the state after each row's last real token instead, as if that pass had no tokens; so does a pass of
+    one token (a plain step, whose token no later pass drops: the next pass then replays nothing) where
+    `one_token_advances` (False: the graphs of engines built before 2026-12-05 keep a one-token pass's inputs)."""
 
     def __init__(self, num_layers: int, num_slots: int, depth: int, channels: int, kernel: int, heads: int,
-                 key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.depth, self.kernel = depth, kernel
+                 key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 one_token_advances: bool = True):
+        self.depth, self.kernel, self.one_token_advances = depth, kernel, one_token_advances
 
         def per_layer(*shape: int, dtype: torch.dtype = dtype) -> list[torch.Tensor]:
             return [torch.zeros(num_slots, *shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -117,13 +120,14 @@ class RecurrentStates:
 
     @classmethod
     def of(cls, spec: DecoderSpec, tp_size: int, num_slots: int, depth: int, dtype: torch.dtype,
-           device: torch.device | str = "cpu") -> "RecurrentStates | None":
+           device: torch.device | str = "cpu", one_token_advances: bool = True) -> "RecurrentStates | None":
         """The states of one rank's Gated DeltaNet layers of `spec`, resuming passes of up to `depth` tokens; None for a
         model without them."""
         if not spec.has_recurrent_state:
             return None
         return cls(len(spec.linear_layers), num_slots, depth, conv_channels(spec, tp_size), spec.linear_conv_kernel,
-                   linear_heads(spec, tp_size)[1], spec.linear_key_head_dim, spec.linear_value_head_dim, dtype, device)
+                   linear_heads(spec, tp_size)[1], spec.linear_key_head_dim, spec.linear_value_head_dim, dtype, device,
+                   one_token_advances)
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +150,8 @@ class RecurrentStates:
     def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
         kept = (starts - self.kept_from[slots]).clamp(0, self.depth)
         fresh = (starts > 0).to(torch.float32)[:, None]
-        return RecurrentPass(slots, starts, kept, fresh, valid, tokens, tokens <= self.depth)
+        keep_all = tokens <= self.depth and not (tokens == 1 and self.one_token_advances)
+        return RecurrentPass(slots, starts, kept, fresh, valid, tokens, keep_all)
 
     def end(self, step: RecurrentPass) -> None:
         """After every layer has run the pass: where each slot's kept tokens now begin (a longer pass: at its end, so
@@ -170,10 +175,13 @@ class RecurrentStates:
               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gated delta rule over the pass from `state`: its outputs [B, T, H, dv] fp32 and the state to keep, the
         one it started from (keep_all: the next pass replays what it keeps from there) or the one after it (a prompt,
-        in chunks as transformers runs a prefill). A verify block runs token by token here: in eager torch the
-        graphs' chunks (chunk_scanned) made a demo-width Qwen3.5 pair's decoding slower (docs/models.md)."""
+        in chunks as transformers runs a prefill; a plain step's one token). A verify block runs token by token here:
+        in eager torch the graphs' chunks (chunk_scanned) made a demo-width Qwen3.5 pair's decoding slower
+        (docs/models.md)."""
         if step.keep_all:
             return _recurrent(q, k, v, g, beta, state)[0], state
+        if step.tokens == 1:
+            return _recurrent(q, k, v, g, beta, state)
         return _chunked(q, k, v, g, beta, state)
 
     def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,

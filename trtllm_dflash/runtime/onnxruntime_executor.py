@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trtllm_dflash.engine_dir import RING_PASS_KEY, EngineConfig, check_graph_inputs, graph_dir
+from trtllm_dflash.engine_dir import ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY, EngineConfig, check_graph_inputs, graph_dir
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
@@ -157,7 +157,8 @@ class OnnxRuntimeExecutor(StaticRows):
         self._cache_length = max_len
         # Engines built since 2026-12-04: the sliding-window layers' caches are rings of the window + pass_tokens
         # positions, and no pass writes more positions per row than that (longer prefills run in passes)
-        ring_pass = self._sessions["target_step.onnx"].get_modelmeta().custom_metadata_map.get(RING_PASS_KEY)
+        metadata = self._sessions["target_step.onnx"].get_modelmeta().custom_metadata_map
+        ring_pass = metadata.get(RING_PASS_KEY)
         self._pass_tokens = int(ring_pass) if ring_pass else None
         window = target.sliding_window if ring_pass else 0
         # positions per row of those layers; an engine shorter than the ring keeps them whole (no position wraps in a
@@ -170,7 +171,8 @@ class OnnxRuntimeExecutor(StaticRows):
         self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
-        self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device)
+        self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device,
+                                          one_token_advances=ONE_TOKEN_ADVANCES_KEY in metadata)
         self._linear = target.linear_layers
         self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window,  # (StaticRows)
                         kv_cache_memory)

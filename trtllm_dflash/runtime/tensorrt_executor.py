@@ -63,7 +63,7 @@ from trtllm_dflash.compile.tensorrt_build import (
     process_logger,
     require_gpu,
 )
-from trtllm_dflash.engine_dir import EngineConfig, check_graph_inputs
+from trtllm_dflash.engine_dir import ONE_TOKEN_ADVANCES_KEY, EngineConfig, check_graph_inputs
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
@@ -107,14 +107,16 @@ class TensorRTExecutor(StaticRows):
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
                  device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False,
                  pass_tokens: int | None = None, prefix_cache: bool = True,
-                 kv_cache_memory: int | Callable[[], int] | None = None):
+                 kv_cache_memory: int | Callable[[], int] | None = None, one_token_advances: bool = True):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
         row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
         plain ops'; `pass_tokens`: the most positions per row a target_step or drafter_context call may take (the
         plans' profile; None: no limit); `prefix_cache`: prompt blocks copied between requests with the same prefix
         (cache_rows.PrefixRows; not for targets with recurrent states); `kv_cache_memory`: the caches' and the prefix
-        pool's bytes, or a function giving the pool's (StaticRows._keep_rows)."""
+        pool's bytes, or a function giving the pool's (StaticRows._keep_rows); `one_token_advances`: the target plan's
+        one-token passes leave the Gated DeltaNet layers' states after their token (RecurrentStates; False: plans of
+        graphs exported before 2026-12-05)."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -132,7 +134,7 @@ class TensorRTExecutor(StaticRows):
                                           drafter.head_dim, dtype, self.device)
         # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
         self._states = RecurrentStates.of(target, cfg.mapping.tp_size, self.num_slots, params.block_size, dtype,
-                                          self.device)
+                                          self.device, one_token_advances)
         self._linear = target.linear_layers
         # slot -> cache row, and the prefix pool (runtime/cache_rows.py StaticRows)
         self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache,
@@ -221,7 +223,7 @@ class TensorRTExecutor(StaticRows):
         return cls(contexts, cfg, block_size, device, int(info["cache_length"]),
                    owners=(logger, runtime, engines, scratch, communicator), accept_plugin=plugin,
                    pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None, prefix_cache=prefix_cache,
-                   kv_cache_memory=kv_cache_memory)
+                   kv_cache_memory=kv_cache_memory, one_token_advances=bool(info.get(ONE_TOKEN_ADVANCES_KEY)))
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
