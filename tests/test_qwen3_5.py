@@ -368,7 +368,8 @@ def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path)
 def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tmp_path):
     """backend tensorrt: the TensorRT executor, its execution contexts stood in for by onnxruntime over exactly the
     memory it binds (tests/tensorrt_standin.py), gives the torch executor's tokens with drafts right for 0 .. k - 1
-    positions (blocks of 8 and 3), in one pass per prompt and with prompts cut into passes of 16 tokens; a padded batch
+    positions (blocks of 8 and 3), in one pass per prompt and with prompts cut into passes of 16 tokens, and plain
+    decoding without a target_replay run (the host knows one-token passes left nothing to replay); a padded batch
     of prompts cut into passes (a row whose prompt ends in the first) then decodes the torch executor's logits; and
     TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer) and target_replay into plans, their
     state outputs not aliased to inputs (TensorRT aliases only KV-cache updates: the executor copies them back)."""
@@ -398,6 +399,14 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
                    .generate(reqs)}
             assert got == ar, (pass_tokens, k)
             assert set(scripted.accepted) == set(range(k)), (k, sorted(set(scripted.accepted)))
+    # plain steps leave the states after their token: the host knows no replay is needed, and none runs
+    executor, replays = standin_executor(engine_dir), []
+    replay = executor._contexts["target_replay"]
+    run_replay = replay.execute_async_v3
+    replay.execute_async_v3 = lambda stream: (replays.append(1), run_replay(stream))[1]
+    got = {r.request.id: r.output_token_ids for r in
+           Decoder(executor, engine.decoder("ar").policy, engine.config.eos_token_ids).generate(reqs)}
+    assert got == ar and not replays
     # Prompts of 3, 20 and 17 tokens padded to 20, in passes of 16: the first row's real tokens end in the first pass
     # (fails when a later pass replays tokens of a pass that kept its final state)
     executor, eager = standin_executor(engine_dir, pass_tokens=16), engine.executor

@@ -117,6 +117,9 @@ class RecurrentStates:
         self.k, self.v = per_layer(depth, heads, key_dim), per_layer(depth, heads, value_dim)
         self.g, self.beta = per_layer(depth, heads, dtype=torch.float32), per_layer(depth, heads)
         self.kept_from = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        # on the host, per row of the compiled executors (which tell `end` their rows): whether the row's last pass
+        # kept its inputs, so that its next pass may replay some (`may_replay`)
+        self.kept_inputs = [False] * num_slots
 
     @classmethod
     def of(cls, spec: DecoderSpec, tp_size: int, num_slots: int, depth: int, dtype: torch.dtype,
@@ -146,6 +149,7 @@ class RecurrentStates:
         for buf in (*self.conv, *self.state, *self.k, *self.v, *self.g, *self.beta):
             buf[dst].copy_(buf[src])
         self.kept_from[dst] = self.kept_from[src]
+        self.kept_inputs[dst] = self.kept_inputs[src]
 
     def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
         kept = (starts - self.kept_from[slots]).clamp(0, self.depth)
@@ -153,11 +157,18 @@ class RecurrentStates:
         keep_all = tokens <= self.depth and not (tokens == 1 and self.one_token_advances)
         return RecurrentPass(slots, starts, kept, fresh, valid, tokens, keep_all)
 
-    def end(self, step: RecurrentPass) -> None:
+    def end(self, step: RecurrentPass, rows: range | None = None) -> None:
         """After every layer has run the pass: where each slot's kept tokens now begin (a longer pass: at its end, so
         that no later pass replays any of it, even one that starts past a row's last real token, as the next part of
-        a prompt cut into passes does for a shorter prompt beside it)."""
+        a prompt cut into passes does for a shorter prompt beside it). `rows`: step.slots as the host knows them."""
         self.kept_from[step.slots] = step.starts if step.keep_all else step.starts + step.tokens
+        for row in rows or ():
+            self.kept_inputs[row] = step.keep_all
+
+    def may_replay(self, rows: range) -> bool:
+        """Whether the last pass of any of `rows` (ended with them) kept its inputs; if none did (prompts, plain steps),
+        a replay before their next pass has nothing to do, which the host knows without reading the device."""
+        return any(self.kept_inputs[row] for row in rows)
 
     def read(self, layer: int, step: RecurrentPass) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' conv inputs [B, K - 1, C] and recurrent state [B, H, dk, dv] before the pass: the slot's kept state

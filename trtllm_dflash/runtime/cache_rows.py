@@ -81,6 +81,11 @@ class RowRun:
         self.batch_index = torch.tensor(batch_index)  # batch row of each run row
         self.in_order = batch_index == list(range(self.rows))  # run row i is batch row i
 
+    @property
+    def range(self) -> range:
+        """The cache rows, as the host knows them."""
+        return range(self.first, self.first + self.rows)
+
     def take(self, batch: torch.Tensor) -> torch.Tensor:
         """[B, ...] -> this run's rows [rows, ...], in row order, contiguous, on batch's device (the batch itself when
         it is this run in order: the usual case, no copy)."""

@@ -253,7 +253,8 @@ class OnnxRuntimeExecutor(StaticRows):
         if self._states is not None:
             rows = torch.arange(run.first, run.first + run.rows, device=self.device)
             step = self._states.begin(rows, positions[:, 0].contiguous(), T, valid)
-            self._replay(run, step.kept)
+            if self._states.may_replay(run.range):
+                self._replay(run, step.kept)
             _bind_input(binding, "kept", step.kept)
             _bind_input(binding, "valid", valid)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
@@ -263,7 +264,7 @@ class OnnxRuntimeExecutor(StaticRows):
         _bind_output(binding, "hidden", hidden)
         self._sessions[graph].run_with_iobinding(binding)
         if step is not None:
-            self._states.end(step)
+            self._states.end(step, run.range)
         return logits, hidden
 
     def _replay(self, run: RowRun, kept: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ caches. TensorRT aliases an output with an input only in a KV-cache update, so a
 and state in target_step, the state in target_replay) is written to a buffer of its own and copied back into the rows
 after the plan, on the same stream; the delta_* that target_step writes and does not read go straight into the rows.
 Before each target pass the target_replay plan advances the states over each row's kept tokens (all `depth` steps:
-no host read of how many any row keeps).
+no host read of how many any row keeps), unless no row's last pass kept any (the host knows: prompts, plain steps).
 
 Streams: the plans run on this executor's own CUDA stream (TensorRT advises against the default stream), after
 the caller's pending work, and the caller's stream waits for them before it reads an output.
@@ -270,7 +270,7 @@ class TensorRTExecutor(StaticRows):
             self._execute("target_step", inputs, {"logits": logits, "hidden": part}, self._target, run, write=True,
                           states=step is not None)
             if step is not None:
-                self._states.end(step)
+                self._states.end(step, run.range)
             if hidden is not None:
                 hidden[:, c0:c1] = part
             if last is None:
@@ -283,11 +283,13 @@ class TensorRTExecutor(StaticRows):
         """Before a target pass over the run's rows (a Gated DeltaNet target): the pass's view of the states, and the
         target_replay plan run over the whole verify block (no host read of how many tokens any row keeps: the steps
         past a row's `kept` leave its state as it was), its states written to a buffer of their own, then copied back
-        into the rows (TensorRT aliases an output with an input only in a KV-cache update)."""
+        into the rows (TensorRT aliases an output with an input only in a KV-cache update). Not run where the host
+        knows that no row's last pass kept its inputs (RecurrentStates.may_replay: after prompts and plain steps)."""
         rows = torch.arange(run.first, run.first + run.rows, device=self.device)
         step = self._states.begin(rows, starts, tokens, valid)
-        self._execute(REPLAY, {"kept": step.kept, "steps": torch.arange(self._states.depth, device=self.device)}, {},
-                      None, run, write=False, states=True)
+        if self._states.may_replay(run.range):
+            self._execute(REPLAY, {"kept": step.kept, "steps": torch.arange(self._states.depth, device=self.device)},
+                          {}, None, run, write=False, states=True)
         return step
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
