@@ -122,9 +122,14 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
     own, submitted together: the first prefills its prompt and publishes its two full blocks, and the other three,
     admitted after it in the same step (a second wave), get them copied into their rows and prefill only the rest (3 x
     32 fewer prompt positions computed); tokens and acceptance lengths are those without reuse, dflash and ar, greedy
-    and sampled."""
+    and sampled. --block-size auto (speculating at once: hand-made pass costs) publishes the first request's blocks
+    once its drafter holds the prompt, so the other three, submitted after it, find them (tokens only: auto's
+    choices follow the steps' timings)."""
     from tests.tensorrt_standin import standin_executor
+    from tests.test_block_size_auto import hand_costs
     from trtllm_dflash.runtime.decoding import Decoder
+    from trtllm_dflash.runtime.verify import AutoBlock
+    from trtllm_dflash.speculative.schedule import AutoBlockSize
 
     g = torch.Generator().manual_seed(5)
     engine = Engine.load(qwen3_ort_engine, backend="torch")
@@ -141,7 +146,7 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
         loaded[reuse] = Engine.load(qwen3_ort_engine, backend="onnxruntime", prefix_cache=reuse)
         return loaded[reuse].executor
 
-    for mode in ("dflash", "ar"):
+    for mode in ("dflash", "ar", "auto"):
         results, prefilled = {}, {}
         for reuse in (True, False):
             ex = load(reuse)
@@ -154,13 +159,16 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
                 return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
 
             ex.target_forward = counted
-            decoder = Decoder(ex, engine.decoder(mode).policy, engine.config.eos_token_ids)
-            results[reuse] = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
-                              for r in decoder.generate(reqs)}
+            auto = mode == "auto"
+            policy = AutoBlock(AutoBlockSize(hand_costs(), block_size=ex.block_size)) if auto else \
+                engine.decoder(mode).policy
+            decoder = Decoder(ex, policy, engine.config.eos_token_ids)
+            results[reuse] = {r.request.id: (r.output_token_ids, None if auto else r.acceptance_lengths)
+                              for wave in ((reqs[:1], reqs[1:]) if auto else (reqs,)) for r in decoder.generate(wave)}
             assert (ex.prefix_rows is not None) == reuse
         assert results[True] == results[False], mode
         assert prefilled[False] - prefilled[True] == 3 * 32, (mode, prefilled)
-    if loaded:  # what `bench` reports of the static rows' pool (the last run's: ar, with reuse)
+    if loaded:  # what `bench` reports of the static rows' pool (the last run's: auto, with reuse)
         from trtllm_dflash.bench.runner import _kv_cache_report
 
         # full blocks before each prompt's last token: 2, 2, 2 and 3 (a 49-token prompt); hit: the later three's 2

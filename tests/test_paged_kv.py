@@ -164,14 +164,16 @@ def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
 
 
 class CountingPrefill:
-    """The executor, counting the target positions its prefill passes compute (passes with last_index)."""
+    """The executor, counting the target positions its prefill passes (those with last_index) compute: padded, in all
+    (`prefill_tokens`), and each request's own, pass by pass (`computed`)."""
 
     def __init__(self, executor):
-        self._executor, self.prefill_tokens = executor, 0
+        self._executor, self.prefill_tokens, self.computed = executor, 0, []
 
     def target_forward(self, token_ids, *args, last_index=None, **kwargs):
         if last_index is not None:
             self.prefill_tokens += token_ids.shape[0] * token_ids.shape[1]
+            self.computed.append((last_index + 1).tolist())
         return self._executor.target_forward(token_ids, *args, last_index=last_index, **kwargs)
 
     def __getattr__(self, name):
@@ -218,23 +220,44 @@ def test_requests_admitted_together_share_their_prefix(qwen3_engine_dir, engines
     reqs = [Request(i, systems[i % 2] + torch.randint(3, 500, (3 + i,), generator=g).tolist(), 12,
                     temperature=0.8 if i % 3 == 1 else 0.0, seed=i) for i in range(6)]
     expected = outputs(engines[0], mode, reqs)
+    lengths = [len(r.prompt_token_ids) for r in reqs]
     for reuse in (True, False):
         engine = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB", prefix_cache=reuse)
-        waves, forward = [], engine.executor.target_forward
-
-        def counted(token_ids, starts, slots, capture, last_index=None, rows=None):
-            if last_index is not None:  # a prefill: the positions each request computes
-                waves.append((last_index + 1).tolist())
-            return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
-
-        engine.executor.target_forward = counted
-        assert outputs(engine, mode, reqs) == expected, reuse
-        lengths = [len(r.prompt_token_ids) for r in reqs]
+        counting = CountingPrefill(engine.executor)
+        assert outputs(Engine(engine.config, engine.tokenizer, counting), mode, reqs) == expected, reuse
         if reuse:  # the first two whole (one pass), then the rest of the others past their 6 cached blocks
-            assert waves == [lengths[:2], [n - 96 for n in lengths[2:]]], waves
+            assert counting.computed == [lengths[:2], [n - 96 for n in lengths[2:]]], counting.computed
             assert engine.executor.kv_blocks.prefix_blocks_hit == 4 * 6
         else:
-            assert waves == [lengths], waves
+            assert counting.computed == [lengths], counting.computed
+
+
+def test_block_size_auto_shares_a_prompt_once_the_drafter_holds_it(qwen3_engine_dir, engines):
+    """--block-size auto holds a prompt's features back from the drafter until a speculative step needs them: the
+    prompt's blocks (the target's K/V and the drafter's context) are published once that step has added them, and
+    later requests with the same system prompt find them and prefill only their own turns; the tokens are the static
+    cache's (auto's are dflash's), greedy and sampled. Where auto runs plain steps only (drafting made dear), the
+    drafter never gets the prompt, and nothing is published."""
+    from tests.test_block_size_auto import hand_costs
+    from trtllm_dflash.runtime.decoding import Decoder
+    from trtllm_dflash.runtime.verify import AutoBlock
+    from trtllm_dflash.speculative.schedule import AutoBlockSize
+
+    reqs = shared_prefix_requests(4)
+    expected = outputs(engines[0], "dflash", reqs)
+    lengths = [len(r.prompt_token_ids) for r in reqs]
+    # hand-made pass costs: at batch 1 a whole block of 8 pays, so the first request speculates at once; with a draft
+    # pass of a second, no block ever pays
+    for draft_ms, later in ((1.0, [n - 96 for n in lengths[1:]]), (1e3, lengths[1:])):
+        engine = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB")
+        counting = CountingPrefill(engine.executor)
+        decoder = Decoder(counting, AutoBlock(AutoBlockSize(hand_costs(draft_ms), block_size=8)),
+                          engine.config.eos_token_ids)
+        got = [r.output_token_ids for wave in (reqs[:1], reqs[1:])
+               for r in sorted(decoder.generate(wave), key=lambda r: r.request.id)]
+        assert got == expected, draft_ms
+        assert counting.computed == [lengths[:1], later], (draft_ms, counting.computed)
+        assert engine.executor.kv_blocks.prefix_blocks_hit == (3 * 6 if draft_ms == 1.0 else 0)
 
 
 def test_no_prefix_cache_and_eviction(qwen3_engine_dir, engines):

@@ -140,6 +140,8 @@ class _Active:
     stop_reason: str | None = None
     first_token_at: float | None = None
     cached: int = 0  # prompt positions already in the caches at admission (a shared prefix): the prefill skips them
+    # its prompt blocks are to be shared once the drafter holds their context (--block-size auto holds it back)
+    unpublished: bool = False
     preempted: int = 0  # times its caches were taken back for others (it was recomputed after each)
     reported: int = 0  # output tokens already in an Update
     arrival: int = 0  # submission order (the same on every tensor-parallel rank, unlike `submitted`)
@@ -236,10 +238,10 @@ class Decoder:
         self._free = list(range(executor.num_slots))  # kept sorted: a new request takes the lowest
         self._active: list[_Active] = []  # in slot order
         self._cancelled: set[str | int] = set()  # ids to end at the next step
-        # What a request's prompt blocks hold once prefilled, for sharing them by prefix with later requests of the
-        # same kind (executor.reserve): the target's K/V; with a drafter, its context too, which a policy that
-        # defers the prompt's features to the drafter (--block-size auto) has not written yet: it shares nothing.
-        self._share = None if policy.defers_context else ("target+drafter" if policy.drafts else "target")
+        # What a request's prompt blocks hold once shared by prefix with later requests of the same kind
+        # (executor.reserve): the target's K/V; with a drafter, its context too, which a policy that defers the
+        # prompt's features to the drafter (--block-size auto) writes later: the blocks are published then.
+        self._share = "target+drafter" if policy.drafts else "target"
         self.preemptions = 0  # over the decoder's life
         self._arrivals = 0
 
@@ -321,12 +323,16 @@ class Decoder:
 
     def _would_find(self, a: _Active, wave: list[_Active]) -> bool:
         """Whether `a`'s prompt starts with a full block that a request of `wave` computes (past what it found cached)
-        and publishes: the blocks reserve shares, those of every token but the last."""
-        block = self.executor.prefix_block_tokens if self._share is not None else None
+        and publishes with its prefill: the blocks reserve shares, those of every token but the last. (Where the
+        policy holds a prompt's features back from the drafter, a prompt publishes with its prefill only when it is
+        longer than the features held back.)"""
+        block = self.executor.prefix_block_tokens
         if block is None:
             return False
         tokens = a.known[:-1]
         for b in wave:
+            if self.policy.defers_context and len(b.known) - b.cached <= MAX_PENDING_CONTEXT:
+                continue
             theirs, shared = b.known[:-1], 0
             while shared + block <= min(len(tokens), len(theirs)) and \
                     tokens[shared:shared + block] == theirs[shared:shared + block]:
@@ -355,7 +361,7 @@ class Decoder:
         self._active.remove(a)
         self.executor.release(a.slot)
         bisect.insort(self._free, a.slot)
-        a.slot, a.cached, a.pending_context, a.num_pending = -1, 0, [], 0
+        a.slot, a.cached, a.pending_context, a.num_pending, a.unpublished = -1, 0, [], 0, False
         a.preempted += 1
         self.preemptions += 1
         self._pending.appendleft(a)
@@ -451,8 +457,16 @@ class Decoder:
         for a, tok in zip(admitted, first.tolist()):  # the prefill's one read
             if not a.output:
                 self._commit(a, [tok])
-            if self._share is not None:
+            a.unpublished = True
+        self._publish(admitted)
+
+    def _publish(self, requests: list[_Active]) -> None:
+        """Share the prompt blocks of those requests whose drafter holds their prompt's context (all, at the prefill,
+        unless the policy holds the features back; then once a draft pass or a pass of their own has added them)."""
+        for a in requests:
+            if a.unpublished and not a.num_pending:
                 self.executor.publish(a.slot)
+                a.unpublished = False
 
     def _decode(self, active: list[_Active]) -> None:
         """One decoding step for every running request: the policy's k, then a plain step (k = 1) or a draft pass and
@@ -479,6 +493,7 @@ class Decoder:
             draft = self.executor.draft(batch.anchors, batch.starts, batch.slots, k - 1,
                                         self._draft_context(active, batch), rows=batch.rows,
                                         width=self.policy.width)  # [B, k-1] greedy
+            self._publish(active)
             block = torch.cat([batch.anchors[:, None], draft], dim=1)  # [B, k]
             out = self.executor.target_forward(block, batch.starts, batch.slots, capture=True, rows=batch.rows)
             accepted, bonus = self.executor.accept(draft, out.logits, batch.sampling, batch.starts)  # [B], [B]
@@ -506,6 +521,7 @@ class Decoder:
         batch = self._stage(active)
         ids, logprobs = ex.draft_candidates(batch.anchors, batch.starts, batch.slots, policy.candidates,
                                             self._draft_context(active, batch), rows=batch.rows)
+        self._publish(active)
         candidates = ids.tolist()
         trees = build_trees([a.output[-1] for a in active], candidates, logprobs.tolist(), policy.budget)
         parents, tokens, depths = (torch.tensor(x, device=ex.device) for x in (trees.parents, trees.tokens,
@@ -560,6 +576,7 @@ class Decoder:
             staged = to_device([slots, starts], self.executor.device)
             hidden = torch.stack([a.take_context() for a in group])  # [len(group), n, F]
             self.executor.append_context(hidden, staged[1], staged[0], rows=HostRows(tuple(slots), tuple(starts)))
+        self._publish(requests)
 
 
 @dataclass(frozen=True)
