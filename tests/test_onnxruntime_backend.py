@@ -183,23 +183,38 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
 @pytest.mark.slow
 def test_kv_cache_memory_sizes_the_static_rows_prefix_pool(qwen3_ort_engine, tmp_path, capsys):
     """--kv-cache-memory on the onnxruntime executor: the static rows take their share and the prefix pool the rest (a
-    size), or a fraction of the memory free then; a budget smaller than the rows, or leaving less than one prefix block,
-    is one sentence and writes nothing; without the prefix cache the rows alone fit."""
+    size), or a fraction of the memory free then; a size too small for max_batch_size rows and a block gets fewer rows
+    (requests wait for one: the same tokens), said on stderr; a budget smaller than one row and a block, or leaving
+    less than one prefix block beside all rows, is one sentence and writes nothing; without the prefix cache the rows
+    alone fit."""
     from trtllm_dflash.runtime.kv_blocks import format_size
 
     default = Engine.load(qwen3_ort_engine, backend="onnxruntime").executor
     rows, length = default.rows_bytes, default._cache_length
     assert default.prefix_rows.num_blocks == length // 16  # one row's worth
-    block = rows // (default.num_slots * length) * 16
+    row, block = rows // default.num_slots, rows // (default.num_slots * length) * 16
     sized = Engine.load(qwen3_ort_engine, backend="onnxruntime", kv_cache_memory=str(rows + 5 * block + 7)).executor
     assert sized.prefix_rows.num_blocks == 5
     fraction = Engine.load(qwen3_ort_engine, backend="onnxruntime", kv_cache_memory="0.001").executor
     assert fraction.prefix_rows.num_blocks > 5
+    lines = []
+    two = Engine.load(qwen3_ort_engine, backend="onnxruntime", kv_cache_memory=str(2 * row + 3 * block + 5),
+                      report=lines.append)
+    assert (two.executor.num_slots, two.executor.prefix_rows.num_blocks) == (2, 3)
+    assert lines == [f"--kv-cache-memory {2 * row + 3 * block + 5}: 2 of the engine's 4 request rows (max_batch_size) "
+                     "fit; further requests wait for a free row."]
+    reqs = requests(default.vocab_size)
+    assert {r.request.id: r.output_token_ids for r in two.decoder("dflash").generate(reqs)} == \
+        {r.request.id: r.output_token_ids for r in Engine.load(qwen3_ort_engine, backend="torch").decoder("dflash")
+         .generate(reqs)}
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": 1, "prompt_token_ids": [5, 6, 7]}) + "\n")
     for value, extra, words in (
-            ("1KiB", (), f"--kv-cache-memory 1KiB: smaller than the static rows' {format_size(rows)} (max_batch_size "
-                         f"{default.num_slots} rows of {length} positions)."),
+            ("1KiB", (), f"--kv-cache-memory 1KiB: smaller than one static row and one prefix block, "
+                         f"{format_size(row + block)} (a row holds {length} positions of every layer); give more, or "
+                         "add --no-prefix-cache."),
+            (str(row - 1), ("--no-prefix-cache",), f"--kv-cache-memory {row - 1}: smaller than one static row, "
+                                                   f"{format_size(row)} (a row holds {length} positions of every layer)."),
             (str(rows + 10), (), f"--kv-cache-memory {rows + 10}: leaves 10 B beside the static rows' "
                                  f"{format_size(rows)}, less than one prefix block's {format_size(block)}; give more, "
                                  "or add --no-prefix-cache.")):

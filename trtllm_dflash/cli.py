@@ -282,13 +282,15 @@ def _add_backend(p: argparse.ArgumentParser) -> None:
 KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (512MiB, 2GiB, bytes, or a fraction of the "
                         "memory free once the weights are loaded, such as 0.5): requests take blocks of 16 positions "
                         "as they grow, and when none is free the latest one is preempted and recomputed later (torch "
-                        "executor); onnxruntime and tensorrt keep a static row per request and give the rest to "
-                        "their prefix pool; static: a max_seq_len slot per request (default: the engine's build "
-                        "config kv_cache_memory, else static)")
+                        "executor); onnxruntime and tensorrt keep a static row per request (max_batch_size rows, or "
+                        "as many as SIZE holds beside one prefix block) and give the rest to their prefix pool; "
+                        "static: a max_seq_len slot per request (default: the engine's build config kv_cache_memory, "
+                        "else static)")
 PREFIX_CACHE_HELP = ("a request whose prompt starts with the full 16-position blocks of an earlier request's prompt "
                      "skips their prefill: a paged cache (--kv-cache-memory) shares the blocks, the onnxruntime and "
                      "tensorrt executors copy them into the request's row from a pool (one row's size, or what "
-                     "--kv-cache-memory leaves; not with --block-size auto, nor for Qwen3.5 targets)")
+                     "--kv-cache-memory leaves; with --block-size auto once the drafter holds the prompt; not for "
+                     "Qwen3.5 targets)")
 BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "
                    "that maximises expected tokens/s, from pass costs measured once and cached (default: the engine's)")
 

@@ -275,13 +275,50 @@ class PrefixRows:
                 pool[block].copy_(buf[row, :, where])
 
 
+def _bytes(caches: Sequence[LayerCaches], states: RecurrentStates | None) -> int:
+    """What the caches' (and states') buffers hold, in bytes."""
+    return sum(buf.untyped_storage().nbytes() for c in caches for _, buf in c.named()) + (
+        states.nbytes if states is not None else 0)
+
+
+def _block_bytes(caches: Sequence[LayerCaches]) -> int:
+    """Bytes of one prefix block (BLOCK_TOKENS positions of every cache of one row)."""
+    return sum(buf.shape[1] * BLOCK_TOKENS * buf.shape[3] * buf.element_size() for c in caches for _, buf in c.named())
+
+
+Rows = tuple[tuple[LayerCaches, ...], RecurrentStates | None]
+
+
 class StaticRows:
     """The Executor contract's memory methods for the executors that keep one static cache row per request (onnxruntime,
-    TensorRT): every row holds max_seq_len positions, so a request is always admitted and never extended; its first
-    positions may be copied from published prompt blocks (`prefix_rows`). `_keep_rows` sets them up."""
+    TensorRT): every row holds max_seq_len positions, so a request is admitted while a row is free and never extended;
+    its first positions may be copied from published prompt blocks (`prefix_rows`). `_allocate_rows` makes the rows,
+    as many as a --kv-cache-memory budget holds, and `_keep_rows` sets up their bookkeeping."""
 
     _rows: CacheRows
     prefix_rows: PrefixRows | None
+
+    @staticmethod
+    def _allocate_rows(make: Callable[[int], Rows], max_rows: int, budget: int | Callable[[], int] | None,
+                       prefix_cache: bool, cache_length: int) -> tuple[int, Rows]:
+        """The rows `make(n)` allocates (the caches and recurrent states of n rows): max_rows of them, or, under a
+        `budget` in bytes that cannot hold them all, as many as it holds beside one prefix block (the least pool
+        _keep_rows accepts; with `prefix_cache` only, and for targets without recurrent states, which have no pool).
+        Returns (rows, what make gave). KVBudgetError, in words, where not even one row fits. A fraction of the free
+        memory (a function) is of what the rows leave: they are all allocated."""
+        if budget is None or callable(budget):
+            return max_rows, make(max_rows)
+        caches, states = make(1)
+        row = _bytes(caches, states)
+        if budget >= max_rows * row:
+            return max_rows, make(max_rows)
+        block = _block_bytes(caches) if prefix_cache and states is None else 0
+        rows = (budget - block) // row
+        if rows < 1:
+            pool, fix = (" and one prefix block", "; give more, or add --no-prefix-cache") if block else ("", "")
+            raise KVBudgetError(f"smaller than one static row{pool}, {format_size(row + block)} (a row holds "
+                                f"{cache_length} positions of every layer){fix}")
+        return rows, make(rows)
 
     def _keep_rows(self, caches: tuple[LayerCaches, ...], states: RecurrentStates | None, cache_length: int,
                    prefix_cache: bool, window: int = 0, budget: int | Callable[[], int] | None = None) -> None:
@@ -294,15 +331,10 @@ class StaticRows:
         memory free once the rows are allocated). KVBudgetError, in words, when no block would fit."""
         self._rows = CacheRows(caches + ((states,) if states is not None else ()))
         self.prefix_rows = None
-        self.rows_bytes = sum(buf.untyped_storage().nbytes() for c in caches for _, buf in c.named()) + (
-            states.nbytes if states is not None else 0)
-        if budget is not None and not callable(budget) and budget < self.rows_bytes:
-            raise KVBudgetError(f"smaller than the static rows' {format_size(self.rows_bytes)} (max_batch_size "
-                                f"{caches[0].keys[0].shape[0]} rows of {cache_length} positions)")
+        self.rows_bytes = _bytes(caches, states)
         if not prefix_cache or states is not None:
             return
-        block = sum(buf.shape[1] * BLOCK_TOKENS * buf.shape[3] * buf.element_size() for c in caches
-                    for _, buf in c.named())
+        block = _block_bytes(caches)
         if budget is None:
             blocks = max(1, cache_length // BLOCK_TOKENS)
         else:

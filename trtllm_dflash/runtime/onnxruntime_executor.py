@@ -166,13 +166,18 @@ class OnnxRuntimeExecutor(StaticRows):
         self.window_ring = min(window + self._pass_tokens, max_len) if window else None
         lengths = [self.window_ring if window and target.is_sliding(i) else max_len for i in target.attention_layers]
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
-        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, lengths, k_dim, dtype,
-                                         self.device, v_dim)
-        self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, max_len,
-                                          drafter.head_dim, dtype, self.device)
-        # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
-        self._states = RecurrentStates.of(target, 1, self.num_slots, params.block_size, dtype, self.device,
-                                          one_token_advances=ONE_TOKEN_ADVANCES_KEY in metadata)
+
+        def rows(n: int):
+            caches = (LayerCaches.zeros(target.attention_layers, n, heads, lengths, k_dim, dtype, self.device, v_dim),
+                      LayerCaches.zeros(drafter.num_layers, n, drafter.num_kv_heads, max_len, drafter.head_dim, dtype,
+                                        self.device))
+            # Gated DeltaNet layers' states per row, resuming passes of up to a verify block (as the torch executor's)
+            return caches, RecurrentStates.of(target, 1, n, params.block_size, dtype, self.device,
+                                              one_token_advances=ONE_TOKEN_ADVANCES_KEY in metadata)
+
+        # (max_batch_size rows, or as many as --kv-cache-memory holds)
+        self.num_slots, ((self._target, self._drafter), self._states) = self._allocate_rows(
+            rows, cfg.max_batch_size, kv_cache_memory, prefix_cache, max_len)
         self._linear = target.linear_layers
         self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window,  # (StaticRows)
                         kv_cache_memory)

@@ -125,6 +125,9 @@ class Engine:
                                                      kv_bytes, prefix_cache, tree_budget or 0)
         except KVBudgetError as e:
             raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
+        if executor.num_slots < cfg.max_batch_size:  # (the compiled executors' static rows: cache_rows.StaticRows)
+            report(f"--kv-cache-memory {kv_cache_memory}: {executor.num_slots} of the engine's {cfg.max_batch_size} "
+                   "request rows (max_batch_size) fit; further requests wait for a free row.")
         auto_block = None
         if auto:
             costs, _ = load_or_measure(root, executor, backend, report=report)

@@ -128,13 +128,19 @@ class TensorRTExecutor(StaticRows):
         self._features, self._dtype = len(params.target_layer_ids) * target.hidden_size, dtype
         self._cache_length = cache_length
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
-        self._target = LayerCaches.zeros(target.attention_layers, self.num_slots, heads, cache_length, k_dim, dtype,
-                                         self.device, v_dim)
-        self._drafter = LayerCaches.zeros(drafter.num_layers, self.num_slots, drafter.num_kv_heads, cache_length,
-                                          drafter.head_dim, dtype, self.device)
-        # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
-        self._states = RecurrentStates.of(target, cfg.mapping.tp_size, self.num_slots, params.block_size, dtype,
-                                          self.device, one_token_advances)
+
+        def rows(n: int):
+            caches = (LayerCaches.zeros(target.attention_layers, n, heads, cache_length, k_dim, dtype, self.device,
+                                        v_dim),
+                      LayerCaches.zeros(drafter.num_layers, n, drafter.num_kv_heads, cache_length, drafter.head_dim,
+                                        dtype, self.device))
+            # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
+            return caches, RecurrentStates.of(target, cfg.mapping.tp_size, n, params.block_size, dtype, self.device,
+                                              one_token_advances)
+
+        # (max_batch_size rows, or as many as --kv-cache-memory holds)
+        self.num_slots, ((self._target, self._drafter), self._states) = self._allocate_rows(
+            rows, cfg.max_batch_size, kv_cache_memory, prefix_cache, cache_length)
         self._linear = target.linear_layers
         # slot -> cache row, and the prefix pool (runtime/cache_rows.py StaticRows)
         self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache,
