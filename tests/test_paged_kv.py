@@ -232,6 +232,45 @@ def test_requests_admitted_together_share_their_prefix(qwen3_engine_dir, engines
             assert counting.computed == [lengths], counting.computed
 
 
+def test_requests_behind_a_held_one_are_let_by(qwen3_engine_dir, engines):
+    """7 requests of one system prompt, then 2 of their own, on 8 slots: the 6 that wait for the first one's blocks do
+    not hold back the next request (its prompt is in wave 1 too), and those let by leave each held request a slot: the
+    last one waits for a free slot, not the held ones. Under a tight budget a request is let by only if it leaves the
+    held ones their blocks (it waits instead, and the held one is admitted in wave 2). The static cache's tokens."""
+    from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, blocks_for
+
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 500, (100,), generator=g).tolist()
+    own = [Request(i, system + torch.randint(3, 500, (3 + i,), generator=g).tolist(), 12, seed=i) for i in range(7)]
+    others = [Request(7 + i, torch.randint(3, 500, (20 + i,), generator=g).tolist(), 12, temperature=0.8, seed=i)
+              for i in range(2)]
+    reqs = own + others
+    lengths = [len(r.prompt_token_ids) for r in reqs]
+    assert outputs(Engine(engines[1].config, engines[1].tokenizer, counting := CountingPrefill(engines[1].executor)),
+                   "dflash", reqs) == outputs(engines[0], "dflash", reqs)
+    passes = counting.computed  # wave 1 (in two prefill passes: prompts of such different lengths go apart), wave 2,
+    # and the last request in a later step, when a slot is free
+    assert sorted(passes[0] + passes[1]) == [lengths[7], lengths[0]], passes
+    assert passes[2:] == [[n - 96 for n in lengths[1:7]], [lengths[8]]], passes
+
+    # 33 blocks; the first request takes 7 (103 positions + the verify block's 8), the held one will take 1 more
+    # block (8 positions past its 6 cached blocks, and 8) and a block of headroom each: a 370-token prompt (24
+    # blocks) would leave the held one 2 where it needs 3, so it waits.
+    tight = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory=str(34 * 16 * sum(
+        s.position_bytes() for s in _shapes(engines[0]))))
+    margin = tight.executor.block_size
+    first, held = own[0], own[1]
+    big = Request(9, torch.randint(3, 500, (370,), generator=g).tolist(), 12)
+    assert tight.executor.kv_blocks.free == 33
+    assert 33 - blocks_for(len(first.prompt_token_ids) + margin) - 2 == blocks_for(370 + margin) \
+        < blocks_for(370 + margin) + blocks_for(len(held.prompt_token_ids) - 96 + margin, BLOCK_TOKENS)
+    counting = CountingPrefill(tight.executor)
+    got = outputs(Engine(tight.config, tight.tokenizer, counting), "dflash", [first, held, big])
+    assert got == outputs(engines[0], "dflash", [first, held, big])
+    assert counting.computed[:2] == [[len(first.prompt_token_ids)], [len(held.prompt_token_ids) - 96]], \
+        counting.computed
+
+
 def test_block_size_auto_shares_a_prompt_once_the_drafter_holds_it(qwen3_engine_dir, engines):
     """--block-size auto holds a prompt's features back from the drafter until a speculative step needs them: the
     prompt's blocks (the target's K/V and the drafter's context) are published once that step has added them, and

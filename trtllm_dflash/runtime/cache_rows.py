@@ -350,7 +350,8 @@ class StaticRows:
     def prefix_block_tokens(self) -> int | None:
         return self.prefix_rows.block_tokens if self.prefix_rows is not None else None
 
-    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0,
+                waiting: Sequence[int] = ()) -> int | None:
         return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
 
     def extend(self, slot: int, start: int) -> bool:

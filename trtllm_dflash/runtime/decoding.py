@@ -204,7 +204,7 @@ class Decoder:
     Finished requests free their slot in the same step, so the next step admits new ones. `generate` is the batch-job
     loop over it. Where prompt blocks are shared by prefix, a request whose prompt starts with blocks that another
     request admitted in the same step is computing is admitted after that one's prefill (a second wave of the step),
-    and finds them cached.
+    and finds them cached; requests behind it that need nothing from that wave are not held back with it.
 
     KV memory (a paged cache, runtime/kv_blocks.py): requests are admitted in arrival order while the executor can
     hold their prompts (`reserve`), leaving a block per running request for it to grow into; before every step each
@@ -299,37 +299,42 @@ class Decoder:
 
     def _admit(self, earlier: list[_Active]) -> list[_Active]:
         """Take waiting requests into free slots in arrival order (one waiting for KV memory holds back those after
-        it), until one whose prompt starts with blocks that a request of this wave is about to compute: it waits for
-        the next wave, after this one's prefill has published them, so that a burst of requests with one system prompt
-        prefills it once (`earlier`: this step's earlier waves, already prefilled and published)."""
+        it). One whose prompt starts with blocks that a request of this wave is about to compute is held for the next
+        wave, after this one's prefill has published them, so that a burst of requests with one system prompt prefills
+        it once. Later requests are let by while they leave each one held a free slot and the blocks of what it will not
+        find cached (`earlier`: this step's earlier waves, already prefilled and published)."""
         wave: list[_Active] = []
-        while self._pending and self._free:
-            a = self._pending[0]
-            if wave and self._would_find(a, wave):
+        held: list[int] = []  # of each request held for the next wave, the positions it will not find cached
+        for a in list(self._pending):
+            if len(self._free) <= len(held):
                 break
-            # a block left free per running request: its next step may need one
-            cached = self.executor.reserve(self._free[0], a.known, self._share,
-                                           headroom=len(self._active) + len(earlier) + len(wave))
+            if wave and (found := self._found_in(a, wave)):
+                held.append(len(a.known) - found)
+                continue
+            # a block left free per running request (and per one held): its next step may need one
+            cached = self.executor.reserve(self._free[0], a.known, self._share, waiting=held,
+                                           headroom=len(self._active) + len(earlier) + len(wave) + len(held))
             if cached is None:
                 if not self._active and not earlier and not wave:  # nothing will ever free memory for it
                     raise RuntimeError(f"request {shown(a.request.id)} does not fit in the KV cache even alone")
                 break
-            self._pending.popleft()
+            self._pending.remove(a)
             a.slot, a.cached = self._free.pop(0), cached
             if a.acceptance is None:  # a preempted request keeps its own
                 a.acceptance = self.policy.new_request()
             wave.append(a)
         return wave
 
-    def _would_find(self, a: _Active, wave: list[_Active]) -> bool:
-        """Whether `a`'s prompt starts with a full block that a request of `wave` computes (past what it found cached)
-        and publishes with its prefill: the blocks reserve shares, those of every token but the last. (Where the
-        policy holds a prompt's features back from the drafter, a prompt publishes with its prefill only when it is
-        longer than the features held back.)"""
+    def _found_in(self, a: _Active, wave: list[_Active]) -> int:
+        """How many positions of `a`'s prompt it would find cached once `wave`'s prefill has published its blocks,
+        where a request of `wave` computes a full block `a`'s prompt starts with (past what it found cached); else 0.
+        The blocks are those reserve shares, of every token but the last. (Where the policy holds a prompt's features
+        back from the drafter, a prompt publishes with its prefill only when it is longer than the features held
+        back.)"""
         block = self.executor.prefix_block_tokens
         if block is None:
-            return False
-        tokens = a.known[:-1]
+            return 0
+        tokens, found = a.known[:-1], 0
         for b in wave:
             if self.policy.defers_context and len(b.known) - b.cached <= MAX_PENDING_CONTEXT:
                 continue
@@ -338,8 +343,8 @@ class Decoder:
                     tokens[shared:shared + block] == theirs[shared:shared + block]:
                 shared += block
             if shared > b.cached:
-                return True
-        return False
+                found = max(found, shared)
+        return found
 
     def _make_room(self, running: list[_Active]) -> list[_Active]:
         """Give every running request the cache positions its next step can write, oldest first; where none are free,

@@ -8,7 +8,7 @@ same tensors to an engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +29,7 @@ from trtllm_dflash.runtime.kv_blocks import (
     BlockTables,
     CacheShape,
     PagedKVCache,
+    blocks_for,
     plan_blocks,
     prefix_hashes,
     window_pool,
@@ -145,11 +146,13 @@ class Executor(Protocol):
         (the target's greedy or sampled token per row, the longest matching prefix of the draft)."""
         ...
 
-    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0,
+                waiting: Sequence[int] = ()) -> int | None:
         """Before a request takes `slot` to prefill `tokens` (a prompt; a preempted request's prompt and the tokens it
         had committed but the last): whether the caches can hold those positions and the first step's writes past them,
-        taking them if so (a paged cache's blocks, leaving `headroom` blocks free for the running requests); None: not
-        now (it waits for a release). Returns how many of the first positions are already in the caches (a shared prefix
+        taking them if so (a paged cache's blocks, leaving `headroom` blocks free for the running requests and, for
+        requests to be admitted after it, the blocks of each of `waiting` positions); None: not now (it waits for a
+        release). Returns how many of the first positions are already in the caches (a shared prefix
         whose blocks were published with the same `share`, what they hold: runtime/kv_blocks.py), which its prefill
         skips; `share` None: no sharing. Static caches: always 0."""
         ...
@@ -433,19 +436,23 @@ class TorchExecutor:
     def prefix_block_tokens(self) -> int | None:
         return BLOCK_TOKENS if self.kv_blocks is not None and self.prefix_cache else None
 
-    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0) -> int | None:
+    def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0,
+                waiting: Sequence[int] = ()) -> int | None:
         """Paged: take the blocks of `tokens` and of the first step's writes past them (a verify block), if that many
-        and `headroom` more are free; the first blocks (all but the last token, whose logits a prefill may need) are
-        shared with earlier requests where published. Static: always, nothing shared."""
+        and `headroom` more are free beside the blocks of `waiting` positions each; the first blocks (all but the last
+        token, whose logits a prefill may need) are shared with earlier requests where published. Static: always,
+        nothing shared."""
         if self.kv_blocks is None:
             return 0
         share = share if self.prefix_cache else None
         hashes = prefix_hashes(tokens[:-1], share) if share is not None else []
         positions = len(tokens) + self._margin
         hits = min(t.hit_count(hashes) for t in self._tables)  # the rings need the window before the first uncached
-        if not all(t.can_reserve(positions, hashes, headroom, hits) for t in self._tables):
+        tables = [(t, headroom + sum(blocks_for(n + self._margin, t.block_tokens) for n in waiting))
+                  for t in self._tables]
+        if not all(t.can_reserve(positions, hashes, room, hits) for t, room in tables):
             return None
-        return min(t.reserve(slot, positions, hashes, headroom, hits) for t in self._tables)
+        return min(t.reserve(slot, positions, hashes, room, hits) for t, room in tables)
 
     def extend(self, slot: int, start: int) -> bool:
         """Paged: the blocks of positions up to a verify block past `start`; the rings give back the blocks before the
