@@ -7,7 +7,7 @@
    share on 2 ranks (24 value heads, key and value heads of 128): token by token, chunks of 16 (what the graphs run)
    and chunks of 64 (transformers' prefill chunk), at batch 1 and 8 over 1 token (a plain step), 16 (a verify
    block) and 512 / 2048 (prompts); medians of --rounds runs in alternating order; each form's largest error
-   against `_recurrent` (transformers' token-by-token rule in eager torch). For passes of up to 16 tokens also the
+   against `token_by_token` (transformers' token-by-token rule in eager torch). For passes of up to 16 tokens also the
    two forms in eager torch, where the torch executor runs a verify block token by token (why it does).
 2. With --before CHECKOUT (`git worktree add /tmp/before <commit>`): a random Qwen3.5 pair at the demo's width (8
    layers, hidden 256, untrained drafter: DFlash accepts about nothing, so its steps measure verify passes) built
@@ -118,11 +118,11 @@ def inputs(batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
 
 
 def forms(rounds: int, tmp: Path) -> list[dict]:
-    """Each case's medians (ms) and largest error against `_recurrent`, per form: the exported graphs in onnxruntime,
-    and for passes of up to 16 tokens the same two forms in eager torch (the torch executor's choice)."""
+    """Each case's medians (ms) and largest error against `token_by_token`, per form: the exported graphs in
+    onnxruntime, and for passes of up to 16 tokens the same two forms in eager torch (the torch executor's choice)."""
     import onnxruntime as ort
 
-    from trtllm_dflash.models.linear_attention import _recurrent, chunk_scanned
+    from trtllm_dflash.models.linear_attention import chunk_scanned, token_by_token
 
     batch, seq = Dim("batch", min=1), Dim("seq", min=1)
     dynamic = ({0: batch, 1: seq},) * 5 + ({0: batch},)
@@ -142,8 +142,9 @@ def forms(rounds: int, tmp: Path) -> list[dict]:
         feeds = dict(zip(names, (t.numpy() for t in x)))
         runs = {form: (lambda s=s: [torch.from_numpy(o) for o in s.run(None, feeds)]) for form, s in sessions.items()}
         if tokens <= 16:  # (a prompt in the torch executor: transformers' chunks of 64)
-            runs |= {"eager token by token": lambda: _recurrent(*x), "eager chunks of 16": lambda: chunk_scanned(*x)}
-        want = _recurrent(*x)
+            runs |= {"eager token by token": lambda: token_by_token(*x),
+                     "eager chunks of 16": lambda: chunk_scanned(*x)}
+        want = token_by_token(*x)
         errors = {form: max(float((got - w).abs().max()) for got, w in zip(run(), want)) for form, run in runs.items()}
         times: dict[str, list[float]] = {form: [] for form in runs}
         for r in range(rounds):

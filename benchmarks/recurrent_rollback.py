@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from trtllm_dflash.models.linear_attention import RecurrentStates, _recurrent
+from trtllm_dflash.models.linear_attention import RecurrentStates, token_by_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def every_state(q, k, v, g, beta, state):
     """The gated delta rule keeping the state before and after every token [B, T + 1, H, dk, dv] (the snapshot
-    form); outputs as `_recurrent`'s."""
+    form); outputs as `token_by_token`'s."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     q = q * q.shape[-1] ** -0.5
     outs, kept = [], [state]
@@ -71,7 +71,7 @@ def replay_step(states: RecurrentStates, slots, starts, q, k, v, decay, beta):
     """RecurrentStates' own: replay what the last block kept, run this block, keep its pre-state and inputs."""
     step = states.begin(slots, starts, q.shape[1], torch.full_like(slots, q.shape[1]))
     conv, state = states.read(0, step)
-    out, _ = _recurrent(q, k, v, decay, beta, state)
+    out, _ = token_by_token(q, k, v, decay, beta, state)
     states.write(0, step, torch.zeros(len(slots), conv.shape[1] + q.shape[1], conv.shape[2]), state, k, v, decay, beta)
     states.end(step)
     return out

@@ -267,12 +267,12 @@ def test_tp_under_mpiexec_equals_one_process(pair, tmp_path):
 @pytest.mark.parametrize("tokens, chunk", [(1, 16), (15, 16), (16, 16), (17, 16), (70, 16), (150, 64), (40, 8)])
 def test_the_graphs_chunked_delta_rule_gives_the_token_by_token_rule(tokens, chunk):
     """chunk_scanned (the exported graphs' form: each chunk's (I - L)^-1 as a product of squarings, a scan over chunks)
-    == _recurrent (transformers' token-by-token rule) within float32 rounding: outputs and the final state, from a
+    == token_by_token (transformers' token-by-token rule) within float32 rounding: outputs and the final state, from a
     non-zero state, rows whose padding (g = beta = 0) starts anywhere, passes shorter than, equal to and across chunks;
     the state-only form (q None: the replay's) gives the same state."""
     import torch.nn.functional as F
 
-    from trtllm_dflash.models.linear_attention import _recurrent, chunk_scanned
+    from trtllm_dflash.models.linear_attention import chunk_scanned, token_by_token
 
     g = torch.Generator().manual_seed(tokens)
     B, H, dk, dv = 3, 2, 32, 24
@@ -283,7 +283,7 @@ def test_the_graphs_chunked_delta_rule_gives_the_token_by_token_rule(tokens, chu
     real = (torch.arange(tokens)[None] < torch.tensor([tokens, max(tokens // 2, 1), 1])[:, None])[..., None]
     decay = -0.1 * torch.rand(B, tokens, H, generator=g) * real
     beta = (0.5 + 0.5 * torch.rand(B, tokens, H, generator=g)) * real
-    want_out, want_state = _recurrent(q, k, v, decay, beta, state)
+    want_out, want_state = token_by_token(q, k, v, decay, beta, state)
     out, final = chunk_scanned(q, k, v, decay, beta, state, chunk)
     torch.testing.assert_close(out, want_out, atol=2e-6, rtol=0)
     torch.testing.assert_close(final, want_state, atol=2e-6, rtol=0)
@@ -316,17 +316,28 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     assert {"kept", "valid", "past_conv_0", "past_state_0", "past_key_3"} <= inputs and "past_delta_k_0" not in inputs
     assert {"present_delta_k_0", "present_delta_beta_2", "present_state_1"} <= outputs and "past_key_0" not in inputs
     assert not (graphs / "target_tree.onnx").exists()  # (a recurrent state follows one sequence: no trees)
+    decode = onnx.load(str(graphs / "target_decode.onnx"), load_external_data=False).graph
+    assert not any(n.op_type == "Scan" for n in decode.node)  # one token: the rule's step as plain ops
+    assert sum(n.op_type == "GroupQueryAttention" for n in decode.node) == 1  # the attention layer, in place
+    inputs, outputs = {i.name for i in decode.input}, {o.name for o in decode.output}
+    assert {"kept", "past_conv_0", "past_state_2", "past_key_3"} <= inputs and not {"valid", "key_positions"} & inputs
+    assert {"present_conv_0", "present_state_2"} <= outputs and not any("delta" in name for name in outputs)
     ort = Engine.load(engine_dir, backend="onnxruntime")
     assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
     g = torch.Generator().manual_seed(1)
     reqs = [replace(r, max_new_tokens=40) for r in requests(ort.executor.vocab_size)]
     reqs.append(Request(5, torch.randint(4, ort.executor.vocab_size, (70,), generator=g).tolist(), 24))
     ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
-    replays, replay = [], ort.executor._sessions["target_replay.onnx"]
-    run_replay = replay.run_with_iobinding
-    replay.run_with_iobinding = lambda binding: (replays.append(1), run_replay(binding))
+    runs = {name: [] for name in ("target_replay.onnx", "target_decode.onnx", "target_step.onnx")}
+    for name, calls in runs.items():
+        session = ort.executor._sessions[name]
+        session.run_with_iobinding = lambda binding, run=session.run_with_iobinding, calls=calls: (calls.append(1),
+                                                                                                  run(binding))
+    replays = runs["target_replay.onnx"]
     assert {r.request.id: r.output_token_ids for r in ort.decoder("ar").generate(reqs)} == ar
     assert not replays  # (a one-token pass leaves the states after its token: ONE_TOKEN_ADVANCES_KEY)
+    # plain steps run target_decode (no Scan), only prompts target_step (a run of rows at most once each)
+    assert len(runs["target_decode.onnx"]) >= 39 and len(runs["target_step.onnx"]) <= len(reqs), runs
     greedy = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
     for k in (8, 3):
         scripted = ScriptedDrafts(ort.executor, greedy)

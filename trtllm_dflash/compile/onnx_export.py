@@ -174,6 +174,7 @@ from trtllm_dflash.compile.onnx_ops import (
     MOE_OP,
     TRANSLATIONS,
     GraphKVCache,
+    GraphOneTokenStates,
     GraphRecurrentStates,
 )
 from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY
@@ -283,6 +284,25 @@ class TargetDecode(nn.Module):
         return (out.logits, *hidden, *cache.present())
 
 
+class RecurrentTargetDecode(TargetDecode):
+    """target_decode.onnx of a target with Gated DeltaNet layers (Qwen3.5): TargetDecode, its attention layers' caches
+    first, then each Gated DeltaNet layer's conv and state, read and written (onnx_ops.GraphOneTokenStates: the token's
+    step of the gated delta rule, no Scan), and the executor's `kept` per row. `depth`: the conv buffers' kept
+    tokens."""
+
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...], depth: int):
+        super().__init__(target, capture_layers)
+        self.depth = depth
+
+    def forward(self, token_ids, positions, kept, past: list[torch.Tensor], states: list[torch.Tensor]):
+        cache = GraphKVCache(past, in_place=True, layers=self.target.spec.attention_layers)
+        recurrent = GraphOneTokenStates(states, kept, self.target.spec.linear_conv_kernel, self.depth)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=1, states=recurrent)
+        hidden = (out.hidden,) if self.capture_layers else ()
+        return (out.logits, *hidden, *cache.present(), *recurrent.present())
+
+
 def ring_pass_tokens(target: TargetModel, drafter: DFlashDrafter | None) -> int | None:
     """The most positions per row a pass of an onnxruntime engine may write when `target`'s sliding-window layers keep
     rings (of the window plus this many positions): a verify block, or the window (rounded up to a block of the paged
@@ -294,11 +314,13 @@ def ring_pass_tokens(target: TargetModel, drafter: DFlashDrafter | None) -> int 
 
 
 def attends_in_place(target: TargetModel) -> bool:
-    """Whether target_decode.onnx can run `target`: every layer plain grouped-query attention over one cache, at the
-    default scale (no sinks, sliding windows, latent attention or recurrent layers)."""
+    """Whether target_decode.onnx can run `target`: every attention layer plain grouped-query attention over one cache,
+    at the default scale (no sinks, sliding windows or latent attention); a hybrid target's Gated DeltaNet layers
+    (RecurrentTargetDecode) too."""
     spec = target.spec
-    return (not spec.sliding_window and not spec.is_mla and not spec.has_recurrent_state and not spec.is_gemma4
-            and all(layer.self_attn.sinks is None and layer.self_attn.scale is None for layer in target.model.layers))
+    return (not spec.sliding_window and not spec.is_mla and not spec.is_gemma4
+            and all(layer.self_attn.sinks is None and layer.self_attn.scale is None
+                    for layer in target.model.layers if layer.self_attn is not None))
 
 
 class DrafterContext(nn.Module):
@@ -443,13 +465,24 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
             {("kept", 0): "batch", ("steps", 0): "steps",
              **{(name, 0): "batch" for name in state_names(linear, "past", REPLAY_KINDS)}},
         )]
-    if in_place:
+    if in_place and not spec.has_recurrent_state:
         graphs.append(_Graph(
             TARGET_DECODE, TargetDecode(target, capture),
             (torch.zeros(b, 1, dtype=torch.long), torch.tensor([[4], [6], [9]]), t_past),
             ({0: batch}, {0: batch}, [cache_axes] * len(t_past)),
             ["token_ids", "positions", *cache_names(attention, "past")], step_outputs,
             {("token_ids", 0): "batch", **names(attention)},
+        ))
+    elif in_place:  # Qwen3.5: conv and state read and written, no delta_*
+        graphs.append(_Graph(
+            TARGET_DECODE, RecurrentTargetDecode(target, capture, depth),
+            (torch.zeros(b, 1, dtype=torch.long), torch.tensor([[4], [6], [9]]), kept, t_past, read),
+            ({0: batch}, {0: batch}, {0: batch}, [cache_axes] * len(t_past), [{0: batch}] * len(read)),
+            ["token_ids", "positions", "kept", *cache_names(attention, "past"),
+             *state_names(linear, "past", READ_KINDS)],
+            [*step_outputs, *state_names(linear, "present", READ_KINDS)],
+            {("token_ids", 0): "batch", **names(attention),
+             **{(name, 0): "batch" for name in state_names(linear, "past", READ_KINDS)}},
         ))
     if drafter is None:
         return graphs

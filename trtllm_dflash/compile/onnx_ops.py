@@ -82,7 +82,7 @@ import onnx_ir as ir
 from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
-from trtllm_dflash.models.linear_attention import READ_KINDS, RecurrentPass, chunk_scanned
+from trtllm_dflash.models.linear_attention import READ_KINDS, RecurrentPass, chunk_scanned, token_by_token
 from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
 from trtllm_dflash.quantize.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
 from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
@@ -519,6 +519,29 @@ class GraphRecurrentStates:
     def present(self) -> list[torch.Tensor]:
         """STATE_KINDS' buffers of the first layer, then of the second, ... after the pass."""
         return [t for layer in self.buffers for t in layer]
+
+
+class GraphOneTokenStates(GraphRecurrentStates):
+    """GraphRecurrentStates for target_decode.onnx of a hybrid target, one token per row: the token's step of the gated
+    delta rule as plain ops (no Scan), and, since a one-token pass advances the state (RecurrentStates'
+    one_token_advances: no later pass replays its token), only conv and state read and written (bound in place), no
+    delta_*. Its rows' kept tokens were replayed by target_replay.onnx before, as for target_step."""
+
+    def __init__(self, past: list[torch.Tensor], kept: torch.Tensor, kernel: int, depth: int):
+        super().__init__(past, kept, None, kernel, depth)
+
+    def begin(self, slots: torch.Tensor, starts: torch.Tensor, tokens, valid: torch.Tensor) -> RecurrentPass:
+        return RecurrentPass(slots, starts, self.kept, (starts > 0).to(torch.float32)[:, None], valid, tokens, False)
+
+    def recur(self, step: RecurrentPass, q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_by_token(q, k, v, g, beta, state)  # (one token: one step)
+
+    def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """The K - 1 conv inputs up to the token (inputs: the K - 1 read, then the token's) at the buffer's start, the
+        state after the token."""
+        conv = self.buffers[layer][0]
+        self.buffers[layer] = [_padded(inputs[:, 1:], conv.shape[1]), state]
 
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:

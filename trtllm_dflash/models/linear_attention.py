@@ -178,7 +178,7 @@ class RecurrentStates:
         rows = step.kept[:, None] + torch.arange(self.kernel - 1, device=slots.device)  # [B, K - 1]
         conv = self.conv[layer][slots[:, None], rows]
         keep = (torch.arange(self.depth, device=slots.device)[None, :] < step.kept[:, None])[..., None]  # [B, depth, 1]
-        _, state = _recurrent(None, self.k[layer][slots], self.v[layer][slots], self.g[layer][slots] * keep,
+        _, state = token_by_token(None, self.k[layer][slots], self.v[layer][slots], self.g[layer][slots] * keep,
                               self.beta[layer][slots] * keep, self.state[layer][slots])
         return conv * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
 
@@ -190,9 +190,9 @@ class RecurrentStates:
         in eager torch the graphs' chunks (chunk_scanned) made a demo-width Qwen3.5 pair's decoding slower
         (docs/models.md)."""
         if step.keep_all:
-            return _recurrent(q, k, v, g, beta, state)[0], state
+            return token_by_token(q, k, v, g, beta, state)[0], state
         if step.tokens == 1:
-            return _recurrent(q, k, v, g, beta, state)
+            return token_by_token(q, k, v, g, beta, state)
         return _chunked(q, k, v, g, beta, state)
 
     def write(self, layer: int, step: RecurrentPass, inputs: torch.Tensor, state: torch.Tensor,
@@ -267,7 +267,7 @@ def delta_step(state, k, v, g, beta):
     return state + k[..., :, None] * delta[..., None, :]
 
 
-def _recurrent(q, k, v, g, beta, state):
+def token_by_token(q, k, v, g, beta, state):
     """The gated delta rule token by token (transformers' torch_recurrent_gated_delta_rule).
     q (None: no outputs), k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; state [B, H, dk, dv] fp32.
     Returns out [B, T, H, dv] fp32 (or None) and the state after the last token."""
@@ -282,17 +282,17 @@ def _recurrent(q, k, v, g, beta, state):
 
 
 def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):
-    """The gated delta rule in chunks of `chunk` tokens (a power of 2) as the exported graphs run it: `_recurrent`'s
+    """The gated delta rule in chunks of `chunk` tokens (a power of 2) as the exported graphs run it: `token_by_token`'s
     values within float32 rounding (q None: the final state only). Within a chunk, what makes its tokens depend on
     each other is the unit lower triangular (I - L)^-1 that transformers' chunked form solves row by row in chunk - 1
     steps; here it is inverted by blocks (`_unit_lower_inverse`: log2(chunk) rounds of two matrix products over every
     chunk at once). Then one torch scan over the chunks carries the state (its exported graphs: one ONNX Scan of
-    T / chunk steps, where `_recurrent`'s form is one of T steps).
+    T / chunk steps, where `token_by_token`'s form is one of T steps).
 
     The number of chunks is read from the data (an unbacked size: the export assumes nothing about it, where
     ceil(T / chunk) on T's symbol made it guard on values it cannot prove). Tokens with g = beta = 0 (padding past a
     row's valid tokens, and the zeros padding T to whole chunks) leave the state and every other token's output
-    exactly as they are, as in `_recurrent`. Why chunks of 16 (GRAPH_CHUNK), measured: docs/models.md §Recurrent
+    exactly as they are, as in `token_by_token`. Why chunks of 16 (GRAPH_CHUNK), measured: docs/models.md §Recurrent
     state."""
     rounds = (chunk - 1).bit_length()  # (of _unit_lower_inverse: enough for a whole chunk)
     k, v, g, beta = (x.float().transpose(1, 2) for x in (k, v, g, beta))  # [B, H, T, ...]

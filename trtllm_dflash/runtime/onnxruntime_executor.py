@@ -261,7 +261,8 @@ class OnnxRuntimeExecutor(StaticRows):
             if self._states.may_replay(run.range):
                 self._replay(run, step.kept)
             _bind_input(binding, "kept", step.kept)
-            _bind_input(binding, "valid", valid)
+            if key_positions is not None:  # (target_decode's one token is valid)
+                _bind_input(binding, "valid", valid)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
         logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
         hidden = torch.empty(run.rows, T, self._hidden_features, dtype=self._dtype, device=self.device)
@@ -414,9 +415,11 @@ class OnnxRuntimeExecutor(StaticRows):
     def _in_place(self, graph: str, caches: LayerCaches | None) -> list[tuple[str, torch.Tensor, bool, bool]]:
         """(name, buffer, read, written) of what `graph` binds in place: its caches, read and written, and a hybrid
         target's Gated DeltaNet states: target_step reads conv and state and writes all six, target_replay reads the
-        state and the delta_* and writes the state."""
+        state and the delta_* and writes the state, target_decode reads and writes conv and state."""
         bound = [(name, buf, True, True) for name, buf in caches.named()] if caches is not None else []
-        if self._states is not None and graph == REPLAY_GRAPH:
+        if self._states is not None and graph == DECODE_GRAPH:
+            bound += [(name, buf, True, True) for name, buf in self._states.named(self._linear, READ_KINDS)]
+        elif self._states is not None and graph == REPLAY_GRAPH:
             bound += [(name, buf, True, name.startswith("state_"))
                       for name, buf in self._states.named(self._linear, REPLAY_KINDS)]
         elif self._states is not None and graph == "target_step.onnx":
