@@ -15,7 +15,8 @@
    rounds of alternating order, with the onnxruntime executor: one 512-token prompt's prefill, and 8 held-out
    prompts x 64 new tokens at batch 1 (AR and DFlash, greedy, tokens compared across the checkouts). With
    --end-to-end-only, this part alone (results/recurrent_one_token.json: before / after one-token passes left the
-   states after their token, 2026-12-05).
+   states after their token; results/recurrent_decode_graph.json: before / after one-token passes ran target_decode;
+   both 2026-12-05).
 
 Writes benchmarks/results/recurrent_forms.json and prints markdown tables.
 """

@@ -66,6 +66,12 @@ target_step.onnx of a target with Gated DeltaNet layers (Qwen3.5; RecurrentTarge
          present_conv_j, present_state_j, present_delta_k_j [batch, depth, heads, dk], present_delta_v_j
                              [.., dv], present_delta_g_j float32 [batch, depth, heads], present_delta_beta_j: what
                              resumes the layer at any position of this pass (RecurrentStates; depth static: the block)
+target_decode.onnx of the same targets, for onnxruntime (RecurrentTargetDecode)
+    in   token_ids, positions   as target_decode's; kept as target_step's (the one token is valid)
+         past_key_i, past_value_i, past_conv_j, past_state_j   as target_step's
+    out  logits, hidden, present_key_i, present_value_i   as target_decode's (GroupQueryAttention in place)
+         present_conv_j, present_state_j   the conv inputs and state after the token (a one-token pass advances
+                             the state: no delta_*); the gated delta rule's step is plain ops, no Scan
 target_replay.onnx (the same targets; TargetReplay)
     in   kept         int64  [batch]          as above
          steps        int64  [steps]          0 .. n - 1, n = max(kept) (1 .. depth)
