@@ -12,6 +12,7 @@ attention layer; the MoE one 8 routed experts (top 2) and a gated shared expert 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -297,12 +298,13 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     executor's tokens equal the torch executor's: drafts right for 0 .. k - 1 positions then wrong (blocks of 8 and
     3: every accepted length, so every replay length), the drafter's own drafts (same acceptance lengths), a 70-token
     prompt (five chunks: the state after it kept), greedy and sampled, dflash and ar; the MoE target's experts one
-    node per layer."""
+    node per layer. One-token passes run target_decode (the rule's step without Scan, conv and state in place); an
+    engine without it (built before) runs them through target_step, same tokens."""
     import onnx
 
     from trtllm_dflash.config import BuildConfig
     from trtllm_dflash.engine.builder import build_engine
-    from trtllm_dflash.engine_dir import graph_dir
+    from trtllm_dflash.engine_dir import graph_dir, write_manifest
 
     engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
                                           max_batch_size=4, max_seq_len=256, backend="onnxruntime",
@@ -355,6 +357,15 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
         got, expected = ({r.request.id: r.output_token_ids for r in e.decoder(mode).generate(sampled)}
                          for e in (ort, engine))
         assert got == expected, mode
+
+    # an engine built before 2026-12-05 12:00 has no target_decode: its one-token passes run target_step, same tokens
+    older = tmp_path / "older"
+    shutil.copytree(engine_dir, older)
+    (graph_dir(older, 0) / "target_decode.onnx").unlink()
+    write_manifest(older)
+    old = Engine.load(older, backend="onnxruntime")
+    assert "target_decode.onnx" not in old.executor._sessions
+    assert {r.request.id: r.output_token_ids for r in old.decoder("ar").generate(reqs)} == ar
 
 
 @pytest.mark.slow
