@@ -18,6 +18,12 @@ benchmarks/results/prefix_reuse.json (torch), prefix_reuse_onnxruntime.json.
 max_batch_size at once. With reuse the first prefills the prefix and the others, admitted in the same step's second
 wave, only their turns; without, every request prefills everything (as reuse did in a burst before 2026-12-05, when
 requests admitted in one step could not see each other's blocks). Results: prefix_reuse_burst[_onnxruntime].json.
+
+`--policy auto` (with --burst and more requests than the engine's rows, e.g. --num-requests 24 --prefix-tokens 480):
+`--block-size auto` (the engine loaded with it, its measured pass costs), which at 8 requests in flight on this CPU
+runs plain steps and holds a prompt of up to 512 tokens back from the drafter. Its prompt blocks are published when a
+request ends (since 2026-12-05; before, never: the "reuse" side then equalled "no reuse"), so the requests admitted
+after the first ones finish find the system prompt. Results: prefix_reuse_auto[_onnxruntime].json.
 """
 
 from __future__ import annotations
@@ -42,8 +48,15 @@ def load() -> str:
 
 
 def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse: bool, backend: str,
-        burst: bool = False) -> dict:
-    if backend == "torch":
+        burst: bool = False, auto: bool = False) -> dict:
+    if auto:  # (loading, untimed: the pass costs were measured once, by the warm-up's load)
+        loaded = Engine.load(root, backend=backend, threads=1, prefix_cache=reuse, block_size="auto",
+                             kv_cache_memory=str(budget) if backend == "torch" else None,
+                             report=lambda line: print(line, flush=True))
+        executor = loaded.executor
+        prefix = executor.kv_blocks if backend == "torch" else executor.prefix_rows
+        decoder = loaded.decoder("dflash")
+    elif backend == "torch":
         ex = engine.executor
         executor = TorchExecutor(ex.target, ex.drafter, engine.config.max_batch_size, engine.config.max_seq_len,
                                  kv_cache_memory=budget, prefix_cache=reuse)
@@ -51,7 +64,8 @@ def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse:
     else:  # (loading, untimed)
         executor = Engine.load(root, backend=backend, threads=1, prefix_cache=reuse).executor
         prefix = executor.prefix_rows
-    decoder = Decoder(executor, FixedBlock(executor.block_size), engine.config.eos_token_ids)
+    if not auto:
+        decoder = Decoder(executor, FixedBlock(executor.block_size), engine.config.eos_token_ids)
     start = time.perf_counter()
     if burst:
         results = sorted(decoder.generate(requests), key=lambda r: r.request.id)
@@ -59,6 +73,7 @@ def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse:
         results = [r for q in requests for r in decoder.generate([q])]
     return {"seconds": time.perf_counter() - start, "ttft_ms": [round(r.ttft_s * 1e3, 2) for r in results],
             "outputs": [r.output_token_ids for r in results],
+            "speculative_steps": sum(len(r.acceptance_lengths) for r in results),
             "prefix_hit_rate": prefix.prefix_blocks_hit / max(1, prefix.prefix_blocks_looked_up) if prefix else 0.0}
 
 
@@ -72,9 +87,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
     ap.add_argument("--burst", action="store_true", help="submit the requests together, not one after another")
+    ap.add_argument("--policy", choices=("dflash", "auto"), default="dflash",
+                    help="dflash: blocks of the engine's block_size; auto: --block-size auto")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
-    suffix = ("_burst" if args.burst else "") + ("" if args.backend == "torch" else f"_{args.backend}")
+    auto = args.policy == "auto"
+    suffix = ("_auto" if auto else "_burst" if args.burst else "") + ("" if args.backend == "torch" else
+                                                                       f"_{args.backend}")
     args.output = args.output or ROOT / "benchmarks" / "results" / f"prefix_reuse{suffix}.json"
     engine = Engine.load(args.engine, backend="torch", threads=1)
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
@@ -90,24 +109,27 @@ def main() -> None:
     print(f"{len(requests)} requests: a {len(system)}-token shared prefix + 32-token turns, {args.max_new_tokens} new "
           f"tokens each, {'submitted together' if args.burst else 'concurrency 1'}; load before: {load_before}",
           flush=True)
-    run(engine, args.engine, requests[:2], budget, True, args.backend, args.burst)  # warm-up
+    run(engine, args.engine, requests[:2], budget, True, args.backend, args.burst, auto)  # warm-up
     runs: dict[str, list[dict]] = {"reuse": [], "no reuse": []}
     for r in range(args.rounds):
         for name in (("reuse", "no reuse") if r % 2 == 0 else ("no reuse", "reuse")):
-            runs[name].append(run(engine, args.engine, requests, budget, name == "reuse", args.backend, args.burst))
+            runs[name].append(run(engine, args.engine, requests, budget, name == "reuse", args.backend, args.burst,
+                                  auto))
             x = runs[name][-1]
             print(f"round {r + 1} {name}: {x['seconds']:.2f} s, TTFT first {x['ttft_ms'][0]} ms, rest median "
                   f"{statistics.median(x['ttft_ms'][1:])} ms", flush=True)
     table = {name: {"total_s": round(statistics.median(x["seconds"] for x in rs), 3),
                     "ttft_first_ms": round(statistics.median(x["ttft_ms"][0] for x in rs), 2),
                     "ttft_rest_median_ms": round(statistics.median(statistics.median(x["ttft_ms"][1:]) for x in rs), 2),
-                    "prefix_hit_rate": round(rs[0]["prefix_hit_rate"], 4)}
+                    "prefix_hit_rate": round(rs[0]["prefix_hit_rate"], 4),
+                    "speculative_steps": [x["speculative_steps"] for x in rs]}
              for name, rs in runs.items()}
     same = all(x["outputs"] == runs["no reuse"][0]["outputs"] for rs in runs.values() for x in rs)
     kv_cache = args.kv_cache_memory if args.backend == "torch" else "static rows"
     report = {"engine": str(args.engine), "backend": args.backend, "prefix_tokens": len(system),
               "num_requests": len(requests), "max_new_tokens": args.max_new_tokens, "kv_cache_memory": kv_cache,
               "rounds": args.rounds, "submitted": "together" if args.burst else "one after another",
+              "policy": "--block-size auto" if auto else f"blocks of {engine.executor.block_size}",
               "threads": 1, "load_before": load_before, "load_after": load(), "results": table,
               "outputs_identical": same,
               "ttft_no_reuse_over_reuse": round(table["no reuse"]["ttft_rest_median_ms"]

@@ -124,7 +124,8 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
     32 fewer prompt positions computed); tokens and acceptance lengths are those without reuse, dflash and ar, greedy
     and sampled. --block-size auto (speculating at once: hand-made pass costs) publishes the first request's blocks
     once its drafter holds the prompt, so the other three, submitted after it, find them (tokens only: auto's
-    choices follow the steps' timings)."""
+    choices follow the steps' timings); so does auto running plain steps only (drafting made dear), which gives the
+    drafter the prompt's blocks when the first request ends."""
     from tests.tensorrt_standin import standin_executor
     from tests.test_block_size_auto import hand_costs
     from trtllm_dflash.runtime.decoding import Decoder
@@ -146,7 +147,7 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
         loaded[reuse] = Engine.load(qwen3_ort_engine, backend="onnxruntime", prefix_cache=reuse)
         return loaded[reuse].executor
 
-    for mode in ("dflash", "ar", "auto"):
+    for mode in ("dflash", "ar", "auto", "auto, plain steps"):
         results, prefilled = {}, {}
         for reuse in (True, False):
             ex = load(reuse)
@@ -159,8 +160,9 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
                 return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
 
             ex.target_forward = counted
-            auto = mode == "auto"
-            policy = AutoBlock(AutoBlockSize(hand_costs(), block_size=ex.block_size)) if auto else \
+            auto = mode.startswith("auto")
+            draft_ms = 1e3 if mode == "auto, plain steps" else 1.0
+            policy = AutoBlock(AutoBlockSize(hand_costs(draft_ms), block_size=ex.block_size)) if auto else \
                 engine.decoder(mode).policy
             decoder = Decoder(ex, policy, engine.config.eos_token_ids)
             results[reuse] = {r.request.id: (r.output_token_ids, None if auto else r.acceptance_lengths)
@@ -168,7 +170,7 @@ def test_prefix_blocks_are_copied_between_requests_and_change_no_token(qwen3_ort
             assert (ex.prefix_rows is not None) == reuse
         assert results[True] == results[False], mode
         assert prefilled[False] - prefilled[True] == 3 * 32, (mode, prefilled)
-    if loaded:  # what `bench` reports of the static rows' pool (the last run's: auto, with reuse)
+    if loaded:  # what `bench` reports of the static rows' pool (the last run's: auto's plain steps, with reuse)
         from trtllm_dflash.bench.runner import _kv_cache_report
 
         # full blocks before each prompt's last token: 2, 2, 2 and 3 (a 49-token prompt); hit: the later three's 2

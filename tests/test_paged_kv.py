@@ -165,10 +165,16 @@ def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
 
 class CountingPrefill:
     """The executor, counting the target positions its prefill passes (those with last_index) compute: padded, in all
-    (`prefill_tokens`), and each request's own, pass by pass (`computed`)."""
+    (`prefill_tokens`), and each request's own, pass by pass (`computed`); and the positions of each request's
+    drafter-context passes of their own (`contexts`)."""
 
     def __init__(self, executor):
-        self._executor, self.prefill_tokens, self.computed = executor, 0, []
+        self._executor, self.prefill_tokens, self.computed, self.contexts = executor, 0, [], []
+
+    def append_context(self, hidden, *args, **kwargs):
+        """(records the positions of each pass of its own that gives the drafter features)"""
+        self.contexts += [hidden.shape[1]] * hidden.shape[0]
+        return self._executor.append_context(hidden, *args, **kwargs)
 
     def target_forward(self, token_ids, *args, last_index=None, **kwargs):
         if last_index is not None:
@@ -271,12 +277,23 @@ def test_requests_behind_a_held_one_are_let_by(qwen3_engine_dir, engines):
         counting.computed
 
 
+def published_drafter_rows(engine: Engine, request: Request, layer: int) -> torch.Tensor:
+    """The drafter's K and V of a drafter layer in the published blocks of `request`'s prompt, in order."""
+    from trtllm_dflash.runtime.kv_blocks import prefix_hashes
+
+    tables, cache = engine.executor.kv_blocks, engine.executor.draft_cache
+    blocks = [tables._by_hash[h] for h in prefix_hashes(request.prompt_token_ids[:-1], "target+drafter")]
+    rows = torch.cat([torch.arange(b * tables.block_tokens, (b + 1) * tables.block_tokens) for b in blocks])
+    return torch.cat([cache.k[layer][rows].flatten(1), cache.v[layer][rows].flatten(1)], dim=1)
+
+
 def test_block_size_auto_shares_a_prompt_once_the_drafter_holds_it(qwen3_engine_dir, engines):
     """--block-size auto holds a prompt's features back from the drafter until a speculative step needs them: the
     prompt's blocks (the target's K/V and the drafter's context) are published once that step has added them, and
     later requests with the same system prompt find them and prefill only their own turns; the tokens are the static
     cache's (auto's are dflash's), greedy and sampled. Where auto runs plain steps only (drafting made dear), the
-    drafter never gets the prompt, and nothing is published."""
+    drafter gets the prompt's blocks when the request ends (one pass over their 96 positions), and they are published
+    then: the later requests find them alike."""
     from tests.test_block_size_auto import hand_costs
     from trtllm_dflash.runtime.decoding import Decoder
     from trtllm_dflash.runtime.verify import AutoBlock
@@ -287,7 +304,7 @@ def test_block_size_auto_shares_a_prompt_once_the_drafter_holds_it(qwen3_engine_
     lengths = [len(r.prompt_token_ids) for r in reqs]
     # hand-made pass costs: at batch 1 a whole block of 8 pays, so the first request speculates at once; with a draft
     # pass of a second, no block ever pays
-    for draft_ms, later in ((1.0, [n - 96 for n in lengths[1:]]), (1e3, lengths[1:])):
+    for draft_ms in (1.0, 1e3):
         engine = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB")
         counting = CountingPrefill(engine.executor)
         decoder = Decoder(counting, AutoBlock(AutoBlockSize(hand_costs(draft_ms), block_size=8)),
@@ -295,8 +312,17 @@ def test_block_size_auto_shares_a_prompt_once_the_drafter_holds_it(qwen3_engine_
         got = [r.output_token_ids for wave in (reqs[:1], reqs[1:])
                for r in sorted(decoder.generate(wave), key=lambda r: r.request.id)]
         assert got == expected, draft_ms
-        assert counting.computed == [lengths[:1], later], (draft_ms, counting.computed)
-        assert engine.executor.kv_blocks.prefix_blocks_hit == (3 * 6 if draft_ms == 1.0 else 0)
+        assert counting.computed == [lengths[:1], [n - 96 for n in lengths[1:]]], (draft_ms, counting.computed)
+        assert engine.executor.kv_blocks.prefix_blocks_hit == 3 * 6
+        if draft_ms == 1e3:  # plain steps only: the drafter's context of the first one's prompt blocks was written
+            # at its end (the others found those blocks and have no more of their own)
+            assert counting.contexts == [96], counting.contexts
+            # and they hold what a fixed block's decoder publishes with its prefill: the drafter's K/V of the prompt
+            fixed = Engine.load(qwen3_engine_dir, backend="torch", kv_cache_memory="16MiB")
+            outputs(fixed, "dflash", reqs[:1])
+            for layer in range(len(engine.executor.draft_cache.k)):
+                torch.testing.assert_close(published_drafter_rows(engine, reqs[0], layer),
+                                           published_drafter_rows(fixed, reqs[0], layer))
 
 
 def test_no_prefix_cache_and_eviction(qwen3_engine_dir, engines):

@@ -142,6 +142,7 @@ class _Active:
     cached: int = 0  # prompt positions already in the caches at admission (a shared prefix): the prefill skips them
     # its prompt blocks are to be shared once the drafter holds their context (--block-size auto holds it back)
     unpublished: bool = False
+    shared_end: int = 0  # the end of the prompt blocks it shares by prefix (full blocks of `known` but its last token)
     preempted: int = 0  # times its caches were taken back for others (it was recomputed after each)
     reported: int = 0  # output tokens already in an Update
     arrival: int = 0  # submission order (the same on every tensor-parallel rank, unlike `submitted`)
@@ -372,7 +373,10 @@ class Decoder:
         self._pending.appendleft(a)
 
     def _finish(self, a: _Active) -> Result:
-        """Take a finished request out of the batch and free its slot."""
+        """Take a finished request out of the batch and free its slot (its prompt blocks published first, if they
+        were not: `_publish_at_the_end`)."""
+        if a.unpublished:
+            self._publish_at_the_end(a)
         self._active.remove(a)
         self.executor.release(a.slot)
         bisect.insort(self._free, a.slot)
@@ -459,10 +463,11 @@ class Decoder:
         elif self.policy.drafts:
             # Padding columns of shorter prompts land past their `start` and stay masked.
             self.executor.append_context(out.hidden, batch.starts, batch.slots, rows=batch.rows)
+        block = self.executor.prefix_block_tokens or 1
         for a, tok in zip(admitted, first.tolist()):  # the prefill's one read
+            a.unpublished, a.shared_end = True, (len(a.known) - 1) // block * block
             if not a.output:
                 self._commit(a, [tok])
-            a.unpublished = True
         self._publish(admitted)
 
     def _publish(self, requests: list[_Active]) -> None:
@@ -472,6 +477,22 @@ class Decoder:
             if a.unpublished and not a.num_pending:
                 self.executor.publish(a.slot)
                 a.unpublished = False
+
+    def _publish_at_the_end(self, a: _Active) -> None:
+        """A request ends with its prompt blocks unpublished: the policy held the prompt's features back from the
+        drafter, and no speculative step (nor a flush) since has given them to it, as where --block-size auto runs
+        plain steps only. Give the drafter the features of those blocks in a pass of their own and publish them, so
+        that later requests with the same prompt find them: a drafter pass over at most the prompt, where each later
+        hit saves a target pass over it."""
+        if self.executor.prefix_block_tokens is None:
+            return
+        first = a.start - a.num_pending  # the first position the drafter's context lacks
+        if a.shared_end > first:
+            hidden = a.take_context()[: a.shared_end - first]
+            slots, starts = to_device([[a.slot], [first]], self.executor.device)
+            self.executor.append_context(hidden[None], starts, slots, rows=HostRows((a.slot,), (first,)))
+        self.executor.publish(a.slot)
+        a.unpublished = False
 
     def _decode(self, active: list[_Active]) -> None:
         """One decoding step for every running request: the policy's k, then a plain step (k = 1) or a draft pass and
