@@ -81,7 +81,7 @@ print(json.dumps(out))
 '''
 
 
-def token_by_token(q, k, v, g, beta, state):
+def scanned_per_token(q, k, v, g, beta, state):
     """The form the graphs ran before: one torch scan step (one ONNX Scan step) per token."""
     from torch._higher_order_ops.scan import scan
 
@@ -105,7 +105,7 @@ class Recurrence(torch.nn.Module):
         from trtllm_dflash.models.linear_attention import chunk_scanned
 
         if self.chunk == 0:
-            return token_by_token(q, k, v, g, beta, state)
+            return scanned_per_token(q, k, v, g, beta, state)
         return chunk_scanned(q, k, v, g, beta, state, self.chunk)
 
 

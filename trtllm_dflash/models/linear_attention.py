@@ -179,7 +179,7 @@ class RecurrentStates:
         conv = self.conv[layer][slots[:, None], rows]
         keep = (torch.arange(self.depth, device=slots.device)[None, :] < step.kept[:, None])[..., None]  # [B, depth, 1]
         _, state = token_by_token(None, self.k[layer][slots], self.v[layer][slots], self.g[layer][slots] * keep,
-                              self.beta[layer][slots] * keep, self.state[layer][slots])
+                                  self.beta[layer][slots] * keep, self.state[layer][slots])
         return conv * step.fresh[:, :, None].to(conv.dtype), state * step.fresh[:, :, None, None]
 
     def recur(self, step: RecurrentPass, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
