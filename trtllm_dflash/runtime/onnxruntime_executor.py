@@ -261,7 +261,7 @@ class OnnxRuntimeExecutor(StaticRows):
             if self._states.may_replay(run.range):
                 self._replay(run, step.kept)
             _bind_input(binding, "kept", step.kept)
-            if key_positions is not None:  # (target_decode's one token is valid)
+            if graph != DECODE_GRAPH:  # (target_decode has no such input: its one token is valid)
                 _bind_input(binding, "valid", valid)
         # Outputs go straight into torch tensors (asking onnxruntime for its own copies costs more than the step).
         logits = torch.empty(run.rows, T, self.vocab_size, dtype=torch.float32, device=self.device)
