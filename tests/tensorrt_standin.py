@@ -29,6 +29,7 @@ class OnnxRuntimeContext:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.addresses: dict[str, int] = {}
         self.calls = 0
+        self.rebinds = 0  # shapes and addresses set after the first execute (a captured CUDA graph could not see them)
 
     def set_input_shape(self, name, shape):
         if self.profile is not None:
@@ -36,10 +37,12 @@ class OnnxRuntimeContext:
                 r = self.profile.get(dim) if isinstance(dim, str) else None
                 if r is not None and not r.min <= size <= r.max:
                     return False  # TensorRT: "... is out of the profile's range"
+        self.rebinds += self.calls > 0
         self.shapes[name] = tuple(shape)
         return True
 
     def set_tensor_address(self, name, memory):
+        self.rebinds += self.calls > 0
         self.addresses[name] = memory
         return True
 
@@ -67,10 +70,13 @@ class OnnxRuntimeContext:
 
 
 def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None,
-                     pass_tokens: int | None = None, prefix_cache: bool = True) -> TensorRTExecutor:
+                     pass_tokens: int | None = None, prefix_cache: bool = True, cuda_graphs: bool = False,
+                     made: list | None = None) -> TensorRTExecutor:
     """A TensorRTExecutor of `engine` (rank 0, built with backend onnxruntime) whose contexts are OnnxRuntimeContexts,
     holding the profile `compile` would give its plans (and taking passes of its length, or of `pass_tokens`), unless
-    `profile` is False."""
+    `profile` is False. `cuda_graphs`: the executor's decode-step calls over static buffers, each on a context of its
+    own (runtime/plan_graphs.py: a CPU runs them where a GPU replays graphs); `made` gets (plan, context) for each
+    context made for them."""
     import onnxruntime as ort
 
     cfg = read_engine_config(engine)
@@ -87,9 +93,16 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     shapes = engine_shapes(cfg) if profile else None
-    contexts = {g: OnnxRuntimeContext(ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
-                                                           providers=["CPUExecutionProvider"]), output_shape, shapes)
-                for g in engine_plans(cfg)}
-    return TensorRTExecutor(contexts, cfg, block_size, "cpu", cache_length(cfg),
+    sessions = {g: ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
+                                        providers=["CPUExecutionProvider"]) for g in engine_plans(cfg)}
+
+    def new_context(plan: str) -> OnnxRuntimeContext:
+        context = OnnxRuntimeContext(sessions[plan], output_shape, shapes)
+        if made is not None:
+            made.append((plan, context))
+        return context
+
+    return TensorRTExecutor({g: OnnxRuntimeContext(s, output_shape, shapes) for g, s in sessions.items()}, cfg,
+                            block_size, "cpu", cache_length(cfg),
                             pass_tokens=pass_tokens or (shapes["seq"].max if shapes is not None else None),
-                            prefix_cache=prefix_cache)
+                            prefix_cache=prefix_cache, new_context=new_context, cuda_graphs=cuda_graphs)

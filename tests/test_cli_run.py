@@ -182,8 +182,8 @@ def test_cuda_graphs_flag(engine_dir, gpt_oss_ort_engine, tmp_path, capsys):
     line = [json.dumps(GOOD[0])]
     cases = [((), "error: --cuda-graphs needs --device cuda (CUDA graphs are a GPU feature; on the CPU the passes run "
                   "eagerly)."),
-             (("--backend", "onnxruntime"), "error: --cuda-graphs: only the torch executor captures CUDA graphs, and "
-              "this run's backend is onnxruntime; drop --cuda-graphs or use --backend torch.")]
+             (("--backend", "onnxruntime"), "error: --cuda-graphs: the onnxruntime executor does not capture CUDA "
+              "graphs; drop --cuda-graphs or use --backend torch or tensorrt.")]
     for extra, message in cases:
         code, records, summary = run(engine_dir, tmp_path, line, "--cuda-graphs", *extra)
         assert (code, records, summary) == (EXIT_USER_ERROR, [], None)
@@ -193,7 +193,10 @@ def test_cuda_graphs_flag(engine_dir, gpt_oss_ort_engine, tmp_path, capsys):
     assert "--cuda-graphs: not for a target with experts" in capsys.readouterr().err
     # tensor parallelism: reached only under mpirun, after the rank checks
     tp2 = read_engine_config(engine_dir).model_copy(update={"mapping": Mapping(tp_size=2)})
-    with pytest.raises(UserError, match="--cuda-graphs: not yet with tensor parallelism .* tp_size 2"):
-        _check_cuda_graphs(tp2, "torch", "cuda:0")
+    for backend in ("torch", "tensorrt"):
+        with pytest.raises(UserError, match="--cuda-graphs: not yet with tensor parallelism .* tp_size 2"):
+            _check_cuda_graphs(tp2, backend, "cuda:0")
+    # the tensorrt executor's plans (experts in their dense form: no data-dependent shapes) always run on a GPU
+    _check_cuda_graphs(read_engine_config(gpt_oss_ort_engine), "tensorrt", "cpu")
     default = [r["output_token_ids"] for r in run(engine_dir, tmp_path, line)[1]]
     assert [r["output_token_ids"] for r in run(engine_dir, tmp_path, line, "--no-cuda-graphs")[1]] == default != []

@@ -391,7 +391,8 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     """backend tensorrt: the TensorRT executor, its execution contexts stood in for by onnxruntime over exactly the
     memory it binds (tests/tensorrt_standin.py), gives the torch executor's tokens with drafts right for 0 .. k - 1
     positions (blocks of 8 and 3), in one pass per prompt and with prompts cut into passes of 16 tokens, and plain
-    decoding without a target_replay run (the host knows one-token passes left nothing to replay); a padded batch
+    decoding without a target_replay run (the host knows one-token passes left nothing to replay), and with the decode
+    steps' calls made CUDA graphs (on the CPU: each on a context bound once over static buffers); a padded batch
     of prompts cut into passes (a row whose prompt ends in the first) then decodes the torch executor's logits; and
     TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer) and target_replay into plans, their
     state outputs not aliased to inputs (TensorRT aliases only KV-cache updates: the executor copies them back)."""
@@ -412,15 +413,21 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     reqs.append(Request(5, torch.randint(4, engine.executor.vocab_size, (70,), generator=g).tolist(), 16))
     ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
     greedy = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
-    for pass_tokens in (None, 16):
-        executor = standin_executor(engine_dir, pass_tokens=pass_tokens)
+    for pass_tokens, graphs in ((None, False), (16, False), (None, True)):
+        made: list = []
+        executor = standin_executor(engine_dir, pass_tokens=pass_tokens, cuda_graphs=graphs, made=made)
         for k in (8, 3):
             scripted = ScriptedDrafts(executor, greedy)
             got = {r.request.id: r.output_token_ids for r in
                    Decoder(scripted, engine.decoder("dflash", block_size=k).policy, engine.config.eos_token_ids)
                    .generate(reqs)}
-            assert got == ar, (pass_tokens, k)
+            assert got == ar, (pass_tokens, graphs, k)
             assert set(scripted.accepted) == set(range(k)), (k, sorted(set(scripted.accepted)))
+        # --cuda-graphs: verify passes and their replays each on a context bound once (runtime/plan_graphs.py), the
+        # states' copies back into the rows made with them
+        assert {plan for plan, _ in made} == ({"target_step", "target_replay", "drafter_draft", "accept"} if graphs
+                                              else set())
+        assert all(context.rebinds == 0 for _, context in made)
     # plain steps leave the states after their token: the host knows no replay is needed, and none runs
     executor, replays = standin_executor(engine_dir), []
     replay = executor._contexts["target_replay"]

@@ -487,6 +487,34 @@ def test_bindings_give_the_torch_executors_tokens(ort_engine, mode):
     assert executor._rows.in_use == 0  # every request released its row
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_cuda_graph_calls_bind_once_and_give_the_same_tokens(ort_engine, mode):
+    """--cuda-graphs on the tensorrt executor (runtime/plan_graphs.py), its contexts stood in for by onnxruntime: every
+    decode-step plan call runs on a context of its own bound once over static buffers (what a captured graph replays:
+    no shape or address set after its first run), the calls repeat (replays), and the tokens and acceptance lengths
+    are the torch executor's (greedy and sampled, requests joining mid-run, rows moving)."""
+    made: list = []
+    executor = standin_executor(ort_engine, cuda_graphs=True, made=made)
+    cfg = read_engine_config(ort_engine)
+    reqs = requests(executor.vocab_size)
+    expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                for r in Engine.load(ort_engine, backend="torch").decoder(mode).generate(reqs)}
+    got = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+           for r in Decoder.for_mode(executor, mode, cfg.eos_token_ids).generate(reqs)}
+    assert got == expected
+    graphed = {"target_step", *(("drafter_draft", "accept") if mode == "dflash" else ())}
+    assert {plan for plan, _ in made} == graphed
+    assert all(context.rebinds == 0 for _, context in made)
+    replays = sum(context.calls for _, context in made) - len(made)
+    assert replays > len(made)  # most calls replay a key made before
+    own = executor._contexts
+    assert own["drafter_draft"].calls == own["accept"].calls == 0  # only graphed calls run these plans
+    assert own["target_step"].calls > 0  # prompts run eagerly on the plan's own context
+    # attended lengths in the graphs' coarse buckets (cuda_graphs.length_bucket): 64 keys at most here
+    assert {key.tensors[2][1] for key in executor._graphs.calls if key.plan == "target_step"} == {(64,)}
+
+
 # --------------------------------------------------------------------------------------------------------
 # TensorRT-RTX: parse and build the engine's graphs on the CPU
 # --------------------------------------------------------------------------------------------------------

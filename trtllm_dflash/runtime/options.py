@@ -31,7 +31,7 @@ class RunOptions:
     resume: bool = False  # keep the output file's finished requests and run only the others
     progress: bool | None = None  # live progress on stderr (None: when stderr is a terminal)
     backend: Backend | None = None  # "torch" or "onnxruntime" (None: what the engine was compiled for)
-    cuda_graphs: bool | None = None  # torch executor on CUDA: decode passes as CUDA graphs (None: on where it can)
+    cuda_graphs: bool | None = None  # torch on CUDA, tensorrt: decode passes as CUDA graphs (None: on where they can)
     kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
     prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     tree_budget: int | None = None  # dflash: verify a DDTree of this many draft nodes a step (None: a chain)

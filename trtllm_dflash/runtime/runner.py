@@ -62,7 +62,8 @@ class Engine:
         plugin library the plans were compiled with, if any. `threads`: CPU threads for this rank's passes (torch's
         and onnxruntime's; default: cpu_threads' choice on the CPU, torch's own elsewhere). `cuda_graphs`: the torch
         executor's decode passes as CUDA graphs (runtime/cuda_graphs.py; None: on where the device is CUDA, the
-        target has no experts and tp_size is 1); True is refused where they cannot run. `kv_cache_memory`: a paged KV
+        target has no experts and tp_size is 1), or the tensorrt executor's decode-step plan calls
+        (runtime/plan_graphs.py; None: on at tp_size 1); True is refused where they cannot run. `kv_cache_memory`: a paged KV
         cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the torch
         executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
         request; 'static': the static slots whatever the engine says); for the compiled executors, whose rows are
@@ -105,9 +106,9 @@ class Engine:
         if kv_cache_memory == STATIC_KV:
             kv_cache_memory = None
         kv_bytes = None
-        if kv_cache_memory is not None:
-            kv_bytes = _kv_budget(kv_cache_memory, device, cuda_graphs)
-            cuda_graphs = False
+        if kv_cache_memory is not None:  # (the torch executor's paged cache has no graphs; the compiled ones' rows do)
+            kv_bytes = _kv_budget(kv_cache_memory, device, cuda_graphs if backend == "torch" else None)
+            cuda_graphs = cuda_graphs if backend == "tensorrt" else False
         try:
             if backend == "onnxruntime":
                 from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
@@ -119,7 +120,7 @@ class Engine:
                 from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
                 executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library,
-                                                        prefix_cache, kv_bytes)
+                                                        prefix_cache, kv_bytes, cuda_graphs, report)
             else:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
                                                      kv_bytes, prefix_cache, tree_budget or 0)
@@ -215,16 +216,19 @@ def _kv_budget(text: str, device: str, cuda_graphs: bool | None) -> int | Callab
 
 
 def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None:
-    """--cuda-graphs runs where the torch executor can capture its decode passes."""
-    if backend != "torch":
-        raise UserError(f"--cuda-graphs: only the torch executor captures CUDA graphs, and this run's backend is "
-                        f"{backend}; drop --cuda-graphs or use --backend torch.")
-    if engine_specs(cfg)[0].has_experts:
-        raise UserError("--cuda-graphs: not for a target with experts (its routing has data-dependent shapes); "
-                        "drop --cuda-graphs.")
+    """--cuda-graphs runs where the torch executor can capture its decode passes, or the tensorrt executor its plans'
+    (which always run on a GPU)."""
+    if backend == "onnxruntime":
+        raise UserError("--cuda-graphs: the onnxruntime executor does not capture CUDA graphs; drop --cuda-graphs or "
+                        "use --backend torch or tensorrt.")
     if cfg.mapping.tp_size > 1:
         raise UserError(f"--cuda-graphs: not yet with tensor parallelism (this engine has tp_size "
                         f"{cfg.mapping.tp_size}: collectives inside a capture were never tried); drop --cuda-graphs.")
+    if backend == "tensorrt":  # (the plans' experts are in their dense form: no data-dependent shapes)
+        return
+    if engine_specs(cfg)[0].has_experts:
+        raise UserError("--cuda-graphs: not for a target with experts (its routing has data-dependent shapes); "
+                        "drop --cuda-graphs.")
     if not str(device).startswith("cuda"):
         raise UserError("--cuda-graphs needs --device cuda (CUDA graphs are a GPU feature; on the CPU the passes run "
                         "eagerly).")

@@ -24,8 +24,13 @@ run one after another on one stream and share one scratch buffer (USER_MANAGED c
 
 Shapes: every size a plan uses comes from its inputs' shapes, none from their values: the attended length is the
 length of `key_positions` (0 .. keys - 1), a bucket of KV_BUCKET keys chosen on the host (executor.attended_keys)
-within the profile's `keys` range. Not done: CUDA graphs of the plans (a capture per (batch, keys bucket, first row
-bound), or steps over all slots); nothing here has run on a GPU.
+within the profile's `keys` range.
+
+CUDA graphs (`cuda_graphs`, on by default at tp_size 1): the decode step's plan calls (target_step over at most a verify
+block per row, target_replay, drafter_draft, accept) are captured once per distinct call, each with a context of its
+own over static buffers, and replayed (runtime/plan_graphs.py); their attended lengths then come in the coarser buckets
+of the torch executor's graphs (cuda_graphs.length_bucket) so that a long answer needs few captures. Prompts and the
+drafter's context passes run eagerly. Nothing here has run on a GPU.
 
 Tensor parallelism: rank r runs onnx/rank{r}'s plans, whose DistCollective layers (all-reduce of the row-parallel
 outputs, all-gather of the vocabulary shards) run over the NCCL communicator of the torch.distributed process
@@ -69,8 +74,10 @@ from trtllm_dflash.inputs import read_json_object
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentPass, RecurrentStates
 from trtllm_dflash.parallel.world import cuda_device_index, local_rank
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
+from trtllm_dflash.runtime.cuda_graphs import length_bucket
 from trtllm_dflash.runtime.executor import (DraftContext, HostRows, StepOutput, attended_keys, engine_specs,
                                             logits_at_last)
+from trtllm_dflash.runtime.plan_graphs import PlanGraphs, PlanKey, StateCopies
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 COMMAND = "--backend tensorrt"
@@ -107,7 +114,9 @@ class TensorRTExecutor(StaticRows):
     def __init__(self, contexts: Mapping[str, ExecutionContext], cfg: EngineConfig, block_size: int | None,
                  device: torch.device | str, cache_length: int, owners: tuple = (), accept_plugin: bool = False,
                  pass_tokens: int | None = None, prefix_cache: bool = True,
-                 kv_cache_memory: int | Callable[[], int] | None = None, one_token_advances: bool = True):
+                 kv_cache_memory: int | Callable[[], int] | None = None, one_token_advances: bool = True,
+                 new_context: Callable[[str], ExecutionContext] | None = None, cuda_graphs: bool = False,
+                 report: Callable[[str], None] = lambda line: None):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
         row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
@@ -116,7 +125,9 @@ class TensorRTExecutor(StaticRows):
         (cache_rows.PrefixRows; not for targets with recurrent states); `kv_cache_memory`: the caches' and the prefix
         pool's bytes, or a function giving the pool's (StaticRows._keep_rows); `one_token_advances`: the target plan's
         one-token passes leave the Gated DeltaNet layers' states after their token (RecurrentStates; False: plans of
-        graphs exported before 2026-12-05)."""
+        graphs exported before 2026-12-05); `cuda_graphs`: the decode step's plan calls captured as CUDA graphs (on a
+        CPU: run over the same static buffers), each on a context of its own from `new_context(plan)`
+        (runtime/plan_graphs.py); `report` hears of a plan that could not be captured."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -155,13 +166,19 @@ class TensorRTExecutor(StaticRows):
         self._owners = owners  # released after the contexts (attribute order); a tuple frees its last item first
         # cpu: only for contexts that are not TensorRT's (the tests' onnxruntime stand-ins); they get stream 0.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if cuda_graphs and new_context is None:
+            raise ValueError("cuda_graphs needs new_context: each captured call has an execution context of its own")
+        self._graphs = (PlanGraphs(new_context, self._stream, capture=self.device.type == "cuda", report=report)
+                        if cuda_graphs else None)
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
                     plugin_library: Path | None = None, prefix_cache: bool = True,
-                    kv_cache_memory: int | Callable[[], int] | None = None) -> "TensorRTExecutor":
+                    kv_cache_memory: int | Callable[[], int] | None = None, cuda_graphs: bool | None = None,
+                    report: Callable[[str], None] = lambda line: None) -> "TensorRTExecutor":
         """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device (under
-        tp > 1, inside the torch.distributed NCCL group of the MPI ranks)."""
+        tp > 1, inside the torch.distributed NCCL group of the MPI ranks). `cuda_graphs`: the decode step's plan
+        calls as CUDA graphs (None: at tp_size 1)."""
         root = Path(root)
         info_path = root / PLANS_DIR / PLANS_INFO
         plans = engine_plans(cfg)
@@ -216,20 +233,24 @@ class TensorRTExecutor(StaticRows):
         # The plans run one at a time on one stream: one scratch buffer, as large as the largest plan's, serves all.
         scratch_bytes = max(int(e.device_memory_size_v2) for e in engines.values())
         scratch = torch.empty(max(scratch_bytes, 1), dtype=torch.uint8, device=device)
-        contexts = {}
-        for graph, engine in engines.items():
-            contexts[graph] = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-            contexts[graph].set_device_memory(scratch.data_ptr(), scratch_bytes)
         communicator = None
-        if cfg.mapping.tp_size > 1:  # last: a collective, which every rank reaches only if its plans loaded
+        if cfg.mapping.tp_size > 1:  # a collective, which every rank reaches only if its plans loaded
             communicator = nccl_communicator(device)
-            for graph, context in contexts.items():
+
+        def new_context(graph: str):
+            context = engines[graph].create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            context.set_device_memory(scratch.data_ptr(), scratch_bytes)
+            if communicator is not None:
                 _ok(context.set_communicator(communicator.capsule), f"the NCCL communicator of {graph}")
+            return context
+
         shapes = info.get("shapes", {})
-        return cls(contexts, cfg, block_size, device, int(info["cache_length"]),
-                   owners=(logger, runtime, engines, scratch, communicator), accept_plugin=plugin,
-                   pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None, prefix_cache=prefix_cache,
-                   kv_cache_memory=kv_cache_memory, one_token_advances=bool(info.get(ONE_TOKEN_ADVANCES_KEY)))
+        return cls({graph: new_context(graph) for graph in engines}, cfg, block_size, device,
+                   int(info["cache_length"]), owners=(logger, runtime, engines, scratch, communicator),
+                   accept_plugin=plugin, pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None,
+                   prefix_cache=prefix_cache, kv_cache_memory=kv_cache_memory,
+                   one_token_advances=bool(info.get(ONE_TOKEN_ADVANCES_KEY)), new_context=new_context,
+                   cuda_graphs=cfg.mapping.tp_size == 1 if cuda_graphs is None else cuda_graphs, report=report)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -260,6 +281,7 @@ class TensorRTExecutor(StaticRows):
         if last is None and T > self._pass_tokens:
             raise ValueError(f"{T} positions without last_index: a pass takes at most {self._pass_tokens}")
         picked = hidden = None
+        graphed = last is None and T <= self.block_size  # a decode or verify pass (a prompt's run eagerly)
         if capture:
             hidden = torch.empty((rows, T, self._features), dtype=self._dtype, device=self.device)
         for c0 in range(0, T, self._pass_tokens):
@@ -267,14 +289,15 @@ class TensorRTExecutor(StaticRows):
             logits = torch.empty((rows, c1 - c0, self.vocab_size), dtype=torch.float32, device=self.device)
             part = torch.empty((rows, c1 - c0, self._features), dtype=self._dtype, device=self.device)
             inputs = {"token_ids": token_ids[:, c0:c1].contiguous(), "positions": positions[:, c0:c1].contiguous(),
-                      "key_positions": self._key_positions(host, starts, c1)}
+                      "key_positions": self._key_positions(host, starts, c1, graphed)}
             step = None
             if self._states is not None:  # this pass's real tokens per row: those before last + 1 (or all)
                 real = (last + 1 - c0 if last is not None else torch.full_like(positions[:, 0], T - c0))
-                step = self._resume(run, inputs["positions"][:, 0].contiguous(), c1 - c0, real.clamp(0, c1 - c0))
+                step = self._resume(run, inputs["positions"][:, 0].contiguous(), c1 - c0, real.clamp(0, c1 - c0),
+                                    graphed)
                 inputs |= {"kept": step.kept, "valid": step.valid}
             self._execute("target_step", inputs, {"logits": logits, "hidden": part}, self._target, run, write=True,
-                          states=step is not None)
+                          states=step is not None, graphed=graphed)
             if step is not None:
                 self._states.end(step, run.range)
             if hidden is not None:
@@ -285,7 +308,8 @@ class TensorRTExecutor(StaticRows):
             picked = logits_at_last(logits, last, c0, picked)  # each row's, from the pass that holds it
         return picked, hidden
 
-    def _resume(self, run: RowRun, starts: torch.Tensor, tokens: int, valid: torch.Tensor) -> RecurrentPass:
+    def _resume(self, run: RowRun, starts: torch.Tensor, tokens: int, valid: torch.Tensor, graphed: bool
+                ) -> RecurrentPass:
         """Before a target pass over the run's rows (a Gated DeltaNet target): the pass's view of the states, and the
         target_replay plan run over the whole verify block (no host read of how many tokens any row keeps: the steps
         past a row's `kept` leave its state as it was), its states written to a buffer of their own, then copied back
@@ -295,7 +319,7 @@ class TensorRTExecutor(StaticRows):
         step = self._states.begin(rows, starts, tokens, valid)
         if self._states.may_replay(run.range):
             self._execute(REPLAY, {"kept": step.kept, "steps": torch.arange(self._states.depth, device=self.device)},
-                          {}, None, run, write=False, states=True)
+                          {}, None, run, write=False, states=True, graphed=graphed)
         return step
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None) -> torch.Tensor:
@@ -310,13 +334,13 @@ class TensorRTExecutor(StaticRows):
                 context = DraftContext.padding(starts, self._features, self._dtype)
             inputs = {"block_ids": block, "positions": positions, "context_hidden": context.hidden,
                       "context_positions": context.positions()}
-            keys = self._key_positions(rows, starts, 0)  # the context keys: positions before each start
+            keys = self._key_positions(rows, starts, 0, graphed=True)  # the context keys: before each start
             drafts = []
             for run in runs:
                 out = torch.empty((run.rows, width - 1), dtype=torch.int64, device=self.device)
                 run_inputs = {name: run.take(t.to(self.device)) for name, t in inputs.items()}
                 self._execute("drafter_draft", {**run_inputs, "key_positions": keys},
-                              {"draft_tokens": out}, self._drafter, run, write=True)
+                              {"draft_tokens": out}, self._drafter, run, write=True, graphed=True)
                 drafts.append(out)
             drafts = batch_order(runs, drafts)[:, :num_drafts]
         return drafts
@@ -349,22 +373,45 @@ class TensorRTExecutor(StaticRows):
                        "new_context_lengths": torch.empty(B, dtype=ints, device=self.device)}
             self._execute(ACCEPT, {"draft_tokens": draft.to(ints).contiguous(), "target_logits": plan.scores,
                                    "temperature": plan.temperature, "gumbel_noise": plan.noise,
-                                   "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False)
+                                   "context_lengths": starts.to(ints).contiguous()}, outputs, None, None, write=False,
+                          graphed=True)
         return outputs["accepted"].long(), outputs["next_block"][:, 0].long()
 
-    def _key_positions(self, rows: HostRows | None, starts: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _key_positions(self, rows: HostRows | None, starts: torch.Tensor, tokens: int, graphed: bool) -> torch.Tensor:
         """The plans' `key_positions` input, 0 .. keys - 1: its length is the pass's attended length (a bucket,
-        executor.attended_keys) within the profile's keys range; no plan reads a size from its data."""
-        return torch.arange(attended_keys(rows, starts, tokens, self._cache_length), device=self.device)
+        executor.attended_keys; a call made a CUDA graph: cuda_graphs.length_bucket's coarser one, a capture each)
+        within the profile's keys range; no plan reads a size from its data."""
+        keys = attended_keys(rows, starts, tokens, self._cache_length)
+        if graphed and self._graphs is not None:
+            keys = length_bucket(keys, self._cache_length)
+        return torch.arange(keys, device=self.device)
 
     # ------------------------------------------------------------------------------------------------
 
     def _execute(self, graph: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-                 caches: LayerCaches | None, run: RowRun | None, write: bool, states: bool = False) -> None:
+                 caches: LayerCaches | None, run: RowRun | None, write: bool, states: bool = False,
+                 graphed: bool = False) -> None:
         """Run plan `graph`: `inputs` and `outputs` bound where they lie, `caches` rows of `run` in place (past_*, and
-        with `write` present_*), and with `states` the run's rows of the Gated DeltaNet states (_state_io)."""
-        context = self._contexts[graph]
+        with `write` present_*), and with `states` the run's rows of the Gated DeltaNet states (_state_io); with
+        `graphed` and CUDA graphs on, as a replay over static buffers instead (runtime/plan_graphs.py)."""
         copies = self._state_io(graph, run, inputs, outputs) if states else []
+
+        def bind(context: ExecutionContext, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+            self._bind(context, graph, inputs, outputs, caches, run, write)
+
+        if graphed and self._graphs is not None:
+            key = PlanKey.of(graph, inputs, outputs, run.range if caches is not None or states else None)
+            self._graphs.run(key, inputs, outputs, bind, copies)
+            return
+        context = self._contexts[graph]
+        bind(context, inputs, outputs)
+        _ok(context.execute_async_v3(self._stream.cuda_stream if self._stream is not None else 0), f"to run {graph}")
+        for rows, name in copies:  # (on the same stream, after the plan)
+            rows.copy_(outputs[name])
+
+    def _bind(self, context: ExecutionContext, graph: str, inputs: dict[str, torch.Tensor],
+              outputs: dict[str, torch.Tensor], caches: LayerCaches | None, run: RowRun | None, write: bool) -> None:
+        """Set the shapes and addresses of a call of plan `graph` on `context`."""
         for name, tensor in inputs.items():
             shape = tuple(tensor.shape)
             _ok(context.set_input_shape(name, shape), f"{graph} input {name} of shape {shape}")
@@ -373,16 +420,13 @@ class TensorRTExecutor(StaticRows):
             _bind_caches(context, caches, run, write)
         for name, tensor in outputs.items():
             _ok(context.set_tensor_address(name, tensor.data_ptr()), f"the address of {graph} output {name}")
-        _ok(context.execute_async_v3(self._stream.cuda_stream if self._stream is not None else 0), f"to run {graph}")
-        for rows, written in copies:  # (on the same stream, after the plan)
-            rows.copy_(written)
 
     def _state_io(self, graph: str, run: RowRun, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                  ) -> StateCopies:
         """Add the run's rows of the states to `inputs` / `outputs` of target_step (reads conv and state, writes all
         six: delta_* into the rows, which it does not read) or target_replay (reads state and delta_*, writes the
-        state). A state that the plan reads and writes goes to a new buffer; returns (rows, buffer) pairs to copy
-        back once it ran."""
+        state). A state that the plan reads and writes goes to a new buffer; returns (rows, output name) pairs to
+        copy back once it ran."""
         rows = slice(run.first, run.first + run.rows)
         read = READ_KINDS if graph == "target_step" else REPLAY_KINDS
         written = STATE_KINDS if graph == "target_step" else ("state",)
@@ -391,8 +435,8 @@ class TensorRTExecutor(StaticRows):
             inputs[f"past_{name}"] = buf[rows]
         for name, buf in self._states.named(self._linear, written):
             if name.split("_")[0] in READ_KINDS:  # read too: a buffer of its own, copied back
-                copies.append((buf[rows], torch.empty_like(buf[rows])))
-                outputs[f"present_{name}"] = copies[-1][1]
+                outputs[f"present_{name}"] = torch.empty_like(buf[rows])
+                copies.append((buf[rows], f"present_{name}"))
             else:
                 outputs[f"present_{name}"] = buf[rows]
         return copies
