@@ -30,7 +30,8 @@ reason. Stages (each in a child process of its own, stopped when it overruns its
             replayed as CUDA graphs, and the speedup bound AL x t_ar / (t_verify + t_draft)
   tensorrt  only where `import tensorrt` works: the DFlashAccept plugin inside a TensorRT engine (needs
             TensorRT's headers, TENSORRT_ROOT), and the demo's ONNX graphs compiled into TensorRT plans by
-            trtllm_dflash.compile.tensorrt_build (where this checkout has it)
+            trtllm_dflash.compile.tensorrt_build (where this checkout has it), which then decode the held-out prompts
+            with the TensorRT executor, eagerly and as CUDA graphs: the same tokens, dflash == ar, tokens/s
 
 ONE JSON (--out) gets every stage's status (passed / failed with the error / skipped with the reason), the
 machine, the preflight, the package versions and the numbers. It is written before each stage (that stage
@@ -1533,8 +1534,49 @@ def tensorrt_plans(ctx: StageContext, trt, logger) -> dict:
     lines: list[str] = []
     started = time.monotonic()
     plans = compile_engine(engine_dir, report=lambda line: (lines.append(line), ctx.log(line)))
-    return {"status": "passed", "error": None, "plans": [p.name for p in plans], "report": lines,
-            "compile_seconds": round(time.monotonic() - started, 1)}
+    compiled = {"plans": [p.name for p in plans], "report": lines, "compile_seconds": round(time.monotonic() - started, 1)}
+    ctx.results["plans"] = {"status": "running", **compiled}
+    ctx.save()
+    return {"status": "passed", "error": None, **compiled, "decode": tensorrt_decode(ctx, engine_dir)}
+
+
+def tensorrt_decode(ctx: StageContext, engine_dir: Path) -> dict:
+    """The compiled plans decode the held-out prompts as one batch with the TensorRT executor, each plan call run
+    eagerly and replayed as CUDA graphs (runtime/plan_graphs.py), ar and dflash, greedy: graphs must give the eager
+    tokens (the same kernels), and dflash must equal ar on each. Tokens/s of each, the graphs' second run (the first
+    one captures)."""
+    from trtllm_dflash.runtime.jsonl import Defaults, read_requests
+    from trtllm_dflash.runtime.runner import Engine
+
+    o, reports, out = ctx.options, [], {}
+    engines = {"eager": Engine.load(engine_dir, backend="tensorrt", cuda_graphs=False),
+               "graphs": Engine.load(engine_dir, backend="tensorrt", cuda_graphs=True, report=reports.append)}
+    defaults = Defaults(o.max_new_tokens, 0.0, 0, engines["eager"].config.max_seq_len,
+                        engines["eager"].executor.vocab_size)
+    requests, errors = read_requests(PROMPTS, engines["eager"].tokenizer, defaults)
+    assert not errors, errors
+    requests = requests[: o.num_prompts]
+    runs = {}
+    for mode in ("ar", "dflash"):
+        for name, engine in engines.items():
+            runs[name, mode] = decode(engine, mode, requests, "cuda")
+            if name == "graphs":  # again, over the captured graphs
+                again = decode(engine, mode, requests, "cuda")
+                out[f"graphs {mode}: replays == captures"] = differences(again["tokens"], runs[name, mode]["tokens"])
+                runs[name, mode] = again
+            ctx.log(f"tensorrt {name} {mode}: {runs[name, mode]['tokens_per_s']} tokens/s")
+    out["runs"] = {f"{name} {mode}": {k: v for k, v in run.items() if k != "tokens"}
+                   for (name, mode), run in runs.items()}
+    out["not_captured"] = reports  # plans whose enqueue TensorRT refused under capture (they ran eagerly)
+    out["graphs"] = len(engines["graphs"].executor._graphs.calls)
+    for mode in ("ar", "dflash"):
+        out[f"{mode}: graphs == eager"] = differences(runs["graphs", mode]["tokens"], runs["eager", mode]["tokens"])
+    for name in engines:
+        out[f"{name}: dflash == ar"] = differences(runs[name, "dflash"]["tokens"], runs[name, "ar"]["tokens"])
+    failed = [check for check, found in out.items() if check.count("==") and found]
+    if failed:
+        raise CheckFailed(f"tensorrt decode: {', '.join(failed)} differ: {[out[c][0] for c in failed]}")
+    return out
 
 
 def stage_tensorrt(ctx: StageContext) -> None:
