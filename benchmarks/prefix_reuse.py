@@ -24,6 +24,11 @@ requests admitted in one step could not see each other's blocks). Results: prefi
 runs plain steps and holds a prompt of up to 512 tokens back from the drafter. Its prompt blocks are published when a
 request ends (since 2026-12-05; before, never: the "reuse" side then equalled "no reuse"), so the requests admitted
 after the first ones finish find the system prompt. Results: prefix_reuse_auto[_onnxruntime].json.
+
+`--unique`: no prompt shares a block with another (request i's "system prompt" starts i + 1 tokens further into the
+held-out code, so even its first block differs): what prefix caching costs when it never hits (hashing, the pool's
+copies on onnxruntime, and under --policy auto the drafter's pass over a prompt at its request's end, paid for
+nothing here). Results: prefix_reuse[_auto]_unique[_onnxruntime].json.
 """
 
 from __future__ import annotations
@@ -89,26 +94,31 @@ def main() -> None:
     ap.add_argument("--burst", action="store_true", help="submit the requests together, not one after another")
     ap.add_argument("--policy", choices=("dflash", "auto"), default="dflash",
                     help="dflash: blocks of the engine's block_size; auto: --block-size auto")
+    ap.add_argument("--unique", action="store_true", help="no shared prefix: what prefix caching costs when it never hits")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     auto = args.policy == "auto"
-    suffix = ("_auto" if auto else "_burst" if args.burst else "") + ("" if args.backend == "torch" else
-                                                                       f"_{args.backend}")
+    suffix = (("_auto" if auto else "_burst" if args.burst else "") + ("_unique" if args.unique else "")
+              + ("" if args.backend == "torch" else f"_{args.backend}"))
     args.output = args.output or ROOT / "benchmarks" / "results" / f"prefix_reuse{suffix}.json"
     engine = Engine.load(args.engine, backend="torch", threads=1)
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")
                if line.strip()]
     corpus = [t for p in prompts for t in engine.tokenizer(p)["input_ids"]]
-    if len(corpus) < args.prefix_tokens:
-        raise SystemExit(f"the held-out prompts have {len(corpus)} tokens, fewer than --prefix-tokens")
+    shift = args.num_requests if args.unique else 0
+    if len(corpus) < args.prefix_tokens + shift:
+        raise SystemExit(f"the held-out prompts have {len(corpus)} tokens, fewer than --prefix-tokens (+ "
+                         "--num-requests with --unique)")
     system = corpus[: args.prefix_tokens]
     turns = [engine.tokenizer(p)["input_ids"][:32] for p in prompts[-args.num_requests:]]
-    requests = [Request(i, system + turn, args.max_new_tokens) for i, turn in enumerate(turns)]
+    # --unique: request i's prefix starts i + 1 tokens in: no block of it is any other request's
+    requests = [Request(i, (corpus[i + 1: i + 1 + args.prefix_tokens] if args.unique else system) + turn,
+                        args.max_new_tokens) for i, turn in enumerate(turns)]
     budget = parse_size(args.kv_cache_memory)
     load_before = load()
-    print(f"{len(requests)} requests: a {len(system)}-token shared prefix + 32-token turns, {args.max_new_tokens} new "
-          f"tokens each, {'submitted together' if args.burst else 'concurrency 1'}; load before: {load_before}",
-          flush=True)
+    print(f"{len(requests)} requests: a {len(system)}-token {'unique' if args.unique else 'shared'} prefix + 32-token "
+          f"turns, {args.max_new_tokens} new tokens each, {'submitted together' if args.burst else 'concurrency 1'}; "
+          f"load before: {load_before}", flush=True)
     run(engine, args.engine, requests[:2], budget, True, args.backend, args.burst, auto)  # warm-up
     runs: dict[str, list[dict]] = {"reuse": [], "no reuse": []}
     for r in range(args.rounds):
@@ -127,6 +137,7 @@ def main() -> None:
     same = all(x["outputs"] == runs["no reuse"][0]["outputs"] for rs in runs.values() for x in rs)
     kv_cache = args.kv_cache_memory if args.backend == "torch" else "static rows"
     report = {"engine": str(args.engine), "backend": args.backend, "prefix_tokens": len(system),
+              "prefix": "unique per request" if args.unique else "shared",
               "num_requests": len(requests), "max_new_tokens": args.max_new_tokens, "kv_cache_memory": kv_cache,
               "rounds": args.rounds, "submitted": "together" if args.burst else "one after another",
               "policy": "--block-size auto" if auto else f"blocks of {engine.executor.block_size}",
