@@ -79,7 +79,7 @@ def main() -> None:
                                 text=True).stdout.strip() for name, path in sides.items()}
     table = {name: {key: round(statistics.median(x[key] for x in rs), 2) for key in ("publish_ms", "hit_ms")}
              for name, rs in runs.items()}
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "before": rev["before"], "after": rev["after"] + " (+ tree)",
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "before": rev["before"], "after": rev["after"],
               "engine": str(a.engine), "prompt_tokens": a.prompt_tokens, "blocks": runs["after"][0]["blocks"],
               "buffers": runs["after"][0]["buffers"], "rounds": a.rounds, "threads": 1,
               "minutes": round((time.time() - started) / 60, 1), "results": table,
