@@ -428,6 +428,27 @@ def cached_profile(biased_engines, engine_dir, tmp_path, monkeypatch):
     return engine_dir, executor, profile_path(profile_key(engine_dir, executor, "torch")), calls
 
 
+def test_pass_costs_are_timed_to_the_end_of_the_devices_work():
+    """A CUDA pass returns once its kernels are queued: the timing rounds wait for the device before and after each
+    call (costs.device_sync), so a pass costs its work, not its launch. Here a call queues 20 ms of "device" work that
+    the sync waits for."""
+    import time
+
+    queued = []
+
+    def launch():
+        queued.append(0.02)
+
+    def sync():
+        while queued:
+            time.sleep(queued.pop())
+
+    rounds = costs_module._Rounds(sync)
+    rounds.add(launch)
+    assert rounds.run()[0] >= 0.02
+    assert costs_module.device_sync(torch.device("cpu"))() is None
+
+
 @pytest.mark.parametrize("field,value", [("device", "another CPU"), ("threads", 977), ("manifest_sha256", "0" * 64),
                                          ("version", 0)], ids=["foreign-machine", "other-threads", "other-engine",
                                                                "older-format"])

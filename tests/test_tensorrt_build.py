@@ -236,7 +236,7 @@ def fake_plans(root: Path, **info) -> None:
 
 
 @pytest.mark.parametrize("case", ["no plans", "plugin needed", "plugin missing", "other plugin build", "no tensorrt",
-                                  "other tensorrt", "no gpu", "other gpu"])
+                                  "other tensorrt", "no gpu", "other gpu", "auto with the plugin"])
 def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, monkeypatch):
     root = copy_engine(qwen3_engine_dir, tmp_path)
     cfg = read_engine_config(root)
@@ -246,7 +246,8 @@ def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, mo
     if case == "no plans":
         words = ["the engine has no TensorRT plans", f"run `trtllm-dflash compile {root}` on the GPU machine first"]
     else:
-        fake_plans(root, plugin_library="libtrtllm_dflash_plugins.so" if case == "plugin needed" else None)
+        fake_plans(root, plugin_library="libtrtllm_dflash_plugins.so" if case in ("plugin needed",
+                                                                                   "auto with the plugin") else None)
     if case == "plugin needed":
         words = ["built with the plugin library libtrtllm_dflash_plugins.so", "--plugin-library"]
     elif case == "plugin missing":
@@ -270,7 +271,10 @@ def test_executor_refuses_with_one_sentence(case, qwen3_engine_dir, tmp_path, mo
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
         words = ["built for compute capability 9.0 (NVIDIA H200) and this GPU is 10.0", "on this machine"]
-    refused(lambda: TensorRTExecutor.from_engine(root, cfg, 0, None, plugin_library=plugin), *words)
+    elif case == "auto with the plugin":
+        words = ["--block-size auto", "DFlashAccept plugin, built for blocks of 8 tokens", "without --plugin-library"]
+    refused(lambda: TensorRTExecutor.from_engine(root, cfg, 0, None, plugin_library=plugin,
+                                                 auto=case == "auto with the plugin"), *words)
 
 
 class FakePlan:
@@ -513,6 +517,28 @@ def test_cuda_graph_calls_bind_once_and_give_the_same_tokens(ort_engine, mode):
     assert own["target_step"].calls > 0  # prompts run eagerly on the plan's own context
     # attended lengths in the graphs' coarse buckets (cuda_graphs.length_bucket): 64 keys at most here
     assert {key.tensors[2][1] for key in executor._graphs.calls if key.plan == "target_step"} == {(64,)}
+
+
+@pytest.mark.slow
+def test_block_size_auto_measures_and_decodes_on_the_tensorrt_executor(ort_engine, tmp_path, monkeypatch):
+    """--block-size auto on the tensorrt executor (plans whose accept step is plain ops take every verify length), as
+    Engine.load sets it up: its pass costs measured through the executor's plans (stand-ins here, CUDA graphs on),
+    then a decoder choosing k each step gives the torch executor's plain-decoding tokens, greedy and sampled."""
+    from trtllm_dflash.runtime.costs import load_or_measure
+    from trtllm_dflash.runtime.verify import AutoBlock
+    from trtllm_dflash.speculative.schedule import AcceptanceEstimate, AutoBlockSize
+
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path))
+    executor = standin_executor(ort_engine, cuda_graphs=True)
+    costs, path = load_or_measure(ort_engine, executor, "tensorrt")
+    assert path.is_file() and costs.tokens[-1] == executor.block_size
+    auto = AutoBlockSize(costs, executor.block_size, AcceptanceEstimate(executor.block_size - 1, prior_rate=0.9))
+    reqs = requests(executor.vocab_size)
+    expected = {r.request.id: r.output_token_ids
+                for r in Engine.load(ort_engine, backend="torch").decoder("ar").generate(reqs)}
+    results = list(Decoder(executor, AutoBlock(auto), read_engine_config(ort_engine).eos_token_ids).generate(reqs))
+    assert {r.request.id: r.output_token_ids for r in results} == expected
+    assert any(length > 1 for r in results for length in r.acceptance_lengths)  # speculative steps ran
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -126,10 +126,14 @@ class _Rounds:
     A shared machine drifts by a third over seconds (seen here: the same AR step at batch 32 took 54 ms in one run
     and 94 ms in the next). Timed back to back, one call's repeats would all fall in the same spell and a whole
     row of the grid with them, skewing the very ratios between verify lengths that the choice rests on; in
-    rounds, a call's repeats lie a round apart (seconds) and a slow spell spoils one round, not one row."""
+    rounds, a call's repeats lie a round apart (seconds) and a slow spell spoils one round, not one row.
 
-    def __init__(self):
+    `sync`: waits for the device's queued work (CUDA: torch.cuda.synchronize), before each timed call and after it,
+    so that a call is timed by its kernels, not by their launches (a CUDA pass returns once it is queued)."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None):
         self._calls: list[Callable[[], object]] = []
+        self._sync = sync
 
     def add(self, fn: Callable[[], object]) -> int:
         self._calls.append(fn)
@@ -137,19 +141,26 @@ class _Rounds:
 
     def run(self) -> list[float]:
         for fn in self._calls:
-            fn()  # warm-up (first call of a shape: allocations, onnxruntime's kernel choice)
+            fn()  # warm-up (first call of a shape: allocations, onnxruntime's kernel choice, CUDA graph captures)
         best = [float("inf")] * len(self._calls)
         for _ in range(REPEATS):
             for i, fn in enumerate(self._calls):
+                self._sync()
                 start = time.perf_counter()
                 fn()
+                self._sync()
                 best[i] = min(best[i], time.perf_counter() - start)
         return best
 
 
-def _fastest(fn: Callable[[], object]) -> float:
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for `device`'s queued work: torch.cuda.synchronize on CUDA, nothing on the CPU."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _fastest(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     """One call's fastest time (a round of one)."""
-    rounds = _Rounds()
+    rounds = _Rounds(sync)
     rounds.add(fn)
     return rounds.run()[0]
 
@@ -174,7 +185,8 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
     greedy = {b: Sampling.greedy(b, dev) for b in batches}
 
     # The passes that make up a step, timed in rounds (_Rounds); the table of each holds indices into its times.
-    rounds = _Rounds()
+    sync = device_sync(torch.device(dev))
+    rounds = _Rounds(sync)
     target_at, draft_at = [], []
     for c in contexts:
         starts = torch.full((batches[-1],), c, device=dev)
@@ -202,10 +214,10 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
             logits = ex.target_forward(ids[:b, c:c + t], starts[:b], slots[:b], capture=False).logits
             if t == 1:
                 row.append(_fastest(lambda b=b, logits=logits: sample_tokens(
-                    logits, greedy[b], (starts[:b] + 1)[:, None])))
+                    logits, greedy[b], (starts[:b] + 1)[:, None]), sync))
             else:
                 row.append(_fastest(lambda b=b, t=t, logits=logits: ex.accept(
-                    ids[:b, c + 1:c + t], logits, greedy[b], starts[:b])))
+                    ids[:b, c + 1:c + t], logits, greedy[b], starts[:b]), sync))
         accept.append(tuple(row))
     return PassCosts(batches, tokens, contexts, table(target_at), table(draft_at), table(context_at), tuple(accept))
 

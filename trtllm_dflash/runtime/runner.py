@@ -120,7 +120,7 @@ class Engine:
                 from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
                 executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library,
-                                                        prefix_cache, kv_bytes, cuda_graphs, report)
+                                                        prefix_cache, kv_bytes, cuda_graphs, report, auto=auto)
             else:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
                                                      kv_bytes, prefix_cache, tree_budget or 0)
@@ -239,9 +239,6 @@ def _check_auto(cfg: EngineConfig, backend: Backend) -> None:
     if cfg.mapping.tp_size > 1:
         raise UserError(f"--block-size auto: not yet for tensor-parallel engines (this one has tp_size "
                         f"{cfg.mapping.tp_size}: every rank would have to make the same choice); give a block size.")
-    if backend == "tensorrt":
-        raise UserError("--block-size auto: not yet on the tensorrt backend (its accept plan may be built for one "
-                        "block size); use --backend torch or onnxruntime, or give a block size.")
 
 
 # Below this many bytes of weights per rank, a CPU pass's matrix products are too small to share among threads:

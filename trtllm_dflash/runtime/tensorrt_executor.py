@@ -175,10 +175,11 @@ class TensorRTExecutor(StaticRows):
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
                     plugin_library: Path | None = None, prefix_cache: bool = True,
                     kv_cache_memory: int | Callable[[], int] | None = None, cuda_graphs: bool | None = None,
-                    report: Callable[[str], None] = lambda line: None) -> "TensorRTExecutor":
+                    report: Callable[[str], None] = lambda line: None, auto: bool = False) -> "TensorRTExecutor":
         """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device (under
         tp > 1, inside the torch.distributed NCCL group of the MPI ranks). `cuda_graphs`: the decode step's plan
-        calls as CUDA graphs (None: at tp_size 1)."""
+        calls as CUDA graphs (None: at tp_size 1); `auto`: for --block-size auto, whose steps verify every length
+        up to the block (the accept plan in plain ops takes them all; the DFlashAccept plugin's, one block)."""
         root = Path(root)
         info_path = root / PLANS_DIR / PLANS_INFO
         plans = engine_plans(cfg)
@@ -187,6 +188,10 @@ class TensorRTExecutor(StaticRows):
             raise UserError(f"{root}: the engine has no TensorRT plans ({missing[0]} is missing); run "
                             f"`trtllm-dflash compile {root}` on the GPU machine first.")
         info = read_json_object(info_path, "TensorRT plan info")
+        if auto and info.get("plugin_library"):
+            raise UserError(f"--block-size auto: {root}'s plans take their accept step from the DFlashAccept plugin, "
+                            f"built for blocks of {cfg.dflash.block_size} tokens, and auto verifies shorter ones too; "
+                            f"give no --block-size, or run `trtllm-dflash compile {root}` without --plugin-library.")
         if plugin_library is None and info.get("plugin_library"):
             raise UserError(f"{root}: the plans were built with the plugin library {info['plugin_library']}; "
                             "pass its path with --plugin-library.")
