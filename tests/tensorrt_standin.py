@@ -94,7 +94,7 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
     options.intra_op_num_threads = 1
     shapes = engine_shapes(cfg) if profile else None
     sessions = {g: ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
-                                        providers=["CPUExecutionProvider"]) for g in engine_plans(cfg)}
+                                        providers=["CPUExecutionProvider"]) for g in engine_plans(cfg, engine)}
 
     def new_context(plan: str) -> OnnxRuntimeContext:
         context = OnnxRuntimeContext(sessions[plan], output_shape, shapes)

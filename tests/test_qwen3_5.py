@@ -394,8 +394,9 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     decoding without a target_replay run (the host knows one-token passes left nothing to replay), and with the decode
     steps' calls made CUDA graphs (on the CPU: each on a context bound once over static buffers); a padded batch
     of prompts cut into passes (a row whose prompt ends in the first) then decodes the torch executor's logits; and
-    TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer) and target_replay into plans, their
-    state outputs not aliased to inputs (TensorRT aliases only KV-cache updates: the executor copies them back)."""
+    TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer), target_token (plain steps' one token
+    per row: no loop) and target_replay into plans, their state outputs not aliased to inputs (TensorRT aliases only
+    KV-cache updates: the executor copies them back)."""
     import onnx
 
     from tests.tensorrt_standin import standin_executor
@@ -428,7 +429,8 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
         assert {plan for plan, _ in made} == ({"target_step", "target_replay", "drafter_draft", "accept"} if graphs
                                               else set())
         assert all(context.rebinds == 0 for _, context in made)
-    # plain steps leave the states after their token: the host knows no replay is needed, and none runs
+    # plain steps leave the states after their token: the host knows no replay is needed, and none runs; they run
+    # the loop-free target_token plan (prompts: target_step)
     executor, replays = standin_executor(engine_dir), []
     replay = executor._contexts["target_replay"]
     run_replay = replay.execute_async_v3
@@ -436,6 +438,9 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     got = {r.request.id: r.output_token_ids for r in
            Decoder(executor, engine.decoder("ar").policy, engine.config.eos_token_ids).generate(reqs)}
     assert got == ar and not replays
+    one_token = sum(len(t) - 1 for t in ar.values())  # every token but each request's first (its prefill's)
+    assert executor._contexts["target_token"].calls >= one_token // 4  # (4 rows a pass at most)
+    assert executor._contexts["target_step"].calls <= len(reqs)  # the prefills only
     # Prompts of 3, 20 and 17 tokens padded to 20, in passes of 16: the first row's real tokens end in the first pass
     # (fails when a later pass replays tokens of a pass that kept its final state)
     executor, eager = standin_executor(engine_dir, pass_tokens=16), engine.executor
@@ -450,15 +455,15 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     # what the executor binds, by name and dtype, is each plan's graph's inputs and outputs
     cfg = read_engine_config(engine_dir)
     onnx_types = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.INT64: torch.int64}
-    for graph in ("target_step", "target_replay"):
+    for graph in ("target_step", "target_token", "target_replay"):
         model = onnx.load(str(graph_dir(engine_dir, 0) / f"{graph}.onnx"), load_external_data=False).graph
         assert bound_dtypes(cfg, graph, False) == {v.name: onnx_types[v.type.tensor_type.elem_type]
                                                    for v in (*model.input, *model.output)}, graph
     rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed")
-    for graph, loops in (("target_step", 3), ("target_replay", 3)):
+    for graph, loops in (("target_step", 3), ("target_token", 0), ("target_replay", 3)):
         path = graph_dir(engine_dir, 0) / f"{graph}.onnx"
         parsed = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)})
-        assert layer_types(parsed.network)["RECURRENCE"] == loops
+        assert layer_types(parsed.network).get("RECURRENCE", 0) == loops, graph
         assert len(build_plan(rtx, path, dtype_note=cfg.dtype, shapes=engine_shapes(cfg), targets=["SM89"])) > 100_000
 
 

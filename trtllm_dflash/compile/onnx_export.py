@@ -72,6 +72,13 @@ target_decode.onnx of the same targets, for onnxruntime (RecurrentTargetDecode)
     out  logits, hidden, present_key_i, present_value_i   as target_decode's (GroupQueryAttention in place)
          present_conv_j, present_state_j   the conv inputs and state after the token (a one-token pass advances
                              the state: no delta_*); the gated delta rule's step is plain ops, no Scan
+target_token.onnx of the same targets, for TensorRT (RecurrentTargetToken: engines built for tensorrt)
+    in   token_ids, positions   as target_decode's; key_positions as target_step's; kept as target_decode's
+         past_key_i, past_value_i, past_conv_j, past_state_j   as target_step's
+    out  logits, hidden, present_key_i, present_value_i   as target_step's (a KV-cache update and attention over
+                             key_positions)
+         present_conv_j, present_state_j   as target_decode's: the token's step of the gated delta rule in plain ops,
+                             so the plan has no TensorRT loop (target_step's chunked recurrence is one per layer)
 target_replay.onnx (the same targets; TargetReplay)
     in   kept         int64  [batch]          as above
          steps        int64  [steps]          0 .. n - 1, n = max(kept) (1 .. depth)
@@ -199,6 +206,7 @@ WEIGHTS_FILE = "weights.onnx.data"
 TARGET_STEP, DRAFTER_CONTEXT, DRAFTER_DRAFT = "target_step", "drafter_context", "drafter_draft"
 TARGET_TREE, DRAFTER_CANDIDATES = "target_tree", "drafter_candidates"
 TARGET_DECODE = "target_decode"
+TARGET_TOKEN = "target_token"
 TARGET_REPLAY = "target_replay"
 ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
 _EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
@@ -305,6 +313,22 @@ class RecurrentTargetDecode(TargetDecode):
         recurrent = GraphOneTokenStates(states, kept, self.target.spec.linear_conv_kernel, self.depth)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=1, states=recurrent)
+        hidden = (out.hidden,) if self.capture_layers else ()
+        return (out.logits, *hidden, *cache.present(), *recurrent.present())
+
+
+class RecurrentTargetToken(RecurrentTargetDecode):
+    """target_token.onnx (Qwen3.5 targets of engines built for TensorRT): RecurrentTargetDecode's one token per row and
+    one-token states, with target_step's caches (a KV-cache update, attention over `key_positions`): TensorRT parses
+    neither GroupQueryAttention nor a loop-free recurrence otherwise."""
+
+    def forward(self, token_ids, positions, key_positions, kept, past: list[torch.Tensor],
+                states: list[torch.Tensor]):
+        cache = GraphKVCache(past, layers=self.target.spec.attention_layers)
+        recurrent = GraphOneTokenStates(states, kept, self.target.spec.linear_conv_kernel, self.depth)
+        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0],
+                          states=recurrent)
         hidden = (out.hidden,) if self.capture_layers else ()
         return (out.logits, *hidden, *cache.present(), *recurrent.present())
 
@@ -417,9 +441,10 @@ def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, b
 
 
 def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False,
-            in_place: bool = False, rings: bool = False) -> list[_Graph]:
+            in_place: bool = False, rings: bool = False, token_step: bool = False) -> list[_Graph]:
     """The graphs to export, with their sample inputs and dynamic dimensions (`trees`: the draft trees' too;
-    `in_place`: target_decode too; `rings`: target_step's sliding-window layers keep rings, GraphKVCache)."""
+    `in_place`: target_decode too; `rings`: target_step's sliding-window layers keep rings, GraphKVCache;
+    `token_step`: a Qwen3.5 target's target_token too)."""
     batch, max_len = Dim("batch", min=1), Dim("max_len", min=2)
     b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
     cache_axes = {0: batch, 2: max_len}
@@ -488,6 +513,17 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
              *state_names(linear, "past", READ_KINDS)],
             [*step_outputs, *state_names(linear, "present", READ_KINDS)],
             {("token_ids", 0): "batch", **names(attention),
+             **{(name, 0): "batch" for name in state_names(linear, "past", READ_KINDS)}},
+        ))
+    elif token_step and spec.has_recurrent_state:  # TensorRT's one-token pass: no loop (RecurrentTargetToken)
+        graphs.append(_Graph(
+            TARGET_TOKEN, RecurrentTargetToken(target, capture, depth),
+            (torch.zeros(b, 1, dtype=torch.long), torch.tensor([[4], [6], [9]]), torch.arange(11), kept, t_past, read),
+            ({0: batch}, {0: batch}, {0: keys}, {0: batch}, [cache_axes] * len(t_past), [{0: batch}] * len(read)),
+            ["token_ids", "positions", "key_positions", "kept", *cache_names(attention, "past"),
+             *state_names(linear, "past", READ_KINDS)],
+            [*step_outputs, *state_names(linear, "present", READ_KINDS)],
+            {("token_ids", 0): "batch", ("key_positions", 0): "keys", **names(attention),
              **{(name, 0): "batch" for name in state_names(linear, "past", READ_KINDS)}},
         ))
     if drafter is None:
@@ -644,7 +680,7 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
 
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
                          experts_op: bool = False, trees: bool = False, in_place: bool = False,
-                         rings: bool = False) -> list[Path]:
+                         rings: bool = False, token_step: bool = False) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
     drafter_candidates and target_tree) into `out_dir`.
 
@@ -654,7 +690,8 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs). `in_place` (graphs for
     onnxruntime): target_decode too, where the target can run it (attends_in_place). `rings` (graphs for onnxruntime):
     target_step's sliding-window layers keep rings of the window + ring_pass_tokens positions (GraphKVCache), recorded
-    in its metadata as `window_ring_pass`; TensorRT's KV-cache update writes linearly only.
+    in its metadata as `window_ring_pass`; TensorRT's KV-cache update writes linearly only. `token_step` (graphs for
+    TensorRT): a Qwen3.5 target's target_token too (one token per row without a loop).
     """
     _check_exportable(target, "target")
     if drafter is not None:
@@ -667,7 +704,7 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
             m.export_as_one_op = True
         ring_pass = ring_pass_tokens(target, drafter) if rings else None
         models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target),
-                                                         ring_pass is not None)}
+                                                         ring_pass is not None, token_step)}
     finally:
         for m in one_op:
             m.export_as_one_op = False

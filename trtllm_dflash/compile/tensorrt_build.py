@@ -71,6 +71,9 @@ PLANS = (*GRAPHS, ACCEPT)
 # TARGET_REPLAY). Those states are outputs of their own buffers (TensorRT aliases an output with an input only in a
 # KV-cache update): the executor copies them back into its state rows after the plan ran.
 REPLAY = "target_replay"
+# ... and, where its engine was built for tensorrt, a one-token pass without TensorRT loops (onnx_export.py's
+# TARGET_TOKEN; plain steps run it in place of target_step, whose recurrence is a loop per layer).
+TOKEN = "target_token"
 STATE_OUTPUTS = ("present_conv_", "present_state_", "present_delta_")
 COLLECTIVE_OP = "DistCollective"  # compile/onnx_ops.py's tensor-parallel collectives
 PLANS_DIR, PLANS_INFO = "tensorrt", "plans.json"
@@ -140,11 +143,15 @@ def pass_tokens(cfg: EngineConfig) -> int:
 TREE_NODES, TREE_CANDIDATES = 65, 8
 
 
-def engine_plans(cfg: EngineConfig) -> tuple[str, ...]:
-    """The plans of this engine: PLANS, and target_replay for a target with Gated DeltaNet layers."""
+def engine_plans(cfg: EngineConfig, root: Path | None = None) -> tuple[str, ...]:
+    """The plans of this engine: PLANS, and target_replay for a target with Gated DeltaNet layers, and target_token
+    where the engine directory `root` has that graph (engines built for tensorrt since 2026-12-05)."""
     from trtllm_dflash.runtime.executor import engine_specs
 
-    return PLANS + ((REPLAY,) if engine_specs(cfg)[0].has_recurrent_state else ())
+    if not engine_specs(cfg)[0].has_recurrent_state:
+        return PLANS
+    token = root is not None and (graph_dir(root, 0) / f"{TOKEN}.onnx").is_file()
+    return PLANS + (REPLAY,) + ((TOKEN,) if token else ())
 
 
 def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
@@ -495,7 +502,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     root = Path(engine_dir)
     cfg = open_engine(root)  # the manifest check: a damaged or edited graph is refused here, before TensorRT
     ranks = cfg.mapping.tp_size
-    missing = _missing_graphs(root, ranks, plugin_library is not None, engine_plans(cfg))
+    missing = _missing_graphs(root, ranks, plugin_library is not None, engine_plans(cfg, root))
     if missing:
         raise UserError(f"{root}: the engine has no ONNX graphs to compile ({missing[0]} is missing); build it "
                         "with `backend: onnxruntime` (an engine built with backend torch has none).")
@@ -515,7 +522,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
     _require_onnx(command)
     require_gpu(command)
     for rank in range(ranks):  # a graph of another export (copied in from a tp 4 engine, ...) before any build
-        for graph in (g for g in engine_plans(cfg) if g != ACCEPT):
+        for graph in (g for g in engine_plans(cfg, root) if g != ACCEPT):
             path = graph_dir(root, rank) / f"{graph}.onnx"
             if graph_placement(path) != (rank, ranks):
                 exported = "rank {} of tp_size {}".format(*graph_placement(path))
@@ -534,7 +541,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
         _link_tree(root, tmp, skip=[root / ".trtllm-dflash", root / "manifest.json", root / PLANS_DIR])
         for rank in range(ranks):
             plan_dir(tmp, rank).mkdir(parents=True)
-            for graph in engine_plans(cfg):
+            for graph in engine_plans(cfg, root):
                 source = plan_source(tmp, rank, graph, plugin_library is not None)
                 plan = build_plan(trt, source, dtype_note=cfg.dtype, shapes=shapes, plugin_library=plugin_library)
                 plan_file(tmp, rank, graph).write_bytes(plan)

@@ -177,7 +177,7 @@ def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
         # onnxruntime's own forms: its MoE and GroupQueryAttention nodes (TensorRT parses neither), and the trees' graphs
         ort = cfg.backend == "onnxruntime"
         return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank),
-                                    experts_op=ort, trees=ort, in_place=ort, rings=ort)
+                                    experts_op=ort, trees=ort, in_place=ort, rings=ort, token_step=not ort)
 
 
 @contextmanager

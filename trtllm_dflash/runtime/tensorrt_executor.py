@@ -14,6 +14,8 @@ and state in target_step, the state in target_replay) is written to a buffer of 
 after the plan, on the same stream; the delta_* that target_step writes and does not read go straight into the rows.
 Before each target pass the target_replay plan advances the states over each row's kept tokens (all `depth` steps:
 no host read of how many any row keeps), unless no row's last pass kept any (the host knows: prompts, plain steps).
+One token per row (plain steps) runs the target_token plan where the engine has it (built for tensorrt since
+2026-12-05): the token's step of the gated delta rule in plain ops, no TensorRT loop, conv and state read and written.
 
 Streams: the plans run on this executor's own CUDA stream (TensorRT advises against the default stream), after
 the caller's pending work, and the caller's stream waits for them before it reads an output.
@@ -60,6 +62,7 @@ from trtllm_dflash.compile.tensorrt_build import (
     PLANS_INFO,
     REPLAY,
     STATE_OUTPUTS,
+    TOKEN,
     engine_plans,
     file_sha256,
     import_tensorrt,
@@ -182,7 +185,7 @@ class TensorRTExecutor(StaticRows):
         up to the block (the accept plan in plain ops takes them all; the DFlashAccept plugin's, one block)."""
         root = Path(root)
         info_path = root / PLANS_DIR / PLANS_INFO
-        plans = engine_plans(cfg)
+        plans = engine_plans(cfg, root)
         missing = [p for p in (*(plan_file(root, rank, g) for g in plans), info_path) if not p.is_file()]
         if missing:
             raise UserError(f"{root}: the engine has no TensorRT plans ({missing[0]} is missing); run "
@@ -287,6 +290,8 @@ class TensorRTExecutor(StaticRows):
             raise ValueError(f"{T} positions without last_index: a pass takes at most {self._pass_tokens}")
         picked = hidden = None
         graphed = last is None and T <= self.block_size  # a decode or verify pass (a prompt's run eagerly)
+        # one token per row of a Qwen3.5 target: its loop-free plan, the states read and written (no delta_*)
+        plan = TOKEN if T == 1 and self._states is not None and TOKEN in self._contexts else "target_step"
         if capture:
             hidden = torch.empty((rows, T, self._features), dtype=self._dtype, device=self.device)
         for c0 in range(0, T, self._pass_tokens):
@@ -300,8 +305,8 @@ class TensorRTExecutor(StaticRows):
                 real = (last + 1 - c0 if last is not None else torch.full_like(positions[:, 0], T - c0))
                 step = self._resume(run, inputs["positions"][:, 0].contiguous(), c1 - c0, real.clamp(0, c1 - c0),
                                     graphed)
-                inputs |= {"kept": step.kept, "valid": step.valid}
-            self._execute("target_step", inputs, {"logits": logits, "hidden": part}, self._target, run, write=True,
+                inputs |= {"kept": step.kept} if plan == TOKEN else {"kept": step.kept, "valid": step.valid}
+            self._execute(plan, inputs, {"logits": logits, "hidden": part}, self._target, run, write=True,
                           states=step is not None, graphed=graphed)
             if step is not None:
                 self._states.end(step, run.range)
@@ -429,12 +434,12 @@ class TensorRTExecutor(StaticRows):
     def _state_io(self, graph: str, run: RowRun, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
                   ) -> StateCopies:
         """Add the run's rows of the states to `inputs` / `outputs` of target_step (reads conv and state, writes all
-        six: delta_* into the rows, which it does not read) or target_replay (reads state and delta_*, writes the
-        state). A state that the plan reads and writes goes to a new buffer; returns (rows, output name) pairs to
+        six: delta_* into the rows, which it does not read), target_token (reads and writes conv and state) or
+        target_replay (reads state and delta_*, writes the state). A state that the plan reads and writes goes to a new buffer; returns (rows, output name) pairs to
         copy back once it ran."""
         rows = slice(run.first, run.first + run.rows)
-        read = READ_KINDS if graph == "target_step" else REPLAY_KINDS
-        written = STATE_KINDS if graph == "target_step" else ("state",)
+        read = REPLAY_KINDS if graph == REPLAY else READ_KINDS
+        written = {"target_step": STATE_KINDS, TOKEN: READ_KINDS}.get(graph, ("state",))
         copies = []
         for name, buf in self._states.named(self._linear, read):
             inputs[f"past_{name}"] = buf[rows]
@@ -545,9 +550,14 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
     if graph == REPLAY:
         return {"kept": ids, "steps": ids, **{f"past_{n}": t for n, t in states.items() if n.split("_")[0] != "conv"},
                 **{f"present_{n}": t for n, t in states.items() if n.startswith("state_")}}
-    if graph == "target_step":
-        recurrent = {"kept": ids, "valid": ids, **{f"present_{n}": t for n, t in states.items()},
-                     **{f"past_{n}": t for n, t in states.items() if n.split("_")[0] in READ_KINDS}} if linear else {}
+    if graph in ("target_step", TOKEN):
+        read = {n: t for n, t in states.items() if n.split("_")[0] in READ_KINDS}
+        if graph == TOKEN:  # (one token: conv and state read and written, no delta_*, every token valid)
+            recurrent = {"kept": ids, **{f"present_{n}": t for n, t in read.items()},
+                         **{f"past_{n}": t for n, t in read.items()}}
+        else:
+            recurrent = {"kept": ids, "valid": ids, **{f"present_{n}": t for n, t in states.items()},
+                         **{f"past_{n}": t for n, t in read.items()}} if linear else {}
         return {"token_ids": ids, "positions": ids, "key_positions": ids, "logits": torch.float32, "hidden": dtype,
                 **caches(target.attention_layers), **recurrent}
     if graph == "drafter_context":
