@@ -94,8 +94,7 @@ class PlanGraphs:
             for name, value in inputs.items():
                 call.inputs[name].copy_(value)
             call.replay()
-            for name, out in outputs.items():
-                out.copy_(call.outputs[name])
+            self._copy_out(call, outputs)
 
     def _first(self, key: PlanKey, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
                bind: Bind, copies: StateCopies) -> _Call:
@@ -109,11 +108,18 @@ class PlanGraphs:
         for name, value in inputs.items():
             static_in[name].copy_(value)
         call.enqueue()
-        for name, out in outputs.items():
-            out.copy_(static_out[name])
+        self._copy_out(call, outputs)
         if self.capture and key.plan not in self.eager:
             call.graph = self._capture(key.plan, call)
         return call
+
+    @staticmethod
+    def _copy_out(call: _Call, outputs: Mapping[str, torch.Tensor]) -> None:
+        """The call's outputs into the caller's tensors, but the states the call copied into their rows itself."""
+        copied = {name for _, name in call.copies}
+        for name, out in outputs.items():
+            if name not in copied:
+                out.copy_(call.outputs[name])
 
     def _buffer(self, plan: str, name: str, like: torch.Tensor) -> torch.Tensor:
         """A static buffer for tensor `name` of `plan` at like's shape and dtype, shared by every key that has one."""

@@ -435,8 +435,8 @@ class TensorRTExecutor(StaticRows):
                   ) -> StateCopies:
         """Add the run's rows of the states to `inputs` / `outputs` of target_step (reads conv and state, writes all
         six: delta_* into the rows, which it does not read), target_token (reads and writes conv and state) or
-        target_replay (reads state and delta_*, writes the state). A state that the plan reads and writes goes to a new buffer; returns (rows, output name) pairs to
-        copy back once it ran."""
+        target_replay (reads state and delta_*, writes the state). A state that the plan reads and writes goes to a
+        new buffer; returns (rows, output name) pairs to copy back once it ran."""
         rows = slice(run.first, run.first + run.rows)
         read = REPLAY_KINDS if graph == REPLAY else READ_KINDS
         written = {"target_step": STATE_KINDS, TOKEN: READ_KINDS}.get(graph, ("state",))
