@@ -28,11 +28,11 @@ Shapes: every size a plan uses comes from its inputs' shapes, none from their va
 length of `key_positions` (0 .. keys - 1), a bucket of KV_BUCKET keys chosen on the host (executor.attended_keys)
 within the profile's `keys` range.
 
-CUDA graphs (`cuda_graphs`, on by default at tp_size 1): the decode step's plan calls (target_step over at most a verify
-block per row, target_replay, drafter_draft, accept) are captured once per distinct call, each with a context of its
-own over static buffers, and replayed (runtime/plan_graphs.py); their attended lengths then come in the coarser buckets
-of the torch executor's graphs (cuda_graphs.length_bucket) so that a long answer needs few captures. Prompts and the
-drafter's context passes run eagerly. Nothing here has run on a GPU.
+CUDA graphs (`cuda_graphs`, on by default at tp_size 1): the decode step's plan calls (target_step or target_token over
+at most a verify block per row, target_replay, drafter_draft, accept) are captured once per distinct call, each with a
+context of its own over static buffers, and replayed (runtime/plan_graphs.py); their attended lengths then come in
+the coarser buckets of the torch executor's graphs (cuda_graphs.length_bucket) so that a long answer needs few
+captures. Prompts and the drafter's context passes run eagerly. Nothing here has run on a GPU.
 
 Tensor parallelism: rank r runs onnx/rank{r}'s plans, whose DistCollective layers (all-reduce of the row-parallel
 outputs, all-gather of the vocabulary shards) run over the NCCL communicator of the torch.distributed process
