@@ -501,9 +501,9 @@ def parser() -> argparse.ArgumentParser:
                    help="live progress on stderr (default: only when stderr is a terminal)")
     r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=ro.cuda_graphs,
                    help="torch executor on --device cuda: decode passes padded to batch and length buckets and replayed "
-                        "as CUDA graphs (default: on for --device cuda where the target has no experts and tp_size is "
-                        "1); tensorrt executor: each distinct decode-step plan call captured once and replayed "
-                        "(default: on at tp_size 1); never run on a GPU by this project yet")
+                        "as CUDA graphs; tensorrt executor: each distinct decode-step plan call captured once and "
+                        "replayed; never run on a GPU by this project yet (default: on at tp_size 1, for torch on "
+                        "--device cuda where the target has no experts)")
     r.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     r.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N", help=TREE_BUDGET_HELP)
