@@ -1534,7 +1534,8 @@ def tensorrt_plans(ctx: StageContext, trt, logger) -> dict:
     lines: list[str] = []
     started = time.monotonic()
     plans = compile_engine(engine_dir, report=lambda line: (lines.append(line), ctx.log(line)))
-    compiled = {"plans": [p.name for p in plans], "report": lines, "compile_seconds": round(time.monotonic() - started, 1)}
+    compiled = {"plans": [p.name for p in plans], "report": lines,
+                "compile_seconds": round(time.monotonic() - started, 1)}
     ctx.results["plans"] = {"status": "running", **compiled}
     ctx.save()
     return {"status": "passed", "error": None, **compiled, "decode": tensorrt_decode(ctx, engine_dir)}

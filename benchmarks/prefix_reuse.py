@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--burst", action="store_true", help="submit the requests together, not one after another")
     ap.add_argument("--policy", choices=("dflash", "auto"), default="dflash",
                     help="dflash: blocks of the engine's block_size; auto: --block-size auto")
-    ap.add_argument("--unique", action="store_true", help="no shared prefix: what prefix caching costs when it never hits")
+    ap.add_argument("--unique", action="store_true",
+                    help="no shared prefix: what prefix caching costs when it never hits")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
     auto = args.policy == "auto"

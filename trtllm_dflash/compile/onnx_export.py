@@ -310,9 +310,13 @@ class RecurrentTargetDecode(TargetDecode):
 
     def forward(self, token_ids, positions, kept, past: list[torch.Tensor], states: list[torch.Tensor]):
         cache = GraphKVCache(past, in_place=True, layers=self.target.spec.attention_layers)
+        return self._one_token(token_ids, positions, kept, cache, states, kv_len=1)
+
+    def _one_token(self, token_ids, positions, kept, cache: GraphKVCache, states: list[torch.Tensor], kv_len: int):
+        """The target over one token per row with these caches, its Gated DeltaNet states advanced by one step."""
         recurrent = GraphOneTokenStates(states, kept, self.target.spec.linear_conv_kernel, self.depth)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
-        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=1, states=recurrent)
+        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=kv_len, states=recurrent)
         hidden = (out.hidden,) if self.capture_layers else ()
         return (out.logits, *hidden, *cache.present(), *recurrent.present())
 
@@ -325,12 +329,7 @@ class RecurrentTargetToken(RecurrentTargetDecode):
     def forward(self, token_ids, positions, key_positions, kept, past: list[torch.Tensor],
                 states: list[torch.Tensor]):
         cache = GraphKVCache(past, layers=self.target.spec.attention_layers)
-        recurrent = GraphOneTokenStates(states, kept, self.target.spec.linear_conv_kernel, self.depth)
-        rows = torch.arange(token_ids.shape[0], device=token_ids.device)
-        out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0],
-                          states=recurrent)
-        hidden = (out.hidden,) if self.capture_layers else ()
-        return (out.logits, *hidden, *cache.present(), *recurrent.present())
+        return self._one_token(token_ids, positions, kept, cache, states, kv_len=key_positions.shape[0])
 
 
 def ring_pass_tokens(target: TargetModel, drafter: DFlashDrafter | None) -> int | None:

@@ -273,8 +273,8 @@ class PrefixRows:
               others: bool = True) -> None:
         """The positions of prompt blocks `js` of `row` (block j: j * block_tokens .. (j + 1) * block_tokens - 1),
         from or to pool blocks `blocks`, one copy per buffer: of the rings (where they lie in them) with `rings`, of
-        the other buffers with `others`. (A copy per block and buffer cost 11 ms to publish 32 blocks of the demo
-        engine's 36 buffers on onnxruntime's CPU rows, against a 2.4 ms drafter pass over those positions.)"""
+        the other buffers with `others`. (A copy per block and buffer took 6.4 ms to publish 30 blocks of the demo
+        engine's 36 buffers on onnxruntime's CPU rows, this 2.0 ms: benchmarks/prefix_pool.py.)"""
         if not js:
             return
         size, n = self.block_tokens, len(js)
@@ -294,7 +294,8 @@ class PrefixRows:
             elif into_row:
                 buf[row, :, where] = pool[index.to(pool.device)].transpose(0, 1).reshape(heads, n * size, dim)
             else:
-                pool.index_copy_(0, index.to(pool.device), buf[row, :, where].reshape(heads, n, size, dim).transpose(0, 1))
+                blocks_of_row = buf[row, :, where].reshape(heads, n, size, dim).transpose(0, 1)
+                pool.index_copy_(0, index.to(pool.device), blocks_of_row)
 
 
 def _bytes(caches: Sequence[LayerCaches], states: RecurrentStates | None) -> int:
