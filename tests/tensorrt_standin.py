@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trtllm_dflash.compile.tensorrt_build import STATE_OUTPUTS, cache_length, engine_plans, engine_shapes
+from trtllm_dflash.compile.tensorrt_build import STATE_OUTPUTS, cache_length, engine_plans, plan_shapes
 from trtllm_dflash.engine_dir import graph_dir, read_engine_config
 from trtllm_dflash.runtime.executor import engine_specs
 from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
@@ -72,7 +72,8 @@ class OnnxRuntimeContext:
 def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None,
                      pass_tokens: int | None = None, prefix_cache: bool = True, cuda_graphs: bool = False,
                      made: list | None = None) -> TensorRTExecutor:
-    """A TensorRTExecutor of `engine` (rank 0, built with backend onnxruntime) whose contexts are OnnxRuntimeContexts,
+    """A TensorRTExecutor of `engine` (rank 0, built with backend onnxruntime, or tensorrt where its sliding-window
+    layers' rings must be written as TensorRT can) whose contexts are OnnxRuntimeContexts,
     holding the profile `compile` would give its plans (and taking passes of its length, or of `pass_tokens`), unless
     `profile` is False. `cuda_graphs`: the executor's decode-step calls over static buffers, each on a context of its
     own (runtime/plan_graphs.py: a CPU runs them where a GPU replays graphs); `made` gets (plan, context) for each
@@ -92,7 +93,9 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    shapes = engine_shapes(cfg) if profile else None
+    compiled = plan_shapes(cfg, engine)  # (rings as TensorRT writes them, or none)
+    rings = compiled.get("ring")
+    shapes = compiled if profile else None
     sessions = {g: ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
                                         providers=["CPUExecutionProvider"]) for g in engine_plans(cfg, engine)}
 
@@ -104,5 +107,6 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
 
     return TensorRTExecutor({g: OnnxRuntimeContext(s, output_shape, shapes) for g, s in sessions.items()}, cfg,
                             block_size, "cpu", cache_length(cfg),
-                            pass_tokens=pass_tokens or (shapes["seq"].max if shapes is not None else None),
-                            prefix_cache=prefix_cache, new_context=new_context, cuda_graphs=cuda_graphs)
+                            pass_tokens=pass_tokens or (compiled["seq"].max if profile or rings else None),
+                            prefix_cache=prefix_cache, new_context=new_context, cuda_graphs=cuda_graphs,
+                            window_ring=rings.max if rings is not None else None)

@@ -510,30 +510,116 @@ def test_compile_refuses_graphs_with_onnxruntimes_experts_op(gpt_oss_ort_engine,
     write_manifest(copy)
     assert main(["compile", str(copy)]) == EXIT_USER_ERROR
     assert capsys.readouterr().err.strip() == (
-        f"error: {graph}: its sliding-window layers keep rings (the engine was built with backend: onnxruntime), "
-        "which TensorRT's KV-cache update cannot write; rebuild the engine with backend: tensorrt.")
+        f"error: {graph}: its sliding-window layers keep rings written in TensorScatter's circular mode (the engine "
+        "was built with backend: onnxruntime), which TensorRT's KV-cache update cannot write; rebuild the engine with "
+        "backend: tensorrt.")
+
+
+def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monkeypatch):
+    """compile (TensorRT itself and the GPU faked) profiles a ring engine's plans with the rings' fixed length and
+    target passes of at most the ring's pass, and records the length in the plans' info, from which the executor sizes
+    the sliding layers' rows."""
+    from tests.test_tensorrt_build import fake_tensorrt
+
+    from trtllm_dflash.compile import tensorrt_build
+    from trtllm_dflash.compile.tensorrt_build import PLANS_DIR, PLANS_INFO, DimRange, compile_engine
+
+    root = tmp_path / "engine"
+    shutil.copytree(gpt_oss_trt_engine, root)
+    fake_tensorrt(monkeypatch, "11.1.0.7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    profiles = []
+
+    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None):
+        profiles.append(shapes)
+        return b"plan"
+
+    monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
+    compile_engine(root)
+    assert profiles and all(p["ring"] == DimRange.fixed(20) and p["seq"].max == 16 for p in profiles)
+    assert json.loads((root / PLANS_DIR / PLANS_INFO).read_text())["window_ring"] == 20
+
+
+@pytest.mark.slow
+def test_tensorrt_graphs_keep_rings_written_whole(gpt_oss_trt_engine):
+    """Graphs built for TensorRT keep the sliding-window layers' rings too (window 4 + passes of at most 16: 20
+    positions, where full layers keep 264), written as TensorRT's linear KV-cache update can: the whole ring computed
+    and written at 0 (onnx_ops.ring_rewrite). The TensorRT executor, over onnxruntime stand-ins of its contexts with
+    the profile compile gives the plans, gives the torch executor's tokens and acceptance lengths (dflash and ar,
+    greedy and sampled) through prefix hits and prompts longer than a pass, and a 75-token prompt's logits and hidden
+    states in 5 passes."""
+    from tests.tensorrt_standin import standin_executor
+
+    from trtllm_dflash.compile.tensorrt_build import engine_shapes, graph_ring_pass
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+    from trtllm_dflash.runtime.decoding import Decoder
+
+    graph = graph_dir(gpt_oss_trt_engine, 0) / "target_step.onnx"
+    assert graph_ring_pass(graph) == 16
+    assert engine_shapes(read_engine_config(gpt_oss_trt_engine), 16)["ring"].max == 20
+    ex = standin_executor(gpt_oss_trt_engine)
+    assert ex.window_ring == 20 and [buf.shape[2] for buf in ex._target.keys] == [20, 264, 20, 264]
+    torch_engine = Engine.load(gpt_oss_trt_engine, backend="torch")
+    g = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(4, 500, (45,), generator=g).tolist() for _ in range(2))
+    tails = [(first, 3), (first, 4), (second, 30), (second, 3), (second, 5)]
+    reqs = [Request(i, prefix + torch.randint(4, 500, (n,), generator=g).tolist(), 12,
+                    temperature=0.8 if i % 2 else 0.0, seed=i) for i, (prefix, n) in enumerate(tails)]
+    for mode in ("dflash", "ar"):
+        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
+                    for q in reqs for r in torch_engine.decoder(mode).generate([q])}
+        ex = standin_executor(gpt_oss_trt_engine)
+        prefilled, forward = [], ex.target_forward
+
+        def counted(token_ids, starts, slots, capture, last_index=None, rows=None):
+            if last_index is not None:  # a prefill: the positions it computes
+                prefilled.append(int((last_index + 1).sum()))
+            return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
+
+        ex.target_forward = counted
+        decoder = Decoder(ex, torch_engine.decoder(mode).policy, torch_engine.config.eos_token_ids)
+        got = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for q in reqs for r in decoder.generate([q])}
+        assert got == expected, mode
+        assert prefilled == [48, 49 - 32, 75, 48, 50 - 32], (mode, prefilled)  # (as onnxruntime's rings)
+
+    long_prompt = reqs[2].prompt_token_ids
+    executors = (standin_executor(gpt_oss_trt_engine), torch_engine.executor)
+    for executor in executors:
+        executor.reserve(0, long_prompt)
+    ring_out, full_out = (executor.target_forward(torch.tensor([long_prompt]), torch.tensor([0]), torch.tensor([0]),
+                                                  True, last_index=torch.tensor([74])) for executor in executors)
+    torch.testing.assert_close(ring_out.logits, full_out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ring_out.hidden, full_out.hidden, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(gpt_oss_trt_engine):
     """TensorRT-RTX (on the CPU) parses the target step into one native attention per layer (the sinks ride in its
-    additive mask), the KV-cache updates, RoPE and the routers' TopK, and builds plans for SM89 and SM120."""
+    additive mask), the KV-cache updates (one per cache: a sliding layer's ring too, every present_* the in-place
+    update of its past_*), RoPE and the routers' TopK, and builds plans for SM89 and SM120."""
     rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
     from trtllm_dflash.compile.tensorrt_build import (
-        GRAPHS, build_plan, cache_length, engine_shapes, layer_types, mark_attention_decomposable, parse_graph)
+        GRAPHS, build_plan, cache_length, cache_updates, engine_shapes, graph_ring_pass, layer_types,
+        mark_attention_decomposable, parse_graph, ring_length)
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
 
     cfg = read_engine_config(gpt_oss_trt_engine)
     layers = cfg.target["num_hidden_layers"]
     path = graph_dir(gpt_oss_trt_engine, 0) / "target_step.onnx"
-    network = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg)}).network
+    ring_pass = graph_ring_pass(path)
+    network = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg),
+                                                  "ring": ring_length(cfg, ring_pass)}).network
     types_ = layer_types(network)
     assert (types_["ATTENTION_OUTPUT"], types_["KV_CACHE_UPDATE"], types_["ROTARY_EMBEDDING"], types_["TOPK"]) == (
         layers, 2 * layers, 2 * layers, layers), types_
+    assert cache_updates(network) == {f"present_{kv}_{i}": f"past_{kv}_{i}" for i in range(layers)
+                                      for kv in ("key", "value")}
     assert mark_attention_decomposable(rtx, network) == layers
     for graph in GRAPHS:
         plan = build_plan(rtx, graph_dir(gpt_oss_trt_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
-                          shapes=engine_shapes(cfg), targets=["SM89", "SM120"])
+                          shapes=engine_shapes(cfg, ring_pass), targets=["SM89", "SM120"])
         assert len(plan) > 100_000, graph
 
 

@@ -110,6 +110,9 @@ EXPERTS_OP_KEY = "experts_op"
 # ... target_step's sliding-window layers keep rings of (window + this) positions, and no pass may write more positions
 # per row than this (onnx_ops.GraphKVCache); absent: every layer keeps max_len positions
 RING_PASS_KEY = "window_ring_pass"
+# ... how the rings are written: "rewrite" (graphs for TensorRT: the whole ring through one linear KV-cache update,
+# onnx_ops.ring_rewrite); absent: TensorScatter's circular mode, which TensorRT cannot parse (graphs for onnxruntime)
+RING_WRITE_KEY = "window_ring_write"
 # ... (Qwen3.5 targets) a one-token pass leaves each Gated DeltaNet layer's state after its token, so the next pass
 # replays nothing (linear_attention.RecurrentStates one_token_advances); absent (graphs exported before 2026-12-05):
 # it keeps the pass's inputs, as a verify block's

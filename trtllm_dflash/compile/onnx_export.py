@@ -190,7 +190,7 @@ from trtllm_dflash.compile.onnx_ops import (
     GraphOneTokenStates,
     GraphRecurrentStates,
 )
-from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY
+from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY, RING_WRITE_KEY
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.linear_attention import (READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates,
                                                   chunk_scanned)
@@ -229,13 +229,16 @@ def state_names(layers: Sequence[int], kind: str, kinds: Sequence[str] = STATE_K
 class TargetStep(nn.Module):
     """target_step.onnx: TargetModel.forward over the bound cache rows."""
 
-    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...], rings: Sequence[int] = ()):
-        """`rings`: the sliding-window layers whose caches are rings (GraphKVCache)."""
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...], rings: Sequence[int] = (),
+                 rewrite_rings: bool = False):
+        """`rings`: the sliding-window layers whose caches are rings; `rewrite_rings`: written as TensorRT can
+        (GraphKVCache)."""
         super().__init__()
         self.target, self.capture_layers, self.rings = target, capture_layers, tuple(rings)
+        self.rewrite_rings = rewrite_rings
 
     def forward(self, token_ids, positions, key_positions, past: list[torch.Tensor]):
-        cache = GraphKVCache(past, rings=self.rings)
+        cache = GraphKVCache(past, rings=self.rings, rewrite_rings=self.rewrite_rings)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0])
         hidden = (out.hidden,) if self.capture_layers else ()
@@ -440,10 +443,11 @@ def _caches(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, b
 
 
 def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = False,
-            in_place: bool = False, rings: bool = False, token_step: bool = False) -> list[_Graph]:
+            in_place: bool = False, rings: bool = False, token_step: bool = False,
+            rewrite_rings: bool = False) -> list[_Graph]:
     """The graphs to export, with their sample inputs and dynamic dimensions (`trees`: the draft trees' too;
-    `in_place`: target_decode too; `rings`: target_step's sliding-window layers keep rings, GraphKVCache;
-    `token_step`: a Qwen3.5 target's target_token too)."""
+    `in_place`: target_decode too; `rings`: target_step's sliding-window layers keep rings, GraphKVCache, written as
+    TensorRT can with `rewrite_rings`; `token_step`: a Qwen3.5 target's target_token too)."""
     batch, max_len = Dim("batch", min=1), Dim("max_len", min=2)
     b, n = 3, 24  # sample batch and max_len (sample sizes all differ, so no two dimensions get unified)
     cache_axes = {0: batch, 2: max_len}
@@ -469,7 +473,8 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
         past, axes = list(t_past), [cache_axes] * len(t_past)
         for j in (2 * attention.index(i) + kv for i in ringed for kv in (0, 1)):
             past[j], axes[j] = past[j][:, :, :r].clone(), {0: batch, 2: ring}
-        graphs = [_Graph(TARGET_STEP, TargetStep(target, capture, ringed), (*step_ids, past), (*step_axes, axes),
+        graphs = [_Graph(TARGET_STEP, TargetStep(target, capture, ringed, rewrite_rings), (*step_ids, past),
+                         (*step_axes, axes),
                          ["token_ids", "positions", "key_positions", *cache_names(attention, "past")], step_outputs,
                          {**step_names, **{(c, 2): "ring" for c in cache_names(ringed, "past")}})]
     else:  # Qwen3.5: the Gated DeltaNet layers' states, and the replay graph that resumes them
@@ -679,7 +684,7 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
 
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
                          experts_op: bool = False, trees: bool = False, in_place: bool = False,
-                         rings: bool = False, token_step: bool = False) -> list[Path]:
+                         rings: bool = False, token_step: bool = False, rewrite_rings: bool = False) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
     drafter_candidates and target_tree) into `out_dir`.
 
@@ -687,10 +692,12 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     target_step has no `hidden` output (plain autoregressive engines). `experts_op` (graphs for onnxruntime): every
     MLP of experts that can be is one com.microsoft.MoE node (compile/onnx_ops.py), recorded in the graphs' metadata
     as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs). `in_place` (graphs for
-    onnxruntime): target_decode too, where the target can run it (attends_in_place). `rings` (graphs for onnxruntime):
-    target_step's sliding-window layers keep rings of the window + ring_pass_tokens positions (GraphKVCache), recorded
-    in its metadata as `window_ring_pass`; TensorRT's KV-cache update writes linearly only. `token_step` (graphs for
-    TensorRT): a Qwen3.5 target's target_token too (one token per row without a loop).
+    onnxruntime): target_decode too, where the target can run it (attends_in_place). `rings`: target_step's
+    sliding-window layers keep rings of the window + ring_pass_tokens positions (GraphKVCache), recorded in its metadata
+    as `window_ring_pass`, written in TensorScatter's circular mode, or with `rewrite_rings` (graphs for TensorRT, whose
+    KV-cache update writes linearly only) the whole ring through one linear update (metadata `window_ring_write`:
+    "rewrite"). `token_step` (graphs for TensorRT): a Qwen3.5 target's target_token too (one token per row without a
+    loop).
     """
     _check_exportable(target, "target")
     if drafter is not None:
@@ -703,7 +710,7 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
             m.export_as_one_op = True
         ring_pass = ring_pass_tokens(target, drafter) if rings else None
         models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target),
-                                                         ring_pass is not None, token_step)}
+                                                         ring_pass is not None, token_step, rewrite_rings)}
     finally:
         for m in one_op:
             m.export_as_one_op = False
@@ -713,6 +720,8 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
             model.metadata_props[EXPERTS_OP_KEY] = f"{MOE_DOMAIN}.{MOE_OP}"
     if ring_pass is not None:
         models[TARGET_STEP].metadata_props[RING_PASS_KEY] = str(ring_pass)
+        if rewrite_rings:
+            models[TARGET_STEP].metadata_props[RING_WRITE_KEY] = "rewrite"
     if target.spec.has_recurrent_state:  # (GraphRecurrentStates.begin)
         models[TARGET_STEP].metadata_props[ONE_TOKEN_ADVANCES_KEY] = "1"
     written = _save_sharing_weights(models, out_dir)

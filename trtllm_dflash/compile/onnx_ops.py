@@ -132,6 +132,34 @@ def _tensor_scatter_onnx(cache, update, write_indices, circular: bool = False):
     return opset24.TensorScatter(cache, update, write_indices, axis=2, mode="circular" if circular else "linear")
 
 
+@torch.library.custom_op("dflash_onnx::ring_rewrite", mutates_args=())
+def ring_rewrite(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """A ring's circular write (tensor_scatter with `circular`: position p at p % L), exported as TensorRT can write it
+    in place: its KV-cache update writes linearly only, so the graph computes the whole ring (each entry j the update's
+    token (j - write_indices[b]) mod L where that is < T, else the entry as it was) and writes it at 0. Same result."""
+    return tensor_scatter(cache, update, write_indices, True)
+
+
+@ring_rewrite.register_fake
+def _(cache, update, write_indices):
+    return torch.empty_like(cache)
+
+
+def _ring_rewrite_onnx(cache, update, write_indices):
+    ring = opset24.Shape(cache, start=2, end=3)  # [1] (static in a plan: TensorRT's caches are)
+    tokens = opset24.Shape(update, start=2, end=3)
+    zero, one = opset24.Constant(value_int=0), opset24.Constant(value_int=1)
+    entries = opset24.Range(zero, opset24.Squeeze(ring), one)  # [L]
+    offset = opset24.Mod(opset24.Sub(opset24.Unsqueeze(entries, zero), opset24.Unsqueeze(write_indices, one)),
+                         ring)  # [B, L]: (j - start) mod L, non-negative (integer Mod takes the divisor's sign)
+    axes = opset24.Constant(value_ints=[1, 3])
+    token = opset24.Expand(opset24.Unsqueeze(opset24.Min(offset, opset24.Sub(tokens, one)), axes),
+                           opset24.Shape(cache))  # [B, H, L, D]: the update's token for each entry (clamped)
+    written = opset24.Unsqueeze(opset24.Less(offset, tokens), axes)  # [B, 1, L, 1]
+    whole = opset24.Where(written, opset24.GatherElements(update, token, axis=2), cache)
+    return opset24.TensorScatter(cache, whole, opset24.Mul(write_indices, zero), axis=2, mode="linear")
+
+
 GQA_DOMAIN, GQA_OP = "com.microsoft", "GroupQueryAttention"
 
 
@@ -391,6 +419,7 @@ TRANSLATIONS = {
     torch.ops.dflash_onnx.fp8_qdq.default: _fp8_qdq_onnx,
     torch.ops.dflash_onnx.fp8_dequantize.default: _fp8_dequantize_onnx,
     torch.ops.dflash_onnx.tensor_scatter.default: _tensor_scatter_onnx,
+    torch.ops.dflash_onnx.ring_rewrite.default: _ring_rewrite_onnx,
     torch.ops.dflash_onnx.attend_in_place.default: _attend_in_place_onnx,
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
@@ -405,22 +434,24 @@ class GraphKVCache:
     cover positions[b, 0] .. positions[b, 0] + T - 1, so each row's positions must be consecutive (they
     are: start + arange(T)).
 
-    Rings (`rings`, target_step.onnx for onnxruntime): a sliding-window layer's caches hold `ring` positions, not
-    max_len: position p lies at p % ring (TensorScatter's circular mode), and the layer attends over the whole ring,
-    masked by the position each entry holds (TargetModel.forward). The executor sizes a ring as the window plus the
-    most positions a pass writes, and passes never write more (docs/backends.md §Windowed layers in rings).
+    Rings (`rings`, target_step.onnx): a sliding-window layer's caches hold `ring` positions, not max_len: position p
+    lies at p % ring (TensorScatter's circular mode for onnxruntime; `rewrite_rings` for TensorRT, whose KV-cache update
+    writes linearly only: the whole ring computed and written at 0, ring_rewrite), and the layer attends over the whole
+    ring, masked by the position each entry holds (TargetModel.forward). The executor sizes a ring as the window plus
+    the most positions a pass writes, and passes never write more (docs/backends.md §Windowed layers in rings).
     """
 
     def __init__(self, past: list[torch.Tensor], in_place: bool = False, layers: list[int] | None = None,
-                 rings: Sequence[int] = ()):
+                 rings: Sequence[int] = (), rewrite_rings: bool = False):
         """past: [k_0, v_0, k_1, v_1, ...], of the layers numbered `layers` (None: every layer, 0, 1, ...; a hybrid
         model's attention layers only). `in_place` (target_decode.onnx, one token per row): each layer's write and
         attention are one GroupQueryAttention node (write_and_attend) that reads and writes the cache where it lies.
-        `rings`: the layers whose caches are rings."""
+        `rings`: the layers whose caches are rings; `rewrite_rings`: written as TensorRT can (ring_rewrite)."""
         layers = range(len(past) // 2) if layers is None else layers
         self.keys, self.values = dict(zip(layers, past[0::2])), dict(zip(layers, past[1::2]))
         self.in_place = in_place
         self._rings = frozenset(rings)
+        self._rewrite_rings = rewrite_rings
 
     @property
     def ring(self) -> torch.SymInt | int | None:
@@ -441,6 +472,10 @@ class GraphKVCache:
         # positions: [B, T]; k, v: [B, T, kv_heads, hd]
         start = positions[:, 0]
         ring = layer in self._rings
+        if ring and self._rewrite_rings:
+            self.keys[layer] = ring_rewrite(self.keys[layer], k.transpose(1, 2), start)
+            self.values[layer] = ring_rewrite(self.values[layer], v.transpose(1, 2), start)
+            return
         self.keys[layer] = tensor_scatter(self.keys[layer], k.transpose(1, 2), start, ring)
         if v.shape[-1]:  # (a latent attention layer's V is zero-wide: nothing to write, and TensorRT-RTX 1.7's
             # builder fails on a KV-cache update of zero width: "MyelinCheckException ... is_update_tensor()")

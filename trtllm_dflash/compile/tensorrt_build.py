@@ -51,6 +51,7 @@ from trtllm_dflash.engine_dir import (
     EXPERTS_OP_KEY,
     ONE_TOKEN_ADVANCES_KEY,
     RING_PASS_KEY,
+    RING_WRITE_KEY,
     EngineConfig,
     check_graph_inputs,
     graph_dir,
@@ -118,18 +119,49 @@ def plan_file(root: Path, rank: int, graph: str) -> Path:
     return plan_dir(root, rank) / f"{graph}.engine"
 
 
-def cache_length(cfg: EngineConfig) -> int:
-    """Positions per cache row: max_seq_len + block_size (a verify writes a block past the last committed
-    position), rounded up so that every row of every cache starts on a 256-byte boundary."""
+def _rounded(cfg: EngineConfig, positions: int) -> int:
+    """`positions` rounded up so that every row of every cache of that many positions starts on a 256-byte
+    boundary."""
     from trtllm_dflash.runtime.executor import engine_specs
 
-    target, drafter, params = engine_specs(cfg)
+    target, drafter, _ = engine_specs(cfg)
     element = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype]
     step = 1
     for spec in (target, drafter):
         position_bytes = spec.num_kv_heads * spec.head_dim * element
         step = math.lcm(step, _ALIGN // math.gcd(_ALIGN, position_bytes))
-    return -(-(cfg.max_seq_len + params.block_size) // step) * step
+    return -(-positions // step) * step
+
+
+def cache_length(cfg: EngineConfig) -> int:
+    """Positions per cache row: max_seq_len + block_size (a verify writes a block past the last committed
+    position), rounded up so that every row of every cache starts on a 256-byte boundary."""
+    from trtllm_dflash.runtime.executor import engine_specs
+
+    return _rounded(cfg, cfg.max_seq_len + engine_specs(cfg)[2].block_size)
+
+
+def ring_length(cfg: EngineConfig, ring_pass: int) -> int:
+    """Positions per row of a sliding-window layer's ring (graphs exported with rings, RING_PASS_KEY): the window plus
+    the most positions a pass writes (`ring_pass`), rounded as cache_length; an engine shorter than that keeps
+    cache_length positions (its writes never wrap)."""
+    from trtllm_dflash.runtime.executor import engine_specs
+
+    return min(_rounded(cfg, engine_specs(cfg)[0].sliding_window + ring_pass), cache_length(cfg))
+
+
+def graph_ring_pass(onnx_path: Path) -> int | None:
+    """The most positions per row a pass of target_step `onnx_path` may write where its sliding-window layers keep
+    rings written as TensorRT can (RING_WRITE_KEY "rewrite"); None: no rings. UserError for rings in TensorScatter's
+    circular mode (graphs for onnxruntime), which TensorRT's KV-cache update cannot write."""
+    metadata = graph_metadata(onnx_path)
+    if not metadata.get(RING_PASS_KEY):
+        return None
+    if metadata.get(RING_WRITE_KEY) != "rewrite":
+        raise UserError(f"{onnx_path}: its sliding-window layers keep rings written in TensorScatter's circular mode "
+                        "(the engine was built with backend: onnxruntime), which TensorRT's KV-cache update cannot "
+                        "write; rebuild the engine with backend: tensorrt.")
+    return int(metadata[RING_PASS_KEY])
 
 
 def pass_tokens(cfg: EngineConfig) -> int:
@@ -154,17 +186,25 @@ def engine_plans(cfg: EngineConfig, root: Path | None = None) -> tuple[str, ...]
     return PLANS + (REPLAY,) + ((TOKEN,) if token else ())
 
 
-def engine_shapes(cfg: EngineConfig) -> dict[str, DimRange]:
+def plan_shapes(cfg: EngineConfig, root: Path) -> dict[str, DimRange]:
+    """The profile compile gives the plans of engine directory `root` (engine_shapes, with its graphs' rings)."""
+    return engine_shapes(cfg, graph_ring_pass(graph_dir(root, 0) / "target_step.onnx"))
+
+
+def engine_shapes(cfg: EngineConfig, ring_pass: int | None = None) -> dict[str, DimRange]:
     """The profile of the graphs' named dimensions for this engine (one dict for all three graphs).
 
     seq (target_step) and ctx (drafter_context) reach pass_tokens: a prefill runs in passes of at most that many
     positions; their optimum is a verify block. block (drafter_draft) is 2 .. block_size; max_len is the fixed
-    cache length."""
+    cache length. `ring_pass` (graph_ring_pass): the sliding-window layers' rings are `ring` positions (fixed), and
+    a target pass writes at most that many positions."""
     block = cfg.dflash.block_size
     longest = pass_tokens(cfg)
+    rings = {} if ring_pass is None else {"ring": DimRange.fixed(ring_length(cfg, ring_pass))}
     return {
+        **rings,
         "batch": DimRange(1, cfg.max_batch_size, cfg.max_batch_size),
-        "seq": DimRange(1, block, longest),
+        "seq": DimRange(1, block, longest if ring_pass is None else min(longest, ring_pass)),
         "ctx": DimRange(1, block, longest),
         "block": DimRange(2, block, block),
         "max_len": DimRange.fixed(cache_length(cfg)),
@@ -514,10 +554,6 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
         raise UserError(f"{target_graph}: its experts are onnxruntime's {metadata[EXPERTS_OP_KEY]} node (the engine "
                         "was built with backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with "
                         "backend: tensorrt.")
-    if metadata.get(RING_PASS_KEY):
-        raise UserError(f"{target_graph}: its sliding-window layers keep rings (the engine was built with backend: "
-                        "onnxruntime), which TensorRT's KV-cache update cannot write; rebuild the engine with backend: "
-                        "tensorrt.")
     trt = import_tensorrt(command)
     _require_onnx(command)
     require_gpu(command)
@@ -534,7 +570,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
 
     import torch
 
-    shapes = engine_shapes(cfg)
+    shapes = plan_shapes(cfg, root)
     major, minor = torch.cuda.get_device_capability()
     written = []
     with atomic_directory(root, "engine", force=True) as tmp:
@@ -554,6 +590,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             "compute_capability": f"{major}.{minor}",
             "device": torch.cuda.get_device_name(),
             "cache_length": shapes["max_len"].max,
+            "window_ring": shapes["ring"].max if "ring" in shapes else None,  # the sliding layers' positions per row
             "tp_size": ranks,
             "shapes": {name: [r.min, r.opt, r.max] for name, r in shapes.items()},
             "plugin_library": Path(plugin_library).name if plugin_library is not None else None,

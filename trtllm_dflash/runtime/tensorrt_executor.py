@@ -7,6 +7,9 @@ rows 0 .. n-1; a call covers a contiguous run of rows and binds each past_* inpu
 the run's first row (`set_tensor_address`), so TensorRT's KV-cache-update layers write the new positions in
 place (its IKVCacheUpdateLayer requires input and output to share memory; `from_engine` checks the plans alias
 them). Inputs and outputs are torch tensors too; outputs are allocated per call by torch's caching allocator.
+Sliding-window layers of plans compiled from graphs with rings (engines built since 2026-12-05) keep `window_ring`
+positions per row, not cache_length: the plan rewrites the whole ring through its one linear update (onnx_ops.
+ring_rewrite; docs/backends.md §Windowed layers in rings).
 
 A Qwen3.5 target's Gated DeltaNet layers keep their states (models/linear_attention.RecurrentStates) in rows beside the
 caches. TensorRT aliases an output with an input only in a KV-cache update, so a state a plan reads and writes (conv
@@ -119,7 +122,7 @@ class TensorRTExecutor(StaticRows):
                  pass_tokens: int | None = None, prefix_cache: bool = True,
                  kv_cache_memory: int | Callable[[], int] | None = None, one_token_advances: bool = True,
                  new_context: Callable[[str], ExecutionContext] | None = None, cuda_graphs: bool = False,
-                 report: Callable[[str], None] = lambda line: None):
+                 report: Callable[[str], None] = lambda line: None, window_ring: int | None = None):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
         row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
@@ -130,7 +133,9 @@ class TensorRTExecutor(StaticRows):
         one-token passes leave the Gated DeltaNet layers' states after their token (RecurrentStates; False: plans of
         graphs exported before 2026-12-05); `cuda_graphs`: the decode step's plan calls captured as CUDA graphs (on a
         CPU: run over the same static buffers), each on a context of its own from `new_context(plan)`
-        (runtime/plan_graphs.py); `report` hears of a plan that could not be captured."""
+        (runtime/plan_graphs.py); `report` hears of a plan that could not be captured. `window_ring`: the positions
+        per row of the sliding-window layers' rings (plans of graphs exported with rings: compile's info; their passes
+        write at most `pass_tokens` positions per row, which the ring's length allows for)."""
         target, drafter, params = engine_specs(cfg)
         if cache_length < cfg.max_seq_len + params.block_size:
             raise ValueError(f"cache_length {cache_length} < max_seq_len + block_size")
@@ -143,9 +148,12 @@ class TensorRTExecutor(StaticRows):
         self._cache_length = cache_length
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
 
+        self.window_ring = window_ring  # (None: every layer keeps cache_length positions)
+        lengths = [window_ring if window_ring and target.is_sliding(i) else cache_length
+                   for i in target.attention_layers]
+
         def rows(n: int):
-            caches = (LayerCaches.zeros(target.attention_layers, n, heads, cache_length, k_dim, dtype, self.device,
-                                        v_dim),
+            caches = (LayerCaches.zeros(target.attention_layers, n, heads, lengths, k_dim, dtype, self.device, v_dim),
                       LayerCaches.zeros(drafter.num_layers, n, drafter.num_kv_heads, cache_length, drafter.head_dim,
                                         dtype, self.device))
             # Gated DeltaNet layers' states per row (Qwen3.5), resuming passes of up to a verify block
@@ -158,7 +166,7 @@ class TensorRTExecutor(StaticRows):
         self._linear = target.linear_layers
         # slot -> cache row, and the prefix pool (runtime/cache_rows.py StaticRows)
         self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache,
-                        budget=kv_cache_memory)
+                        target.sliding_window if window_ring else 0, kv_cache_memory)
         self._contexts = dict(contexts)
         self._accept_ints = torch.int32 if accept_plugin else torch.int64
         if accept_plugin and self.block_size != params.block_size:
@@ -236,7 +244,8 @@ class TensorRTExecutor(StaticRows):
                 raise UserError(f"{path}: TensorRT could not load this plan; run `trtllm-dflash compile {root}` again.")
             if graph in ("target_step", "drafter_draft"):
                 check_graph_inputs(graph, [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)], path)
-            _check_plan(trt, engine, path, int(info["cache_length"]), bound_dtypes(cfg, graph, plugin), root)
+            _check_plan(trt, engine, path, int(info["cache_length"]), bound_dtypes(cfg, graph, plugin), root,
+                        info.get("window_ring"))
             engines[graph] = engine
         # The plans run one at a time on one stream: one scratch buffer, as large as the largest plan's, serves all.
         scratch_bytes = max(int(e.device_memory_size_v2) for e in engines.values())
@@ -258,7 +267,8 @@ class TensorRTExecutor(StaticRows):
                    accept_plugin=plugin, pass_tokens=int(shapes["seq"][2]) if "seq" in shapes else None,
                    prefix_cache=prefix_cache, kv_cache_memory=kv_cache_memory,
                    one_token_advances=bool(info.get(ONE_TOKEN_ADVANCES_KEY)), new_context=new_context,
-                   cuda_graphs=cfg.mapping.tp_size == 1 if cuda_graphs is None else cuda_graphs, report=report)
+                   cuda_graphs=cfg.mapping.tp_size == 1 if cuda_graphs is None else cuda_graphs, report=report,
+                   window_ring=info.get("window_ring"))
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract
@@ -270,6 +280,10 @@ class TensorRTExecutor(StaticRows):
         T > pass_tokens (a prefill) runs in passes of pass_tokens positions; with `last_index`, only the logits at
         last_index are kept from each pass (a pass's logits [B, pass, V] are the most ever held)."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
+        if self.window_ring and self.prefix_rows is not None:  # what the rows' rings hold now (PrefixRows)
+            first = rows.starts if rows is not None else starts.tolist()
+            self.prefix_rows.wrote(rows.slots if rows is not None else slots.tolist(),
+                                   [s + token_ids.shape[1] - 1 for s in first])
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
             last = last_index.to(self.device) if last_index is not None else None
@@ -572,13 +586,15 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
 
 
 def _check_plan(trt: Any, engine, path: Path, cache_length: int, dtypes: Mapping[str, torch.dtype] | None = None,
-                root: Path | None = None) -> None:
-    """The plan's caches have `cache_length` positions, each present_* output is TensorRT's in-place update of its
-    past_* input (the executor binds both to one buffer), and its tensors are those the executor binds, of the dtypes
-    it binds them as (`dtypes`: bound_dtypes): a buffer of another dtype would be read as garbage, silently."""
+                root: Path | None = None, window_ring: int | None = None) -> None:
+    """The plan's caches have `cache_length` positions (or a sliding-window layer's ring `window_ring`), each present_*
+    output is TensorRT's in-place update of its past_* input (the executor binds both to one buffer), and its tensors
+    are those the executor binds, of the dtypes it binds them as (`dtypes`: bound_dtypes): a buffer of another dtype
+    would be read as garbage, silently."""
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     for name in names:
-        if name.startswith(("past_key_", "past_value_")) and engine.get_tensor_shape(name)[2] != cache_length:
+        if name.startswith(("past_key_", "past_value_")) and \
+                engine.get_tensor_shape(name)[2] not in (cache_length, window_ring):
             raise RuntimeError(f"{path}: {name} has {engine.get_tensor_shape(name)[2]} positions, not the "
                                f"{cache_length} of {PLANS_INFO}")
         if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT and name.startswith("present_") and \
