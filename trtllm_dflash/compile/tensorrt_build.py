@@ -554,6 +554,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
         raise UserError(f"{target_graph}: its experts are onnxruntime's {metadata[EXPERTS_OP_KEY]} node (the engine "
                         "was built with backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with "
                         "backend: tensorrt.")
+    graph_ring_pass(target_graph)  # (rings TensorRT cannot write are refused here, before TensorRT is looked for)
     trt = import_tensorrt(command)
     _require_onnx(command)
     require_gpu(command)
