@@ -381,24 +381,14 @@ def test_onnxruntime_backend_gives_the_torch_executors_tokens(gpt_oss_ort_engine
                 for r in ort.decoder(mode).generate(reqs)} == expected, mode
 
 
-@pytest.mark.slow
-def test_onnxruntime_sliding_layers_keep_rings_and_prefix_reuse_copies_their_window(gpt_oss_ort_engine):
-    """An onnxruntime engine's sliding-window layers keep rings of the window + a pass's positions (window 4, passes of
-    at most 16: 20 positions, where full layers keep max_seq_len + block = 264), and prompts longer than a pass run in
-    passes. Prefix reuse copies a prompt's blocks into a later request's row, and the rings' part of the window before
-    the prefix's end only if the pool has it: a published prompt whose tail after the prefix is longer than its ring
-    left none (the next request with that prefix computes its whole prompt, then publishes the window), so of five
-    requests one after another the second and the fifth skip 32 prompt positions each. Tokens and acceptance lengths
-    equal the torch executor's, dflash and ar, greedy and sampled."""
+def rings_decode_as_the_torch_executor(new_executor, torch_engine: Engine, g: torch.Generator) -> list[Request]:
+    """Five requests one after another on executors with rings (`new_executor()`, one per mode) give the torch
+    executor's tokens and acceptance lengths, dflash and ar, greedy and sampled: two prompts of one 45-token prefix, then
+    three of another whose first tail (30 tokens) is longer than the ring's pass, so its published prompt leaves no ring
+    part of the prefix (the next request computes its whole prompt, then publishes the window): the second and the fifth
+    skip 32 prompt positions each. Returns the requests."""
     from trtllm_dflash.runtime.decoding import Decoder
 
-    from trtllm_dflash.bench.runner import _kv_cache_report
-
-    ort = Engine.load(gpt_oss_ort_engine, backend="onnxruntime")
-    assert [buf.shape[2] for buf in ort.executor._target.keys] == [20, 264, 20, 264]  # layers 0 and 2 slide
-    assert _kv_cache_report(ort)["window_ring_positions"] == 20
-    torch_engine = Engine.load(gpt_oss_ort_engine, backend="torch")
-    g = torch.Generator().manual_seed(3)
     first, second = (torch.randint(4, 500, (45,), generator=g).tolist() for _ in range(2))
     tails = [(first, 3), (first, 4), (second, 30), (second, 3), (second, 5)]
     reqs = [Request(i, prefix + torch.randint(4, 500, (n,), generator=g).tolist(), 12,
@@ -406,7 +396,7 @@ def test_onnxruntime_sliding_layers_keep_rings_and_prefix_reuse_copies_their_win
     for mode in ("dflash", "ar"):
         expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
                     for q in reqs for r in torch_engine.decoder(mode).generate([q])}
-        ex = Engine.load(gpt_oss_ort_engine, backend="onnxruntime").executor
+        ex = new_executor()
         prefilled, forward = [], ex.target_forward
 
         def counted(token_ids, starts, slots, capture, last_index=None, rows=None):
@@ -419,6 +409,39 @@ def test_onnxruntime_sliding_layers_keep_rings_and_prefix_reuse_copies_their_win
         got = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for q in reqs for r in decoder.generate([q])}
         assert got == expected, mode
         assert prefilled == [48, 49 - 32, 75, 48, 50 - 32], (mode, prefilled)
+    return reqs
+
+
+def long_prompt_in_passes(ring_executor, torch_engine: Engine, prompt: list[int]) -> None:
+    """A prompt longer than a pass, prefilled through the rings in passes, gives the logits and hidden states of the
+    torch executor's full-length caches."""
+    executors = (ring_executor, torch_engine.executor)
+    for executor in executors:
+        executor.reserve(0, prompt)
+    ring_out, full_out = (executor.target_forward(torch.tensor([prompt]), torch.tensor([0]), torch.tensor([0]), True,
+                                                  last_index=torch.tensor([len(prompt) - 1])) for executor in executors)
+    torch.testing.assert_close(ring_out.logits, full_out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ring_out.hidden, full_out.hidden, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_onnxruntime_sliding_layers_keep_rings_and_prefix_reuse_copies_their_window(gpt_oss_ort_engine):
+    """An onnxruntime engine's sliding-window layers keep rings of the window + a pass's positions (window 4, passes of
+    at most 16: 20 positions, where full layers keep max_seq_len + block = 264), and prompts longer than a pass run in
+    passes. Prefix reuse copies a prompt's blocks into a later request's row, and the rings' part of the window before
+    the prefix's end only if the pool has it: a published prompt whose tail after the prefix is longer than its ring
+    left none (the next request with that prefix computes its whole prompt, then publishes the window), so of five
+    requests one after another the second and the fifth skip 32 prompt positions each. Tokens and acceptance lengths
+    equal the torch executor's, dflash and ar, greedy and sampled."""
+    from trtllm_dflash.bench.runner import _kv_cache_report
+
+    ort = Engine.load(gpt_oss_ort_engine, backend="onnxruntime")
+    assert [buf.shape[2] for buf in ort.executor._target.keys] == [20, 264, 20, 264]  # layers 0 and 2 slide
+    assert _kv_cache_report(ort)["window_ring_positions"] == 20
+    torch_engine = Engine.load(gpt_oss_ort_engine, backend="torch")
+    g = torch.Generator().manual_seed(3)
+    reqs = rings_decode_as_the_torch_executor(lambda: Engine.load(gpt_oss_ort_engine, backend="onnxruntime").executor,
+                                              torch_engine, g)
 
     # The prefill after a hit gives the logits and hidden states of a whole prompt's, after the row's ring was moved on
     # by 12 more positions of the request before (tokens alone hardly see a few wrong keys in this random model)
@@ -441,14 +464,8 @@ def test_onnxruntime_sliding_layers_keep_rings_and_prefix_reuse_copies_their_win
     torch.testing.assert_close(logits, whole_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, whole_hidden, atol=1e-5, rtol=1e-5)
     # ... and a prompt of 75 positions in 5 passes through the rings gives the torch executor's (full-length caches)
-    long_prompt = reqs[2].prompt_token_ids
-    executors = (Engine.load(gpt_oss_ort_engine, backend="onnxruntime").executor, torch_engine.executor)
-    for executor in executors:
-        executor.reserve(0, long_prompt)
-    ring_out, full_out = (executor.target_forward(torch.tensor([long_prompt]), torch.tensor([0]), torch.tensor([0]),
-                                                  True, last_index=torch.tensor([74])) for executor in executors)
-    torch.testing.assert_close(ring_out.logits, full_out.logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ring_out.hidden, full_out.hidden, atol=1e-5, rtol=1e-5)
+    long_prompt_in_passes(Engine.load(gpt_oss_ort_engine, backend="onnxruntime").executor, torch_engine,
+                          reqs[2].prompt_token_ids)
 
 
 @pytest.mark.slow
@@ -519,17 +536,14 @@ def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monk
     """compile (TensorRT itself and the GPU faked) profiles a ring engine's plans with the rings' fixed length and
     target passes of at most the ring's pass, and records the length in the plans' info, from which the executor sizes
     the sliding layers' rows."""
-    from tests.test_tensorrt_build import fake_tensorrt
+    from tests.test_tensorrt_build import fake_gpu
 
     from trtllm_dflash.compile import tensorrt_build
     from trtllm_dflash.compile.tensorrt_build import PLANS_DIR, PLANS_INFO, DimRange, compile_engine
 
     root = tmp_path / "engine"
     shutil.copytree(gpt_oss_trt_engine, root)
-    fake_tensorrt(monkeypatch, "11.1.0.7")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
     profiles = []
 
     def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None):
@@ -554,7 +568,6 @@ def test_tensorrt_graphs_keep_rings_written_whole(gpt_oss_trt_engine):
 
     from trtllm_dflash.compile.tensorrt_build import engine_shapes, graph_ring_pass
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
-    from trtllm_dflash.runtime.decoding import Decoder
 
     graph = graph_dir(gpt_oss_trt_engine, 0) / "target_step.onnx"
     assert graph_ring_pass(graph) == 16
@@ -562,36 +575,9 @@ def test_tensorrt_graphs_keep_rings_written_whole(gpt_oss_trt_engine):
     ex = standin_executor(gpt_oss_trt_engine)
     assert ex.window_ring == 20 and [buf.shape[2] for buf in ex._target.keys] == [20, 264, 20, 264]
     torch_engine = Engine.load(gpt_oss_trt_engine, backend="torch")
-    g = torch.Generator().manual_seed(3)
-    first, second = (torch.randint(4, 500, (45,), generator=g).tolist() for _ in range(2))
-    tails = [(first, 3), (first, 4), (second, 30), (second, 3), (second, 5)]
-    reqs = [Request(i, prefix + torch.randint(4, 500, (n,), generator=g).tolist(), 12,
-                    temperature=0.8 if i % 2 else 0.0, seed=i) for i, (prefix, n) in enumerate(tails)]
-    for mode in ("dflash", "ar"):
-        expected = {r.request.id: (r.output_token_ids, r.acceptance_lengths)
-                    for q in reqs for r in torch_engine.decoder(mode).generate([q])}
-        ex = standin_executor(gpt_oss_trt_engine)
-        prefilled, forward = [], ex.target_forward
-
-        def counted(token_ids, starts, slots, capture, last_index=None, rows=None):
-            if last_index is not None:  # a prefill: the positions it computes
-                prefilled.append(int((last_index + 1).sum()))
-            return forward(token_ids, starts, slots, capture, last_index=last_index, rows=rows)
-
-        ex.target_forward = counted
-        decoder = Decoder(ex, torch_engine.decoder(mode).policy, torch_engine.config.eos_token_ids)
-        got = {r.request.id: (r.output_token_ids, r.acceptance_lengths) for q in reqs for r in decoder.generate([q])}
-        assert got == expected, mode
-        assert prefilled == [48, 49 - 32, 75, 48, 50 - 32], (mode, prefilled)  # (as onnxruntime's rings)
-
-    long_prompt = reqs[2].prompt_token_ids
-    executors = (standin_executor(gpt_oss_trt_engine), torch_engine.executor)
-    for executor in executors:
-        executor.reserve(0, long_prompt)
-    ring_out, full_out = (executor.target_forward(torch.tensor([long_prompt]), torch.tensor([0]), torch.tensor([0]),
-                                                  True, last_index=torch.tensor([74])) for executor in executors)
-    torch.testing.assert_close(ring_out.logits, full_out.logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ring_out.hidden, full_out.hidden, atol=1e-5, rtol=1e-5)
+    reqs = rings_decode_as_the_torch_executor(lambda: standin_executor(gpt_oss_trt_engine), torch_engine,
+                                              torch.Generator().manual_seed(3))
+    long_prompt_in_passes(standin_executor(gpt_oss_trt_engine), torch_engine, reqs[2].prompt_token_ids)
 
 
 @pytest.mark.slow

@@ -125,6 +125,14 @@ def fake_tensorrt(monkeypatch, version: str | None) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", module)
 
 
+def fake_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H200") -> None:
+    """TensorRT 11.1 (an empty module) and a CUDA GPU of that compute capability, as compile sees them."""
+    fake_tensorrt(monkeypatch, "11.1.0.7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
 def refused(call, *words) -> None:
     with pytest.raises(UserError) as info:
         call()
@@ -178,10 +186,7 @@ def test_compile_refuses_with_one_sentence_and_writes_nothing(case, qwen3_engine
 def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
     """Everything of compile_engine but TensorRT itself: a fake build_plan on a fake GPU."""
     root = copy_engine(qwen3_engine_dir, tmp_path, fake_graphs=True)
-    fake_tensorrt(monkeypatch, "11.1.0.7")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    fake_gpu(monkeypatch)
     built = []
 
     def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None):
