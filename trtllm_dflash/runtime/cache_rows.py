@@ -19,11 +19,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from trtllm_dflash.models.linear_attention import RecurrentStates
 from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, KVBudgetError, format_size, prefix_hashes
+
+if TYPE_CHECKING:
+    from trtllm_dflash.runtime.executor import HostRows
 
 
 @dataclass
@@ -368,6 +372,14 @@ class StaticRows:
                                     f"{format_size(self.rows_bytes)}, less than one prefix block's {format_size(block)}"
                                     "; give more, or add --no-prefix-cache")
         self.prefix_rows = PrefixRows(caches, self._rows, blocks, window=window)
+
+    def _rings_wrote(self, starts: torch.Tensor, slots: torch.Tensor, rows: HostRows | None, tokens: int) -> None:
+        """Before a target pass of `tokens` positions per row: what the rows' rings hold after it, for the prefix pool
+        (PrefixRows.wrote), from the host's starts where the caller has them (`rows`). Nothing without rings."""
+        if self.prefix_rows is None or not self.prefix_rows.window:
+            return
+        first = rows.starts if rows is not None else starts.tolist()
+        self.prefix_rows.wrote(rows.slots if rows is not None else slots.tolist(), [s + tokens - 1 for s in first])
 
     @property
     def prefix_block_tokens(self) -> int | None:

@@ -211,9 +211,7 @@ class OnnxRuntimeExecutor(StaticRows):
         if self._pass_tokens is not None and T > self._pass_tokens:
             return self._in_passes(token_ids, starts, slots, capture, last_index, rows)
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
-        if self._pass_tokens is not None and self.prefix_rows is not None:
-            last = rows.starts if rows is not None else starts.tolist()
-            self.prefix_rows.wrote(rows.slots if rows is not None else slots.tolist(), [s + T - 1 for s in last])
+        self._rings_wrote(starts, slots, rows, T)
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(T, device=self.device)
             # one token per row: the in-place graph (no key_positions: each row attends up to its own position)

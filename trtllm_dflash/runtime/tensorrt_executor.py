@@ -280,10 +280,7 @@ class TensorRTExecutor(StaticRows):
         T > pass_tokens (a prefill) runs in passes of pass_tokens positions; with `last_index`, only the logits at
         last_index are kept from each pass (a pass's logits [B, pass, V] are the most ever held)."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
-        if self.window_ring and self.prefix_rows is not None:  # what the rows' rings hold now (PrefixRows)
-            first = rows.starts if rows is not None else starts.tolist()
-            self.prefix_rows.wrote(rows.slots if rows is not None else slots.tolist(),
-                                   [s + token_ids.shape[1] - 1 for s in first])
+        self._rings_wrote(starts, slots, rows, token_ids.shape[1])
         with self._on_own_stream():
             positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
             last = last_index.to(self.device) if last_index is not None else None
