@@ -6,7 +6,7 @@ covers: docs/backends.md §What a CPU machine cannot show). On the GPU machine, 
 
 No install step: the stages import this checkout's package. What that machine's Python lacks (pydantic and its
 dependencies, a transformers within this project's pin, ...) comes as wheels that `benchmarks/gpu_wheels.sh` downloads
-into gpu_wheels/ on a machine with a network; gpu_check installs them (pip --no-index --target) into its own
+into gpu_wheels/ on a machine with a network; gpu_check installs them (pip --no-index --no-deps --target) into its own
 temporary directory, ahead of the machine's site-packages, and changes nothing else there (--wheels DIR).
 
 First a preflight (in the report's `preflight` section): the wheels installed, every module each stage imports
@@ -459,14 +459,17 @@ def preflight_skips(results: dict) -> dict[str, str]:
 
 
 def install_wheels(wheels: Path, site: Path, timeout: float) -> dict:
-    """pip install --no-index the requirements of `wheels`/requirements.txt from `wheels` into `site` (a --target
-    directory: nothing of the machine's Python changes). The caller puts `site` first on PYTHONPATH."""
+    """pip install --no-index every wheel of `wheels` into `site` (a --target directory: nothing of the machine's
+    Python changes), which must satisfy `wheels`/requirements.txt. The caller puts `site` first on PYTHONPATH.
+    --no-deps: a --target install would otherwise want a wheel for every dependency, even one the machine has
+    (gpu_wheels.sh leaves out numpy's); the preflight's imports then show whatever is really missing."""
     requirements = wheels / "requirements.txt"
     if not requirements.is_file():
         return {"dir": str(wheels), "installed": False, "reason": f"{requirements} is missing (benchmarks/gpu_wheels.sh "
                                                                   "writes it)"}
-    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--target", site,
-           "--disable-pip-version-check", "--no-warn-script-location", "--quiet", "-r", requirements]
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", wheels, "--target", site,
+           "--disable-pip-version-check", "--no-warn-script-location", "--quiet", "-r", requirements,
+           *sorted(wheels.glob("*.whl"))]
     done = run_command(cmd, timeout)
     return {"dir": str(wheels), "requirements": requirements.read_text(encoding="utf-8").split(),
             "installed": done["rc"] == 0, "seconds": done["seconds"], "rc": done["rc"],
@@ -641,7 +644,9 @@ def summary(report: dict) -> list[str]:
         lines.append(f"decoder tokens/s: ar {tp['ar']['tokens_per_s']}, dflash {tp['dflash']['tokens_per_s']} "
                      f"(AL {tp['dflash']['mean_acceptance_length']}), drafts forced correct "
                      f"{tp['dflash_drafts_forced_correct']['tokens_per_s']} "
-                     f"(AL {tp['dflash_drafts_forced_correct']['mean_acceptance_length']})")
+                     f"(AL {tp['dflash_drafts_forced_correct']['mean_acceptance_length']}; the target's own acceptance "
+                     f"took {tp['dflash_drafts_forced_correct'].get('real_acceptance_agreed', {}).get('fraction')} of "
+                     f"them)")
     k = stages["kernel"]["results"]
     if k:
         lines.append(f"kernel: kernel_check rc {k.get('kernel_check', {}).get('rc')}; torch-driven cases "

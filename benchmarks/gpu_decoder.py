@@ -7,8 +7,8 @@ makes them (a random pair of Qwen3-8B layer shapes) and records the results. The
 - host_and_syncs: host synchronizations per decoding step (torch.cuda.set_sync_debug_mode counts every op that
   waits for the device) and, from torch.profiler, the host's time per step outside those waits.
 - decoder_throughput: tokens/s of Decoder.generate, AR and DFlash, DFlash also with every draft forced correct
-  (OracleDrafts: the drafter pass still runs, its tokens are replaced by the target's own continuation), the upper
-  bound of what acceptance can give.
+  (OracleDrafts: the drafter, verify and acceptance passes still run, then the drafts are the AR run's continuation
+  and all of them are accepted), the upper bound of what acceptance can give.
 - sdpa: which scaled_dot_product_attention kernels the verify pass really launches (profiler kernel names), and
   which SDPA backends accept the executor's call (a boolean mask, grouped KV heads).
 - kv_read_ms: KVCache.read (an index_select copy of every attended row) against the context length.
@@ -122,13 +122,25 @@ def host_and_syncs(make_decoder: Callable[[], object], requests: Sequence, warmu
 # ---------------------------------------------------------------- end-to-end throughput
 
 class OracleDrafts:
-    """An executor whose drafts are the target's own continuation (from an AR run of the same requests): the real
-    drafter pass still runs (its cost stays), then its tokens are replaced. Everything else is the executor's."""
+    """An executor whose drafts are the target's own continuation (from an AR run of the same requests) and whose
+    acceptance takes them all: the real drafter pass, verify pass and acceptance step still run (their cost stays),
+    then the drafts are replaced by the continuation and the acceptance by "all of them, then the continuation's next
+    token". The committed tokens are then the AR run's by construction (what is checked is the Decoder's
+    bookkeeping under full acceptance), and the speed is what acceptance could give at most.
+
+    Why not let the real acceptance judge the continuation: in bf16 a verify pass over k tokens rounds its logits
+    differently from the AR run's one-token passes, and a random model's near-ties then reject the continuation
+    early (the first GPU run accepted 1.52 tokens per step that way). `agreed()` says how many of the forced drafts
+    the real acceptance took too. Everything here is host bookkeeping from the Decoder's HostRows: no extra reads
+    of device tensors per step."""
 
     def __init__(self, executor, continuations: dict[tuple[int, ...], list[int]]):
         """`continuations`: prompt token ids -> prompt + the AR output of that prompt."""
         self._executor, self._continuations = executor, continuations
         self._by_slot: dict[int, list[int]] = {}
+        self._forced: tuple[list[int], list[int]] = ([], [])  # the last draft pass's (accepted, bonus) per row
+        self._forced_drafts = 0
+        self._agreed = None  # device tensor: the real acceptance's drafts taken, summed over the run
 
     def __getattr__(self, name):
         return getattr(self._executor, name)
@@ -142,11 +154,31 @@ class OracleDrafts:
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
         real = self._executor.draft(anchors, starts, slots, num_drafts, context, rows=rows, width=width)
         k = real.shape[1]
-        rows = []
-        for slot, start in zip(slots.tolist(), starts.tolist()):
-            following = self._by_slot[slot][start + 1 : start + 1 + k]
-            rows.append(following + [0] * (k - len(following)))
-        return torch.tensor(rows, dtype=real.dtype).to(real.device, non_blocking=True)
+        host = (rows.slots, rows.starts) if rows is not None else (slots.tolist(), starts.tolist())
+        drafts, accepted, bonus = [], [], []
+        for slot, start in zip(*host):
+            following = self._by_slot[slot][start + 1 : start + 2 + k]  # the k drafts, then the bonus
+            n = max(min(k, len(following) - 1), 0)  # the continuation ends: the Decoder stops there anyway
+            drafts.append(following[:n] + [0] * (k - n))
+            accepted.append(n)
+            bonus.append(following[n] if following else 0)
+        self._forced = (accepted, bonus)
+        self._forced_drafts += sum(accepted)
+        return torch.tensor(drafts, dtype=real.dtype).to(real.device, non_blocking=True)
+
+    def accept(self, draft, logits, sampling, starts):
+        real_accepted, _ = self._executor.accept(draft, logits, sampling, starts)
+        taken = real_accepted.sum()
+        self._agreed = taken if self._agreed is None else self._agreed + taken
+        accepted, bonus = (torch.tensor(values, dtype=real_accepted.dtype).to(real_accepted.device, non_blocking=True)
+                           for values in self._forced)
+        return accepted, bonus
+
+    def agreed(self) -> dict:
+        """Of the drafts forced so far, how many the real acceptance step took too (one read, after the run)."""
+        taken = int(self._agreed) if self._agreed is not None else 0
+        return {"forced_drafts": self._forced_drafts, "also_accepted_by_the_target": taken,
+                "fraction": round(taken / self._forced_drafts, 4) if self._forced_drafts else None}
 
 
 def decoder_throughput(executor, requests: Sequence, make_decoder: Callable[[object, str], object],
@@ -170,7 +202,9 @@ def decoder_throughput(executor, requests: Sequence, make_decoder: Callable[[obj
     out["ar"], ar = run(executor, "ar")
     out["dflash"], _ = run(executor, "dflash")
     continuations = {tuple(r.request.prompt_token_ids): [*r.request.prompt_token_ids, *r.output_token_ids] for r in ar}
-    out["dflash_drafts_forced_correct"], forced = run(OracleDrafts(executor, continuations), "dflash")
+    oracle = OracleDrafts(executor, continuations)
+    out["dflash_drafts_forced_correct"], forced = run(oracle, "dflash")
+    out["dflash_drafts_forced_correct"]["real_acceptance_agreed"] = oracle.agreed()
     out["forced_equals_ar"] = ({r.request.id: r.output_token_ids for r in forced}
                                == {r.request.id: r.output_token_ids for r in ar})
     for key in ("dflash", "dflash_drafts_forced_correct"):

@@ -9,13 +9,17 @@
 #
 # The GPU machine of our runs (one H200, torch 2.11 + CUDA 13, Python 3.12, no network) has no pydantic and a
 # transformers newer than our pin; another Python or glibc: PYTHON_VERSION / GLIBC_MINOR.
+# Wheels of the packages named in MACHINE_HAS (default: numpy, which that machine has) are deleted after the
+# download: the device tool carries at most 64 MiB with the checkout (~30 MB), and numpy's wheel alone is 16 MB.
+# gpu_check installs the wheels without dependency resolution, so the machine's own copy serves them.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="${1:-$root/gpu_wheels}"
 python="${PYTHON:-python3}"
 python_version="${PYTHON_VERSION:-3.12}"
-glibc_minor="${GLIBC_MINOR:-28}"  # wheels for glibc 2.17 .. 2.$glibc_minor (every manylinux tag an older pip won't expand)
+glibc_minor="${GLIBC_MINOR:-28}"
+machine_has="${MACHINE_HAS-numpy}"  # space-separated distribution names; MACHINE_HAS= keeps every wheel  # wheels for glibc 2.17 .. 2.$glibc_minor (every manylinux tag an older pip won't expand)
 abi="cp${python_version/./}"
 platforms=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 for minor in $(seq 17 "$glibc_minor"); do
@@ -38,6 +42,11 @@ echo "gpu_wheels: requirements ($dir/requirements.txt): $(tr '\n' ' ' < "$dir/re
 "$python" -m pip download --quiet --disable-pip-version-check --dest "$dir" --only-binary=:all: \
     "${platforms[@]}" --python-version "$python_version" --implementation cp --abi "$abi" --abi abi3 \
     --abi none -r "$dir/requirements.txt"
+for name in $machine_has; do
+    # a wheel's file name starts with its distribution name, lower-cased with - and . as _
+    pattern="$(echo "$name" | tr '.-' '__')-*.whl"
+    find "$dir" -maxdepth 1 -iname "$pattern" -print -delete | sed 's/^/gpu_wheels: MACHINE_HAS, deleted /' >&2
+done
 count=$(find "$dir" -maxdepth 1 -name '*.whl' | wc -l)
 size=$(du -sh "$dir" | cut -f1)
 echo "gpu_wheels: $count wheels, $size in $dir; on the GPU machine: python3 benchmarks/gpu_check.py --out gpu_check.json" >&2

@@ -343,14 +343,16 @@ def test_preflight_skips_the_stages_whose_imports_fail(tmp_path, monkeypatch):
     assert "gpu_wheels.sh" in skips["timings"]
 
 
-def wheel(directory: Path, name: str, version: str) -> Path:
-    """A minimal pure-Python wheel of a module `name` whose __version__ is `version`."""
+def wheel(directory: Path, name: str, version: str, requires: str | None = None) -> Path:
+    """A minimal pure-Python wheel of a module `name` whose __version__ is `version` (depending on `requires`)."""
     import base64
     import hashlib
     import zipfile
 
+    requires_dist = f"Requires-Dist: {requires}\n" if requires else ""
     files = {f"{name}/__init__.py": f"__version__ = {version!r}\n",
-             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                                     + requires_dist,
              f"{name}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                                   "Tag: py3-none-any\n"}
     record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
@@ -378,6 +380,23 @@ def test_wheels_install_offline_into_a_directory_of_their_own(tmp_path):
     assert done.stdout.strip() == "1.2.3"
     (wheels / "requirements.txt").write_text("gpucheckprobe==9.9\n")  # not among the wheels: pip fails, no network
     assert gc.install_wheels(wheels, tmp_path / "site2", 120)["installed"] is False
+
+
+def test_wheels_install_without_the_ones_the_machine_has(tmp_path):
+    """gpu_wheels.sh deletes numpy's wheel (MACHINE_HAS): a wheel that needs numpy still installs, and the
+    machine's numpy serves it; every wheel in the folder is installed, requirements or their dependencies."""
+    wheels = tmp_path / "gpu_wheels"
+    wheels.mkdir()
+    wheel(wheels, "gpucheckprobe", "1.2.3", requires="numpy>=1")
+    wheel(wheels, "gpucheckdep", "0.1")
+    (wheels / "requirements.txt").write_text("gpucheckprobe==1.2.3\n")
+    got = gc.install_wheels(wheels, tmp_path / "site", 300)
+    assert got["installed"] is True, got["output"]
+    assert {p.name for p in (tmp_path / "site").iterdir() if p.is_dir() and "dist-info" not in p.name} >= {
+        "gpucheckprobe", "gpucheckdep"}
+    done = subprocess.run([sys.executable, "-c", "import gpucheckprobe, numpy; print(gpucheckprobe.__version__)"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert done.stdout.strip() == "1.2.3", done.stderr
 
 
 def test_gpu_wheels_script_is_shellcheck_clean():
@@ -444,8 +463,11 @@ def test_decoder_stage_on_the_cpu(tmp_path, one_thread):
         assert rec["syncs_per_step"].startswith("not counted") and rec["profiled"]["steps"] > 0
         assert rec["profiled"]["host_ms_per_step"] > 0
     tp = r["throughput"]
-    assert tp["forced_equals_ar"] is True  # forced drafts are the target's own tokens: the output is AR's
-    assert tp["dflash_drafts_forced_correct"]["mean_acceptance_length"] > tp["dflash"]["mean_acceptance_length"]
+    assert tp["forced_equals_ar"] is True  # forced drafts, all accepted, are AR's tokens: the Decoder commits them
+    forced = tp["dflash_drafts_forced_correct"]
+    assert forced["mean_acceptance_length"] > tp["dflash"]["mean_acceptance_length"]
+    agreed = forced["real_acceptance_agreed"]
+    assert agreed["forced_drafts"] > 0 and 0 <= agreed["also_accepted_by_the_target"] <= agreed["forced_drafts"]
     assert r["sdpa"]["backends_taking_the_call"]["MATH"] is True
     assert set(r["kv_read_ms"]) == {f"batch {b}, context {c}" for b in (1, 2) for c in (64, 256)}
     assert r["prefill_peak_memory"] == [{"skipped": "needs a CUDA device"}] * 2
