@@ -72,7 +72,7 @@ SCHEMA = "trtllm_dflash.gpu_check/2"
 STAGES = ("executor", "decoder", "kernel", "timings", "tensorrt")
 STATUSES = ("passed", "failed", "skipped")
 IN_PROGRESS = ("running", "pending")  # only in a report written while gpu_check runs
-STAGE_BUDGET_S = {"executor": 100, "decoder": 110, "kernel": 90, "timings": 110, "tensorrt": 60}  # caps; --budget-s rules
+STAGE_BUDGET_S = {"executor": 80, "decoder": 80, "kernel": 150, "timings": 90, "tensorrt": 60}  # caps; --budget-s rules
 PROBE_BUDGET_S = 60  # the machine probe (torch import, device properties, nvidia-smi, nvcc --version)
 PREFLIGHT_BUDGET_S = 120  # installing the wheels (pip, offline) and importing what every stage imports
 MIN_STAGE_S = 20  # a stage is not started with less than this left of --budget-s
@@ -651,6 +651,9 @@ def summary(report: dict) -> list[str]:
     if k:
         lines.append(f"kernel: kernel_check rc {k.get('kernel_check', {}).get('rc')}; torch-driven cases "
                      f"{k.get('torch_cases', {}).get('mismatching_cases', 'not run')} mismatching")
+        for b, rec in k.get("timing", {}).items():
+            lines.append(f"kernel batch {b}, all accepted (us): {rec.get('kernel_all_accepted_us')}, torch ops "
+                         f"{rec.get('torch_ops_all_accepted_us')}")
     t = stages["timings"]["results"]
     for b, ms in t.get("eager_ms", {}).items():
         g = t.get("graph_ms", {}).get(b, {})
@@ -917,7 +920,7 @@ def stage_decoder(ctx: StageContext) -> None:
 ACCEPT_SHIM = r"""
 #include "dflash_accept_kernel.h"
 
-extern "C" int dflash_accept_cuda(int batch, int blockSize, int vocab, int maskTokenId, int logitsType,
+extern "C" int dflash_accept_cuda(int batch, int blockSize, int vocab, int maskTokenId, int logitsType, int schedule,
     void const* draft, void const* logits, void const* temperature, void const* noise, void const* lengths,
     void* accepted, void* committed, void* nextBlock, void* nextPositions, void* newLengths, void* stream)
 {
@@ -937,10 +940,12 @@ extern "C" int dflash_accept_cuda(int batch, int blockSize, int vocab, int maskT
     p.vocabSize = vocab;
     p.maskTokenId = maskTokenId;
     p.logitsType = static_cast<trtllm_dflash::DFlashLogitsType>(logitsType);
+    p.schedule = static_cast<trtllm_dflash::DFlashAcceptSchedule>(schedule);
     return static_cast<int>(trtllm_dflash::launchDFlashAccept(p, static_cast<cudaStream_t>(stream)));
 }
 """
 LOGITS_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+SCHEDULES = {"auto": 0, "rows_in_parallel": 1, "per_request": 2}  # DFlashAcceptSchedule
 KINDS = ("greedy-ties", "sampled", "mixed", "non-finite")
 OUTPUTS = ("accepted", "committed", "next_block", "next_positions", "new_lengths")
 
@@ -993,8 +998,10 @@ def accept_reference(draft, target, starts, block_size: int) -> dict:
 
 
 def check_accept_cases(launch, dtypes: tuple[str, ...], cases: list[tuple[str, int, int, int]], seed: int = 0) -> dict:
-    """Every case through `launch(draft, logits, temperature, noise, starts, block_size) -> {OUTPUTS}` against
-    sample_tokens + accept_reference on the CPU. Greedy rows get NaN noise: reading it would change them."""
+    """Every case through `launch(draft, logits, temperature, noise, starts, block_size) -> {OUTPUTS}` (or through
+    each of a {name: launch} dict, each mismatch naming its launch) against sample_tokens + accept_reference on the
+    CPU. Greedy rows get NaN noise: reading it would change them."""
+    launches = launch if isinstance(launch, dict) else {None: launch}
     import torch
 
     from trtllm_dflash.speculative.core import Sampling, gumbel_noise, sample_tokens
@@ -1018,14 +1025,16 @@ def check_accept_cases(launch, dtypes: tuple[str, ...], cases: list[tuple[str, i
             j = torch.arange(block - 1)[None]
             draft = torch.where(j < want_accept[:, None], target[:, :-1],
                                 torch.where(j == want_accept[:, None], miss, noise_draft))
-            got = launch(draft, logits, temperature, noise, starts, block)
             want = accept_reference(draft, target, starts, block)
-            wrong = [name for name in OUTPUTS if not torch.equal(got[name].long().cpu(), want[name])]
-            if wrong:
-                bad.append({"kind": kind, "dtype": dtype, "block_size": block, "vocab": vocab, "outputs": wrong})
+            for launch_name, run in launches.items():
+                got = run(draft, logits, temperature, noise, starts, block)
+                wrong = [name for name in OUTPUTS if not torch.equal(got[name].long().cpu(), want[name])]
+                if wrong:
+                    bad.append({"kind": kind, "dtype": dtype, "block_size": block, "vocab": vocab, "outputs": wrong,
+                                **({"launch": launch_name} if launch_name else {})})
+                requests += batch
             seen.setdefault(block, set()).update(want["accepted"].tolist())
-            requests += batch
-    return {"cases": len(cases) * len(dtypes), "requests": requests, "dtypes": list(dtypes),
+    return {"cases": len(cases) * len(dtypes) * len(launches), "requests": requests, "dtypes": list(dtypes),
             "mismatching_cases": len(bad), "mismatches": bad[:20],
             "accepted_lengths_seen": {str(k): sorted(v) for k, v in sorted(seen.items())}}
 
@@ -1036,12 +1045,13 @@ def cuda_accept_library(path: Path):
     lib = ctypes.CDLL(str(path))
     fn = lib.dflash_accept_cuda
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 11
+    fn.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 11
     return fn
 
 
-def cuda_launcher(fn, device: str):
-    """launch() for check_accept_cases: inputs to the GPU, one kernel launch on torch's stream, outputs back."""
+def cuda_launcher(fn, device: str, schedule: str):
+    """launch() for check_accept_cases: inputs to the GPU, one launch of the step (SCHEDULES) on torch's stream,
+    outputs back."""
     import torch
 
     def launch(draft, logits, temperature, noise, starts, block_size):
@@ -1052,7 +1062,7 @@ def cuda_launcher(fn, device: str):
         outs = {name: torch.full((batch, block_size) if name in ("committed", "next_block", "next_positions")
                                  else (batch,), -7, dtype=torch.int32, device=device) for name in OUTPUTS}
         status = fn(batch, block_size, vocab, MASK, LOGITS_TYPES[str(logits.dtype).removeprefix("torch.")],
-                    *[t.data_ptr() for t in ins], *[t.data_ptr() for t in outs.values()],
+                    SCHEDULES[schedule], *[t.data_ptr() for t in ins], *[t.data_ptr() for t in outs.values()],
                     torch.cuda.current_stream(device).cuda_stream)
         torch.cuda.synchronize(device)
         if status != 0:
@@ -1063,8 +1073,9 @@ def cuda_launcher(fn, device: str):
 
 
 def time_accept_kernel(fn, device: str, B: int = 32) -> dict:
-    """Kernel time at batch B, block 16, vocabulary 151936, bf16 greedy: all drafts accepted (every row read)
-    and the first rejected (one row), against the same step in torch ops on the GPU."""
+    """Kernel time at batch B, block 16, vocabulary 151936, bf16 greedy, under each schedule (SCHEDULES): all
+    drafts accepted (every row read) and the first rejected (one row per request where the schedule stops there),
+    against the same step in torch ops on the GPU."""
     import torch
 
     from trtllm_dflash.speculative.core import accepted_lengths, block_input, bonus_tokens
@@ -1092,13 +1103,17 @@ def time_accept_kernel(fn, device: str, B: int = 32) -> dict:
     for label, draft in (("all_accepted", target[:, :-1]), ("first_rejected", (target[:, :-1] + 1) % V)):
         draft32 = draft.to(torch.int32).contiguous()
         ptrs = [draft32.data_ptr(), logits.data_ptr(), temperature.data_ptr(), noise.data_ptr(), starts.data_ptr()]
-        status = fn(B, S, V, MASK, 2, *ptrs, *[o.data_ptr() for o in outs], stream)
-        torch.cuda.synchronize(device)
-        if status != 0:
-            raise RuntimeError(f"launchDFlashAccept returned cudaError {status}")
-        timings[f"accepted_{label}"] = sorted(set(outs[0].tolist()))  # [15] and [0]
-        timings[f"kernel_{label}_us"] = event_us(lambda ptrs=ptrs: fn(B, S, V, MASK, 2, *ptrs,
-                                                                      *[o.data_ptr() for o in outs], stream))
+        timings[f"kernel_{label}_us"] = {}
+        for schedule, code in SCHEDULES.items():
+            def call(code=code, ptrs=ptrs):
+                return fn(B, S, V, MASK, 2, code, *ptrs, *[o.data_ptr() for o in outs], stream)
+
+            status = call()
+            torch.cuda.synchronize(device)
+            if status != 0:
+                raise RuntimeError(f"launchDFlashAccept ({schedule}) returned cudaError {status}")
+            timings[f"accepted_{label}"] = sorted(set(outs[0].tolist()))  # [15] and [0]
+            timings[f"kernel_{label}_us"][schedule] = event_us(call)
 
         def torch_step(draft=draft):
             t = logits.argmax(-1)
@@ -1158,15 +1173,15 @@ def stage_kernel(ctx: StageContext) -> None:
         ctx.save()
     if r["compile"]["ctypes_library"]["rc"] == 0:
         fn = cuda_accept_library(ctx.tmp / "libdflash_accept_cuda.so")
-        cases = r["torch_cases"] = check_accept_cases(cuda_launcher(fn, ctx.device), tuple(LOGITS_TYPES),
-                                                      accept_cases(151936))
+        launches = {name: cuda_launcher(fn, ctx.device, name) for name in ("rows_in_parallel", "per_request")}
+        cases = r["torch_cases"] = check_accept_cases(launches, tuple(LOGITS_TYPES), accept_cases(151936))
         ctx.log(f"torch-driven cases: {cases['mismatching_cases']} of {cases['cases']} mismatching "
                 f"({cases['requests']} requests)")
         if cases["mismatching_cases"]:
             problems.append(f"{cases['mismatching_cases']} torch-driven cases differ from speculative/core.py")
         ctx.save()
         r["timing"] = {}
-        for batch in (1, 8, 32):  # one CUDA block per request: at batch 1-8 most SMs idle
+        for batch in (1, 8, 32, 128):  # rows in parallel up to about 33 on an H100 (132 SMs x 4 blocks), then not
             r["timing"][str(batch)] = time_accept_kernel(fn, ctx.device, batch)
             ctx.log(f"timing at batch {batch}: {r['timing'][str(batch)]}")
             ctx.save()

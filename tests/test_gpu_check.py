@@ -266,6 +266,11 @@ def test_accept_cases_catch_a_wrong_output(host_launch):
 
     result = gc.check_accept_cases(off_by_one, ("float32",), [("mixed", 4, 33, 16)])
     assert result["mismatching_cases"] == 1 and result["mismatches"][0]["outputs"] == ["next_positions"]
+    # the kernel stage's form: each schedule's launch on the same cases, a mismatch naming its launch
+    both = gc.check_accept_cases({"rows_in_parallel": host_launch, "per_request": off_by_one}, ("float32",),
+                                 [("mixed", 4, 33, 16)])
+    assert both["cases"] == 2 and both["mismatching_cases"] == 1
+    assert both["mismatches"][0]["launch"] == "per_request"
 
 
 @pytest.mark.skipif(gc.find_nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")

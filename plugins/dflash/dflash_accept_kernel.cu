@@ -1,10 +1,15 @@
 /*
- * CUDA kernel of the DFlash acceptance step: one thread block per request.
+ * CUDA kernels of the DFlash acceptance step. A row j of a request's verify logits is reduced to t_j by one
+ * thread block (a parallel argmax over the vocabulary with torch's first-index tie-break); then the request's
+ * outputs come from the shared per-request logic (dflash_accept_logic.h). Two schedules (DFlashAcceptSchedule):
  *
- * Per request, rows j = 0, 1, ... of the verify logits are reduced to t_j (a parallel argmax over the
- * vocabulary with torch's first-index tie-break), stopping at the first row whose token does not match the
- * next draft: rows after it cannot change the result, so a request costs (accepted + 1) rows, not K + 1.
- * Then the block writes the request's outputs with the shared per-request logic (dflash_accept_logic.h).
+ * - rows in parallel: one block per row of every request, each writing its t_j into committedTokens (the
+ *   request's K+1 output slots, used as scratch), then one thread per request runs dflash_write_request over
+ *   them in place. A step costs about one row's reduction; every row is read.
+ * - per request: one block per request reduces rows j = 0, 1, ... in turn and stops at the first row whose
+ *   token does not match the next draft (rows after it cannot change the result), so a request reads
+ *   (accepted + 1) rows, not K + 1, but they take turns: on the first GPU run (H100, V 151,936, bf16) a batch
+ *   of 1 with all 15 drafts accepted took 435 us this way against 83 us for torch's ops.
  */
 #include "dflash_accept_kernel.h"
 #include "dflash_accept_logic.h"
@@ -19,6 +24,8 @@ namespace
 
 constexpr int32_t kThreadsPerBlock = 512;
 constexpr int32_t kWarpSize = 32;
+constexpr int32_t kLoadsInFlight = 4;      // per thread, in a row's reduction
+constexpr int32_t kFinishThreads = 128;    // requests per block of the rows-in-parallel schedule's second kernel
 constexpr uint32_t kFullWarp = 0xffffffffu;
 
 // Logits are widened to float32 before any arithmetic (exact for fp16/bf16), as torch would do after
@@ -65,9 +72,28 @@ __device__ int32_t blockRowArgmax(T const* __restrict__ logits, float const* __r
     bool const sampled = dflash_is_sampled(temperature);
     float bestValue = 0.0f;
     int32_t bestIndex = kDFlashNoIndex;
-    // Each thread visits increasing indices, so strict preference inside a thread already keeps the first
-    // maximum; across threads dflash_prefer compares indices explicitly.
-    for (int32_t v = threadIdx.x; v < vocabSize; v += kThreadsPerBlock)
+    // Each thread visits v, v + 512, v + 1024, ... in increasing order (the order host_reference.cpp's
+    // dflash_row_argmax_tree_host emulates; dflash_prefer's order is total anyway). kLoadsInFlight of them are
+    // loaded before any is compared, so that a thread has that many loads in flight instead of one.
+    int32_t v = threadIdx.x;
+    for (; static_cast<int64_t>(v) + (kLoadsInFlight - 1) * kThreadsPerBlock < vocabSize;
+         v += kLoadsInFlight * kThreadsPerBlock)
+    {
+        float x[kLoadsInFlight];
+        float n[kLoadsInFlight];
+#pragma unroll
+        for (int32_t u = 0; u < kLoadsInFlight; ++u)
+        {
+            x[u] = toFloat(logits[v + u * kThreadsPerBlock]);
+            n[u] = sampled ? noise[v + u * kThreadsPerBlock] : 0.0f;
+        }
+#pragma unroll
+        for (int32_t u = 0; u < kLoadsInFlight; ++u)
+        {
+            keepBetter(bestValue, bestIndex, dflash_score(x[u], temperature, n[u]), v + u * kThreadsPerBlock);
+        }
+    }
+    for (; v < vocabSize; v += kThreadsPerBlock)
     {
         float const n = sampled ? noise[v] : 0.0f;
         keepBetter(bestValue, bestIndex, dflash_score(toFloat(logits[v]), temperature, n), v);
@@ -141,9 +167,89 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dflashAcceptKernel(DFlashAcc
     }
 }
 
+// Rows in parallel, first kernel: block r reduces row r of the [B * (K+1), V] logits to t into committedTokens[r].
+template <typename T>
+__global__ void __launch_bounds__(kThreadsPerBlock) dflashRowKernel(DFlashAcceptParams p)
+{
+    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
+    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
+    __shared__ int32_t target;
+
+    int64_t const row = blockIdx.x;
+    int64_t const first = row * p.vocabSize;
+    T const* logits = static_cast<T const*>(p.targetLogits);
+    int32_t const t = blockRowArgmax(logits + first, p.gumbelNoise + first, p.vocabSize,
+        p.temperature[row / p.blockSize], warpValues, warpIndices, &target);
+    if (threadIdx.x == 0)
+    {
+        p.committedTokens[row] = t;
+    }
+}
+
+// Rows in parallel, second kernel: one thread per request turns its t_0..t_K (in committedTokens) into the
+// outputs. dflash_write_request may write committed over target: it reads t_j only at j <= a, which it keeps.
+__global__ void __launch_bounds__(kFinishThreads) dflashFinishKernel(DFlashAcceptParams p)
+{
+    int32_t const b = blockIdx.x * kFinishThreads + threadIdx.x;
+    if (b >= p.batchSize)
+    {
+        return;
+    }
+    int32_t const numDrafts = p.blockSize - 1;
+    int64_t const out = static_cast<int64_t>(b) * p.blockSize;
+    dflash_write_request(p.draftTokens + static_cast<int64_t>(b) * numDrafts, p.committedTokens + out, numDrafts,
+        p.contextLengths[b], p.maskTokenId, &p.accepted[b], p.committedTokens + out, p.nextBlock + out,
+        p.nextPositions + out, &p.newContextLengths[b]);
+}
+
+// kAUTO's choice: rows in parallel when every row's block is resident at once (one wave), where a step then costs
+// one row's reduction; beyond, the per-request kernel reads fewer rows and is no longer left waiting.
+template <typename T>
+cudaError_t rowsFitOneWave(DFlashAcceptParams const& p, bool& fits)
+{
+    int32_t device = 0;
+    int32_t multiprocessors = 0;
+    int32_t blocksPerMultiprocessor = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status == cudaSuccess)
+    {
+        status = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (status == cudaSuccess)
+    {
+        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocksPerMultiprocessor, dflashRowKernel<T>, kThreadsPerBlock, 0);
+    }
+    fits = static_cast<int64_t>(p.batchSize) * p.blockSize
+        <= static_cast<int64_t>(multiprocessors) * blocksPerMultiprocessor;
+    return status;
+}
+
 template <typename T>
 cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
 {
+    bool rowsInParallel = p.schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL;
+    if (p.schedule == DFlashAcceptSchedule::kAUTO)
+    {
+        cudaError_t const status = rowsFitOneWave<T>(p, rowsInParallel);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+    }
+    int64_t const rows = static_cast<int64_t>(p.batchSize) * p.blockSize;
+    if (rowsInParallel && rows <= INT32_MAX)
+    {
+        dflashRowKernel<T><<<static_cast<uint32_t>(rows), kThreadsPerBlock, 0, stream>>>(p);
+        cudaError_t const status = cudaGetLastError();
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        uint32_t const finishBlocks = static_cast<uint32_t>((p.batchSize + kFinishThreads - 1) / kFinishThreads);
+        dflashFinishKernel<<<finishBlocks, kFinishThreads, 0, stream>>>(p);
+        return cudaGetLastError();
+    }
     size_t const sharedBytes = static_cast<size_t>(p.blockSize) * sizeof(int32_t);
     dflashAcceptKernel<T><<<p.batchSize, kThreadsPerBlock, sharedBytes, stream>>>(p);
     return cudaGetLastError();
@@ -212,7 +318,10 @@ cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t st
     static_assert(kDFlashMaxVocabSize <= INT32_MAX - kThreadsPerBlock, "the vocabulary loop would overflow");
     static_assert(kDFlashMaxBlockSize * sizeof(int32_t) <= 48 * 1024, "t_0..t_K need an opt-in shared size");
     if (params.batchSize < 0 || params.blockSize < 2 || params.blockSize > kDFlashMaxBlockSize
-        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize)
+        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize
+        || (params.schedule != DFlashAcceptSchedule::kAUTO
+            && params.schedule != DFlashAcceptSchedule::kROWS_IN_PARALLEL
+            && params.schedule != DFlashAcceptSchedule::kPER_REQUEST))
     {
         return cudaErrorInvalidValue;
     }

@@ -15,6 +15,21 @@ namespace trtllm_dflash
 constexpr int32_t kDFlashMaxBlockSize = 4096;
 constexpr int32_t kDFlashMaxVocabSize = INT32_MAX - 512;
 
+// How the B x (K+1) rows of a step are reduced; the outputs are the same under each.
+enum class DFlashAcceptSchedule : int32_t
+{
+    // kROWS_IN_PARALLEL when one CUDA block per row fits on the GPU at once (B x (K+1) at most the SMs times the
+    // blocks each holds, as cudaOccupancyMaxActiveBlocksPerMultiprocessor says), else kPER_REQUEST. Zero, so
+    // `DFlashAcceptParams p{}` gets it.
+    kAUTO = 0,
+    // One CUDA block per row, all at once, then one thread per request: a step costs about one row's reduction,
+    // but every row is read, accepted or not.
+    kROWS_IN_PARALLEL = 1,
+    // One CUDA block per request, its rows in order up to the first rejected draft: reads (a + 1) rows, but a
+    // request's rows take turns (at batch 1 with every draft accepted, 16 reductions one after another).
+    kPER_REQUEST = 2,
+};
+
 enum class DFlashLogitsType : int32_t
 {
     kFLOAT32 = 0,
@@ -44,11 +59,13 @@ struct DFlashAcceptParams
     int32_t vocabSize;
     int32_t maskTokenId;
     DFlashLogitsType logitsType;
+    DFlashAcceptSchedule schedule; // kAUTO unless a test or a benchmark picks one
 };
 
-// Enqueues the whole step on `stream` (one CUDA block per request). Returns cudaErrorInvalidValue for
-// shapes it cannot run (blockSize outside 2..kDFlashMaxBlockSize, vocabSize outside 1..kDFlashMaxVocabSize,
-// batchSize < 0), else the launch's error.
+// Enqueues the whole step on `stream` (one or two kernels, see DFlashAcceptSchedule). Returns
+// cudaErrorInvalidValue for shapes it cannot run (blockSize outside 2..kDFlashMaxBlockSize, vocabSize outside
+// 1..kDFlashMaxVocabSize, batchSize < 0, an unknown schedule), else the first CUDA error of choosing the schedule
+// or launching.
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream);
 
 // Draft trees: the accepted path of each request's tree (dflash_accept_logic.h dflash_tree_path). B = batchSize,

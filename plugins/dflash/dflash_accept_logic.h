@@ -145,7 +145,9 @@ DFLASH_HD inline int32_t dflash_next_position(int32_t start, int32_t accepted, i
 }
 
 // One request's outputs from its target tokens; the kernel writes the same elements in parallel.
-// target [K+1]; committed [K+1]; nextBlock, nextPositions [K+1] (= block_size).
+// target [K+1]; committed [K+1]; nextBlock, nextPositions [K+1] (= block_size). committed may be target itself
+// (the rows-in-parallel kernel keeps t_j there): a is found before anything is written, and afterwards only
+// target[a] and target[j] at j <= a are read, which committed[j] = target[j] leaves as they were.
 DFLASH_HD inline void dflash_write_request(int32_t const* draft, int32_t const* target, int32_t numDrafts,
     int32_t start, int32_t maskTokenId, int32_t* accepted, int32_t* committed, int32_t* nextBlock,
     int32_t* nextPositions, int32_t* newContextLength)

@@ -26,18 +26,20 @@ extern "C" int32_t dflash_accept_host(int32_t batchSize, int32_t blockSize, int3
         return 1;
     }
     int32_t const numDrafts = blockSize - 1;
-    std::vector<int32_t> target(blockSize);
     for (int32_t b = 0; b < batchSize; ++b)
     {
-        // Every row's t_j is computed here, where the kernel stops after the first rejected row: the results
-        // agree because dflash_accepted_length never reads past the first mismatch.
+        // As the kernel's rows-in-parallel schedule: every row's t_j into the request's committedTokens, then
+        // dflash_write_request over them in place. (Its per-request schedule stops after the first rejected row
+        // and keeps t_j apart; the results agree because dflash_accepted_length never reads past the first
+        // mismatch, and dflash_write_request rewrites in place only what it no longer reads.)
+        int64_t const out = static_cast<int64_t>(b) * blockSize;
         for (int32_t j = 0; j < blockSize; ++j)
         {
-            int64_t const row = (static_cast<int64_t>(b) * blockSize + j) * vocabSize;
-            target[j] = dflash_row_argmax(targetLogits + row, gumbelNoise + row, vocabSize, temperature[b]);
+            int64_t const row = (out + j) * vocabSize;
+            committedTokens[out + j]
+                = dflash_row_argmax(targetLogits + row, gumbelNoise + row, vocabSize, temperature[b]);
         }
-        int64_t const out = static_cast<int64_t>(b) * blockSize;
-        dflash_write_request(draftTokens + static_cast<int64_t>(b) * numDrafts, target.data(), numDrafts,
+        dflash_write_request(draftTokens + static_cast<int64_t>(b) * numDrafts, committedTokens + out, numDrafts,
             contextLengths[b], maskTokenId, &accepted[b], committedTokens + out, nextBlock + out,
             nextPositions + out, &newContextLengths[b]);
     }

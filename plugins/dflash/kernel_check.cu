@@ -6,8 +6,8 @@
  *
  * Every output of launchDFlashAccept must equal dflash_write_request over dflash_row_argmax (the functions
  * tests/test_dflash_plugin.py compares with speculative/core.py), for float32, float16 and bfloat16 logits,
- * with tied, non-finite, greedy and sampled rows and every accepted length. Prints one line per case and the
- * kernel time of the largest one; exits 1 on any mismatch. It is no substitute for running the plugin
+ * with tied, non-finite, greedy and sampled rows and every accepted length, under both schedules (rows in
+ * parallel, per request). Prints one line per case and schedule with its kernel time; exits 1 on any mismatch. It is no substitute for running the plugin
  * inside a TensorRT engine.
  */
 #include "dflash_accept_kernel.h"
@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <random>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using namespace trtllm_dflash;
@@ -145,55 +146,66 @@ bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt
     p.temperature = static_cast<float const*>(toDevice(temperature));
     p.gumbelNoise = static_cast<float const*>(toDevice(noise));
     p.contextLengths = static_cast<int32_t const*>(toDevice(starts));
-    std::vector<int32_t> zerosB(B), zerosBS(committed.size());
-    p.accepted = static_cast<int32_t*>(toDevice(zerosB));
-    p.committedTokens = static_cast<int32_t*>(toDevice(zerosBS));
-    p.nextBlock = static_cast<int32_t*>(toDevice(zerosBS));
-    p.nextPositions = static_cast<int32_t*>(toDevice(zerosBS));
-    p.newContextLengths = static_cast<int32_t*>(toDevice(zerosB));
     p.batchSize = B;
     p.blockSize = S;
     p.vocabSize = V;
     p.maskTokenId = 31999;
     p.logitsType = type;
 
-    cudaEvent_t begin, end;
-    CHECK_CUDA(cudaEventCreate(&begin));
-    CHECK_CUDA(cudaEventCreate(&end));
-    CHECK_CUDA(launchDFlashAccept(p, nullptr)); // warm-up, and the results compared below
-    CHECK_CUDA(cudaEventRecord(begin));
-    for (int32_t i = 0; i < 20; ++i)
-        CHECK_CUDA(launchDFlashAccept(p, nullptr));
-    CHECK_CUDA(cudaEventRecord(end));
-    CHECK_CUDA(cudaEventSynchronize(end));
-    float ms = 0.0f;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
-
     auto fetch = [](int32_t const* device, size_t count) {
         std::vector<int32_t> host(count);
         CHECK_CUDA(cudaMemcpy(host.data(), device, count * sizeof(int32_t), cudaMemcpyDeviceToHost));
         return host;
     };
-    int64_t mismatches = 0;
-    auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
-        for (size_t i = 0; i < got.size(); ++i)
-            mismatches += got[i] != want[i];
-    };
-    compare(fetch(p.accepted, B), accepted);
-    compare(fetch(p.committedTokens, committed.size()), committed);
-    compare(fetch(p.nextBlock, committed.size()), nextBlock);
-    compare(fetch(p.nextPositions, committed.size()), nextPositions);
-    compare(fetch(p.newContextLengths, B), newLengths);
+    // Each schedule on fresh outputs (filled with -7, so an output a schedule forgets to write shows).
+    bool ok = true;
+    std::pair<DFlashAcceptSchedule, char const*> const schedules[]
+        = {{DFlashAcceptSchedule::kROWS_IN_PARALLEL, "rows"}, {DFlashAcceptSchedule::kPER_REQUEST, "per-request"}};
+    for (auto const& [schedule, scheduleName] : schedules)
+    {
+        std::vector<int32_t> fillB(B, -7), fillBS(committed.size(), -7);
+        p.schedule = schedule;
+        p.accepted = static_cast<int32_t*>(toDevice(fillB));
+        p.committedTokens = static_cast<int32_t*>(toDevice(fillBS));
+        p.nextBlock = static_cast<int32_t*>(toDevice(fillBS));
+        p.nextPositions = static_cast<int32_t*>(toDevice(fillBS));
+        p.newContextLengths = static_cast<int32_t*>(toDevice(fillB));
 
+        cudaEvent_t begin, end;
+        CHECK_CUDA(cudaEventCreate(&begin));
+        CHECK_CUDA(cudaEventCreate(&end));
+        CHECK_CUDA(launchDFlashAccept(p, nullptr)); // warm-up, and the results compared below
+        CHECK_CUDA(cudaEventRecord(begin));
+        for (int32_t i = 0; i < 20; ++i)
+            CHECK_CUDA(launchDFlashAccept(p, nullptr));
+        CHECK_CUDA(cudaEventRecord(end));
+        CHECK_CUDA(cudaEventSynchronize(end));
+        float ms = 0.0f;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
+        CHECK_CUDA(cudaEventDestroy(begin));
+        CHECK_CUDA(cudaEventDestroy(end));
+
+        int64_t mismatches = 0;
+        auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
+            for (size_t i = 0; i < got.size(); ++i)
+                mismatches += got[i] != want[i];
+        };
+        compare(fetch(p.accepted, B), accepted);
+        compare(fetch(p.committedTokens, committed.size()), committed);
+        compare(fetch(p.nextBlock, committed.size()), nextBlock);
+        compare(fetch(p.nextPositions, committed.size()), nextPositions);
+        compare(fetch(p.newContextLengths, B), newLengths);
+        for (int32_t* ptr : {p.accepted, p.committedTokens, p.nextBlock, p.nextPositions, p.newContextLengths})
+            CHECK_CUDA(cudaFree(ptr));
+        std::printf("%-10s %-9s B=%-4d block=%-3d V=%-7d %-11s mismatches=%lld  kernel %.1f us\n", c.name, typeName, B,
+            S, V, scheduleName, static_cast<long long>(mismatches), 1000.0f * ms / 20);
+        ok &= mismatches == 0;
+    }
     for (void const* ptr : {static_cast<void const*>(p.draftTokens), p.targetLogits,
              static_cast<void const*>(p.temperature), static_cast<void const*>(p.gumbelNoise),
-             static_cast<void const*>(p.contextLengths), static_cast<void const*>(p.accepted),
-             static_cast<void const*>(p.committedTokens), static_cast<void const*>(p.nextBlock),
-             static_cast<void const*>(p.nextPositions), static_cast<void const*>(p.newContextLengths)})
+             static_cast<void const*>(p.contextLengths)})
         CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
-    std::printf("%-10s %-9s B=%-4d block=%-3d V=%-7d mismatches=%lld  kernel %.1f us\n", c.name, typeName, B, S, V,
-        static_cast<long long>(mismatches), 1000.0f * ms / 20);
-    return mismatches == 0;
+    return ok;
 }
 
 // Trees: random trees of N nodes (each node's parent among the earlier ones) whose tokens follow the target's
