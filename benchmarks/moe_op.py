@@ -60,14 +60,14 @@ FAMILIES = (
 
 
 def session(module: MoEMLP | SparseMoE, one_op: bool, path: Path) -> ort.InferenceSession:
-    module.export_as_one_op = one_op
+    module.export_experts_op = "onnxruntime" if one_op else None
     x = torch.zeros(1, 5, (module.router if isinstance(module, MoEMLP) else module.gate).weight.shape[1])
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.export.export(module, (x,), dynamic_shapes=({1: torch.export.Dim("tokens", min=1)},))
         torch.onnx.export(program, dynamo=True, opset_version=24, custom_translation_table=TRANSLATIONS,
                           input_names=["x"], output_names=["y"], optimize=True, verbose=False).save(str(path))
-    module.export_as_one_op = False
+    module.export_experts_op = None
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

@@ -6,12 +6,23 @@ plans (compile/tensorrt_build.engine_shapes), so a call the real plans could not
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from trtllm_dflash.compile.tensorrt_build import STATE_OUTPUTS, cache_length, engine_plans, plan_shapes
-from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+from trtllm_dflash.compile.tensorrt_build import (
+    STATE_OUTPUTS,
+    TRT_MOE,
+    _with_static_dims,
+    cache_length,
+    engine_plans,
+    graph_metadata,
+    plan_shapes,
+)
+from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, graph_dir, read_engine_config
 from trtllm_dflash.runtime.executor import engine_specs
 from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
@@ -69,6 +80,22 @@ class OnnxRuntimeContext:
         return True
 
 
+def as_compiled(path: Path) -> Path:
+    """`path`, or where its experts are TensorRT's TRT_MoE nodes (which onnxruntime cannot run), the graph as compile
+    builds it on a GPU other than Blackwell (the nodes rewritten into the dense form, onnx_ops.dense_experts), written
+    into a temporary directory beside copies of the graph directory's other files (its external data: onnxruntime
+    refuses a link that leads out of the model's directory)."""
+    if graph_metadata(path).get(EXPERTS_OP_KEY) != TRT_MOE:
+        return path
+    out = Path(tempfile.mkdtemp(prefix="dense_experts_"))
+    atexit.register(shutil.rmtree, out, True)
+    for other in path.parent.iterdir():
+        if other != path:
+            shutil.copyfile(other, out / other.name)
+    (out / path.name).write_bytes(_with_static_dims(path, {}, dense=True))
+    return out / path.name
+
+
 def standin_executor(engine: Path, profile: bool = True, block_size: int | None = None,
                      pass_tokens: int | None = None, prefix_cache: bool = True, cuda_graphs: bool = False,
                      made: list | None = None) -> TensorRTExecutor:
@@ -96,7 +123,7 @@ def standin_executor(engine: Path, profile: bool = True, block_size: int | None 
     compiled = plan_shapes(cfg, engine)  # (rings as TensorRT writes them, or none)
     rings = compiled.get("ring")
     shapes = compiled if profile else None
-    sessions = {g: ort.InferenceSession(str(graph_dir(engine, 0) / f"{g}.onnx"), options,
+    sessions = {g: ort.InferenceSession(str(as_compiled(graph_dir(engine, 0) / f"{g}.onnx")), options,
                                         providers=["CPUExecutionProvider"]) for g in engine_plans(cfg, engine)}
 
     def new_context(plan: str) -> OnnxRuntimeContext:

@@ -222,10 +222,10 @@ def test_group_routed_experts_as_one_op_equal_the_routed_loop(pair):
     assert block.groups and block.scaling != 1.0
     exporting = moe.exporting
     try:
-        moe.exporting, block.export_as_one_op = (lambda: True), True
+        moe.exporting, block.export_experts_op = (lambda: True), "onnxruntime"
         torch.testing.assert_close(block.partial(flat), expected, atol=1e-5, rtol=1e-5)
     finally:
-        moe.exporting, block.export_as_one_op = exporting, False
+        moe.exporting, block.export_experts_op = exporting, None
 
 
 def biased_engine(pair: Path, tmp_path: Path, backend: str) -> Path:

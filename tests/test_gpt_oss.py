@@ -362,7 +362,8 @@ def test_onnxruntime_backend_gives_the_torch_executors_tokens(gpt_oss_ort_engine
     ar, greedy and sampled, 7 requests through 4 slots, prompts longer than the window of 4."""
     import onnx
 
-    from trtllm_dflash.engine_dir import graph_dir
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+    from trtllm_dflash.runtime.executor import engine_specs
 
     graph = onnx.load(str(graph_dir(gpt_oss_ort_engine, 0) / "target_step.onnx"), load_external_data=False)
     assert [n.domain for n in graph.graph.node if n.op_type == "MoE"] == ["com.microsoft"] * 4  # one per layer
@@ -490,8 +491,8 @@ def test_an_engine_shorter_than_a_ring_keeps_its_sliding_layers_whole(gpt_oss_or
 
 @pytest.fixture(scope="module")
 def gpt_oss_trt_engine(pair, tmp_path_factory) -> Path:
-    """The pair built for backend tensorrt: its graphs keep the experts' dense form (TensorRT cannot parse
-    com.microsoft.MoE)."""
+    """The pair built for backend tensorrt: its experts are TensorRT's TRT_MoE nodes (compile builds them as IMoELayer
+    on Blackwell and in the dense form elsewhere; TensorRT cannot parse onnxruntime's com.microsoft.MoE)."""
     from trtllm_dflash.config import BuildConfig
     from trtllm_dflash.engine.builder import build_engine
 
@@ -546,7 +547,8 @@ def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monk
     fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
     profiles = []
 
-    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None):
+    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None,
+                        dense_experts=True):
         profiles.append(shapes)
         return b"plan"
 
@@ -554,6 +556,44 @@ def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monk
     compile_engine(root)
     assert profiles and all(p["ring"] == DimRange.fixed(20) and p["seq"].max == 16 for p in profiles)
     assert json.loads((root / PLANS_DIR / PLANS_INFO).read_text())["window_ring"] == 20
+
+
+@pytest.mark.parametrize("gpu, routed", [((10, 0), True), ((11, 0), True), ((9, 0), False), ((12, 0), False)],
+                         ids=["B200", "Thor", "H200", "RTX-5090"])
+def test_compile_chooses_the_experts_form_per_gpu(gpt_oss_trt_engine, tmp_path, monkeypatch, gpu, routed):
+    """Graphs for TensorRT hold one TRT_MoE node per MLP of experts; compile (TensorRT and the GPU faked) builds them
+    as IMoELayer on SM 10.x / 11.x and in the dense form elsewhere, says which, and records it in the plans' info."""
+    import onnx
+
+    from tests.test_tensorrt_build import fake_gpu
+
+    from trtllm_dflash.compile import tensorrt_build
+    from trtllm_dflash.compile.tensorrt_build import PLANS_DIR, PLANS_INFO, compile_engine
+    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
+    from trtllm_dflash.runtime.executor import engine_specs
+
+    graph = onnx.load(str(graph_dir(gpt_oss_trt_engine, 0) / "target_step.onnx"), load_external_data=False)
+    layers = engine_specs(read_engine_config(gpt_oss_trt_engine))[0].num_layers
+    assert [n.op_type for n in graph.graph.node if n.domain == "trt"].count("TRT_MoE") == layers
+    assert {p.key: p.value for p in graph.metadata_props}["experts_op"] == "trt.TRT_MoE"
+    root = tmp_path / "engine"
+    shutil.copytree(gpt_oss_trt_engine, root)
+    fake_gpu(monkeypatch, gpu, "a GPU")
+    dense = []
+
+    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None,
+                        dense_experts=True):
+        dense.append(dense_experts)
+        return b"plan"
+
+    monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
+    lines = []
+    compile_engine(root, report=lines.append)
+    assert dense and set(dense) == {not routed}
+    experts = json.loads((root / PLANS_DIR / PLANS_INFO).read_text())["experts"]
+    assert lines[0] == f"experts: {experts}"
+    assert experts.startswith("IMoELayer") if routed else experts.startswith("the dense form"), experts
+    assert f"SM {gpu[0]}.{gpu[1]}" in experts
 
 
 @pytest.mark.slow
@@ -584,7 +624,8 @@ def test_tensorrt_graphs_keep_rings_written_whole(gpt_oss_trt_engine):
 def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(gpt_oss_trt_engine):
     """TensorRT-RTX (on the CPU) parses the target step into one native attention per layer (the sinks ride in its
     additive mask), the KV-cache updates (one per cache: a sliding layer's ring too, every present_* the in-place
-    update of its past_*), RoPE and the routers' TopK, and builds plans for SM89 and SM120."""
+    update of its past_*), RoPE and the routers' TopK, and builds plans for SM89 and SM120 with the experts' TRT_MoE
+    nodes in the dense form (as they stand they parse into IMoELayer layers, which build on Blackwell only)."""
     rtx = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX is not installed (the tensorrt-rtx extra)")
     from trtllm_dflash.compile.tensorrt_build import (
         GRAPHS, build_plan, cache_length, cache_updates, engine_shapes, graph_ring_pass, layer_types,
@@ -603,6 +644,11 @@ def test_tensorrt_rtx_parses_gpt_oss_graphs_into_native_layers_and_builds_plans(
     assert cache_updates(network) == {f"present_{kv}_{i}": f"past_{kv}_{i}" for i in range(layers)
                                       for kv in ("key", "value")}
     assert mark_attention_decomposable(rtx, network) == layers
+    # its experts: in the dense form by default (above: no MoE layer), one IMoELayer per layer as they stand
+    assert types_["MOE"] == 0
+    routed = parse_graph(rtx, path, static_dims={"max_len": cache_length(cfg), "ring": ring_length(cfg, ring_pass)},
+                         dense_experts=False).network
+    assert layer_types(routed)["MOE"] == layers
     for graph in GRAPHS:
         plan = build_plan(rtx, graph_dir(gpt_oss_trt_engine, 0) / f"{graph}.onnx", dtype_note=cfg.dtype,
                           shapes=engine_shapes(cfg, ring_pass), targets=["SM89", "SM120"])

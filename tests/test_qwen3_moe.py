@@ -154,6 +154,56 @@ def test_the_moe_ops_torch_form_equals_both_families_experts(pair):
     torch.testing.assert_close(got, gpt(flat[None])[0], atol=1e-4, rtol=1e-5)
 
 
+def test_tensorrts_moe_node_and_its_dense_form_equal_both_families_experts(pair, tmp_path):
+    """compile/onnx_ops.py `trt_moe` (TensorRT's TRT_MoE node in plain torch) with each family's arguments as the
+    modules pass them (Qwen3 MoE's stacked, transposed linears; gpt-oss's interleaved gate_up taken apart, its biases,
+    alpha 1.702, beta 1, limit 7), and each module exported with the node, the node rewritten into plain ops as
+    compile does off Blackwell (`dense_experts`), run by onnxruntime: all equal the modules' routed loops."""
+    import warnings
+
+    import onnx
+    import onnxruntime as ort
+
+    from trtllm_dflash.compile.onnx_ops import TRANSLATIONS, dense_experts
+    from trtllm_dflash.models import moe
+
+    ckpt = load_target(pair / "target")
+    spec, prefix = ckpt.spec, "model.layers.0.mlp."
+    qwen = SparseMoE(spec)
+    qwen.load_state_dict({n.removeprefix(prefix): ckpt.tensors.get(n).float() for n in ckpt.tensors.names()
+                          if n.startswith(prefix)})
+    gpt = moe.MoEMLP(dataclasses.replace(spec, model_type="gpt_oss", routed_experts=0, num_experts=4,
+                                         intermediate_size=32))
+    with torch.no_grad():
+        for param in gpt.parameters():
+            param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(3, 5, spec.hidden_size, generator=torch.Generator().manual_seed(2))  # (the node: [B, S, H])
+    exporting = moe.exporting
+    for name, module in (("qwen3_moe", qwen), ("gpt_oss", gpt)):
+        expected = module(x)
+        try:
+            moe.exporting, module.export_experts_op = (lambda: True), "tensorrt"
+            torch.testing.assert_close(module(x), expected, atol=1e-4, rtol=1e-5)  # the op's torch form
+        finally:
+            moe.exporting = exporting
+        try:
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(module, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1),
+                                                                               1: torch.export.Dim("tokens", min=1)},))
+                graph = torch.onnx.export(program, dynamo=True, opset_version=24, custom_translation_table=TRANSLATIONS,
+                                          input_names=["x"], output_names=["y"], optimize=True, verbose=False)
+        finally:
+            module.export_experts_op = None
+        graph.save(str(tmp_path / f"{name}.onnx"))
+        model = onnx.load(str(tmp_path / f"{name}.onnx"))
+        assert [n.op_type for n in model.graph.node if n.domain == "trt"] == ["TRT_MoE"], name
+        assert dense_experts(model) == 1 and not [n for n in model.graph.node if n.domain == "trt"]
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5, msg=name)
+
+
 @pytest.mark.slow
 def test_onnxruntime_runs_the_experts_as_one_op(pair, tmp_path):
     """backend onnxruntime: each sparse layer's experts are one com.microsoft.MoE node (the dense layer stays plain

@@ -189,11 +189,13 @@ def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
     fake_gpu(monkeypatch)
     built = []
 
-    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None):
+    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None,
+                        dense_experts=True):
         built.append(Path(onnx_path).stem)
         if Path(onnx_path).stem == fail_at:
             raise tensorrt_build.PlanBuildError("refused")
         assert trt.__version__ == "11.1.0.7" and dtype_note == "float32" and targets is None
+        assert dense_experts  # (no experts: nothing to rewrite, nothing to keep)
         assert shapes == engine_shapes(read_engine_config(root))
         return f"plan of {Path(onnx_path).stem} #{len(built)}".encode()
 
@@ -213,6 +215,7 @@ def test_compile_adds_plans_atomically(qwen3_engine_dir, tmp_path, monkeypatch):
         info = json.loads((root / PLANS_DIR / PLANS_INFO).read_text())
         assert info["tensorrt_version"] == "11.1.0.7" and info["compute_capability"] == "9.0"
         assert info["cache_length"] == cache_length(read_engine_config(root)) and info["plugin_library"] is None
+        assert info["experts"] is None
         assert [p.name for p in root.parent.iterdir()] == ["engine"]  # no temporaries left
         changed = {k for k in set(before) | set(snapshot(root)) if before.get(k) != snapshot(root).get(k)}
         assert changed == {"engine/manifest.json", "engine/tensorrt/plans.json",

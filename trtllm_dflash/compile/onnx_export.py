@@ -186,6 +186,8 @@ from trtllm_dflash.compile.onnx_ops import (
     MOE_DOMAIN,
     MOE_OP,
     TRANSLATIONS,
+    TRT_MOE_DOMAIN,
+    TRT_MOE_OP,
     GraphKVCache,
     GraphOneTokenStates,
     GraphRecurrentStates,
@@ -194,7 +196,7 @@ from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, ONE_TOKEN_ADVANCES_KEY, RIN
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.linear_attention import (READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates,
                                                   chunk_scanned)
-from trtllm_dflash.models.moe import Experts, experts_as_one_op
+from trtllm_dflash.models.moe import Experts, ExpertsOp, experts_as_one_op
 from trtllm_dflash.models.quantized import ActivationQuant, QuantizedInput
 from trtllm_dflash.quantize.experts import EXPERT_WEIGHTS, read_quantized_experts
 from trtllm_dflash.quantize.modelopt_cpu import read_quantized_linear
@@ -683,16 +685,18 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
 
 
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
-                         experts_op: bool = False, trees: bool = False, in_place: bool = False,
+                         experts_op: ExpertsOp | None = None, trees: bool = False, in_place: bool = False,
                          rings: bool = False, token_step: bool = False, rewrite_rings: bool = False) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
     drafter_candidates and target_tree) into `out_dir`.
 
     Returns the written files: the .onnx graphs, then their shared external data. Without a drafter,
-    target_step has no `hidden` output (plain autoregressive engines). `experts_op` (graphs for onnxruntime): every
-    MLP of experts that can be is one com.microsoft.MoE node (compile/onnx_ops.py), recorded in the graphs' metadata
-    as `experts_op`; otherwise the experts' dense form (docs/backends.md §gpt-oss in the graphs). `in_place` (graphs for
-    onnxruntime): target_decode too, where the target can run it (attends_in_place). `rings`: target_step's
+    target_step has no `hidden` output (plain autoregressive engines). `experts_op`: every MLP of experts that can be
+    (experts_as_one_op) is one node, onnxruntime's com.microsoft.MoE ("onnxruntime") or TensorRT's TRT_MoE
+    ("tensorrt": compile builds it into IMoELayer on Blackwell and rewrites it into the dense form elsewhere,
+    onnx_ops.dense_experts), recorded in the graphs' metadata as `experts_op`; otherwise (None) the experts' dense
+    form (docs/backends.md §gpt-oss in the graphs). `in_place` (graphs for onnxruntime): target_decode too, where the
+    target can run it (attends_in_place). `rings`: target_step's
     sliding-window layers keep rings of the window + ring_pass_tokens positions (GraphKVCache), recorded in its metadata
     as `window_ring_pass`, written in TensorScatter's circular mode, or with `rewrite_rings` (graphs for TensorRT, whose
     KV-cache update writes linearly only) the whole ring through one linear update (metadata `window_ring_write`:
@@ -707,17 +711,18 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     one_op = [m for m in target.modules() if experts_op and experts_as_one_op(m)]
     try:
         for m in one_op:
-            m.export_as_one_op = True
+            m.export_experts_op = experts_op
         ring_pass = ring_pass_tokens(target, drafter) if rings else None
         models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target),
                                                          ring_pass is not None, token_step, rewrite_rings)}
     finally:
         for m in one_op:
-            m.export_as_one_op = False
+            m.export_experts_op = None
     for model in models.values():  # which rank of which split: checked by compile before TensorRT reads it
         model.metadata_props.update({"rank": str(target.tp.rank), "tp_size": str(target.tp.size)})
         if one_op:
-            model.metadata_props[EXPERTS_OP_KEY] = f"{MOE_DOMAIN}.{MOE_OP}"
+            model.metadata_props[EXPERTS_OP_KEY] = (f"{MOE_DOMAIN}.{MOE_OP}" if experts_op == "onnxruntime"
+                                                    else f"{TRT_MOE_DOMAIN}.{TRT_MOE_OP}")
     if ring_pass is not None:
         models[TARGET_STEP].metadata_props[RING_PASS_KEY] = str(ring_pass)
         if rewrite_rings:

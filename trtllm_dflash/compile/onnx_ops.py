@@ -1,5 +1,6 @@
 """Custom ops of the exported graphs: the KV-cache write (ONNX TensorScatter), the tensor-parallel
-collectives (TensorRT's DistCollective), and experts as one node for onnxruntime (com.microsoft.MoE).
+collectives (TensorRT's DistCollective), and experts as one node (onnxruntime's com.microsoft.MoE, TensorRT's
+TRT_MoE).
 
 ## KV cache: ONNX TensorScatter writes into caches that are graph inputs
 
@@ -48,8 +49,14 @@ alternating in fc1 [E, 2I, H]): gpt-oss's own layout, and Qwen3 MoE's gate/up ro
 gpt-oss: alpha 1.702, beta 1, limit 7 and biases; Qwen3 MoE: alpha 1, beta 0, no limit (silu(g) * l), no biases.
 Found here (onnxruntime 1.32, fp32): equal to models/moe.py within 1.5e-7 of the outputs' scale for both;
 swiglu_fusion=2 is refused on the CPU ("CPU MoE only supports interleaved SwiGLU format"). TensorRT cannot parse
-the node (its IMoELayer builds for Blackwell only), so graphs for TensorRT keep the experts' dense form, and
-compile refuses graphs that hold it (metadata `experts_op`).
+the node: compile refuses graphs that hold it (metadata `experts_op`).
+
+## Experts: TensorRT's TRT_MoE (IMoELayer; graphs for TensorRT)
+The same MLPs in graphs for TensorRT are one `trt::TRT_MoE` node (`trt_moe`): the routing in plain ops before it, the
+chosen experts and their weights in, gate / up / down weights as three [E, H, I] / [E, H, I] / [E, I, H] tensors, the
+SwiGLU's limit / alpha / beta as attributes (docs/backends.md §gpt-oss in the graphs). IMoELayer builds on SM 10.x /
+11.x only, so compile keeps the node there and elsewhere rewrites it into plain ops first (`dense_experts`, the same
+computation as trt_moe's torch form).
 
 ## FP8 linears: QuantizeLinear / DequantizeLinear (ONNX's own, float8e4m3fn)
 An FP8 engine's linear keeps ModelOpt's stored format in the graph: its weight is a FLOAT8E4M3FN initializer
@@ -412,6 +419,126 @@ def _moe_onnx(x, router_logits, fc1, fc1_bias, fc2, fc2_bias, k: int, normalize:
                 activation_alpha=alpha, activation_beta=beta, normalize_routing_weights=int(normalize), **limits)
 
 
+TRT_MOE_DOMAIN, TRT_MOE_OP = COLLECTIVE_DOMAIN, "TRT_MoE"  # TensorRT's IMoELayer (any domain parses; "trt" as ours)
+ROUTED_EXPERTS_SM_MAJORS = (10, 11)  # where IMoELayer builds (NvInfer.h: Blackwell and Thor; SM 12.x not supported)
+
+
+@torch.library.custom_op("dflash_onnx::trt_moe", mutates_args=())
+def trt_moe(x: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor, gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
+            down_bias: torch.Tensor | None, limit: float, alpha: float, beta: float) -> torch.Tensor:
+    """TensorRT's TRT_MoE node (IMoELayer, as NvInfer.h defines it) in plain torch, in the dense form `dense_experts`
+    rewrites it into where IMoELayer cannot build: x [B, S, H] (the layer takes rank 3 only; its kernels are meant for
+    S <= 16, so a step's rows are its batch), the chosen experts [B, S, K] and their scores [B, S, K] (the routing,
+    done before the node), gate / up [E, H, I] and down [E, I, H] (`x @ W`), biases [E, I], [E, I], [E, H] (all or
+    none). Per token: sum over its chosen e of score_e * (swiglu(x @ gate_e + b, x @ up_e + b) @ down_e + b),
+    swiglu(g, u) = G * sigmoid(alpha * G) * (U + beta), G = min(g, limit), U = clamp(u, -limit, limit)."""
+    flat = x.flatten(0, 1)
+    g, u = flat @ gate, flat @ up  # [E, N, I]
+    if gate_bias is not None:
+        g, u = g + gate_bias[:, None], u + up_bias[:, None]
+    if math.isfinite(limit):
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    y = (g * torch.sigmoid(g * alpha) * (u + beta)) @ down  # [E, N, H]
+    if down_bias is not None:
+        y = y + down_bias[:, None]
+    chosen = experts.flatten(0, 1)[:, :, None] == torch.arange(gate.shape[0], device=x.device)  # [N, K, E]
+    combine = (chosen.to(scores.dtype) * scores.flatten(0, 1)[:, :, None]).sum(1)  # [N, E]
+    return (y * combine.T[:, :, None].to(y.dtype)).sum(0).to(x.dtype).view_as(x)
+
+
+@trt_moe.register_fake
+def _(x, experts, scores, gate, up, down, gate_bias, up_bias, down_bias, limit, alpha, beta):
+    return torch.empty_like(x)
+
+
+def _trt_moe_schema() -> OpSchema:
+    attr, optional = OpSchema.Attribute, OpSchema.FormalParameterOption.Optional
+    param = OpSchema.FormalParameter
+    return OpSchema(
+        TRT_MOE_OP, TRT_MOE_DOMAIN, 1, doc="TensorRT's mixture of experts (IMoELayer)",
+        inputs=[param("hidden_states", "T"), param("selected_experts", "I"), param("scores", "T"),
+                param("fc_gate_weights", "T"), param("fc_up_weights", "T"), param("fc_down_weights", "T"),
+                param("fc_gate_bias", "T", param_option=optional), param("fc_up_bias", "T", param_option=optional),
+                param("fc_down_bias", "T", param_option=optional)],
+        outputs=[param("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("I", ["tensor(int32)", "tensor(int64)"], "")],
+        attributes=[attr("activation_type", OpSchema.AttrType.INT, ""),
+                    attr("swiglu_limit", OpSchema.AttrType.FLOAT, ""),
+                    attr("swiglu_alpha", OpSchema.AttrType.FLOAT, ""),
+                    attr("swiglu_beta", OpSchema.AttrType.FLOAT, "")],
+    )
+
+
+_trt_moe_node = values.Op(values.Opset(TRT_MOE_DOMAIN, 1), TRT_MOE_OP, _trt_moe_schema())
+MOE_ACT_SILU = 1  # nvinfer1::MoEActType::kSILU (0 is no activation; a string attribute is read as 0, silently)
+
+
+def _trt_moe_onnx(x, experts, scores, gate, up, down, gate_bias, up_bias, down_bias, limit: float, alpha: float,
+                  beta: float):
+    limits = {"swiglu_limit": float(limit)} if math.isfinite(limit) else {}
+    return _trt_moe_node(x, experts, opset24.CastLike(scores, x), gate, up, down, gate_bias, up_bias, down_bias,
+                         activation_type=MOE_ACT_SILU, swiglu_alpha=float(alpha), swiglu_beta=float(beta), **limits)
+
+
+def dense_experts(model) -> int:
+    """Rewrite every TRT_MoE node of `model` (an onnx.ModelProto, changed in place) into the same computation in
+    plain ONNX ops (trt_moe's dense form: every expert over every token, weighted 0 where not chosen), for a GPU
+    where IMoELayer does not build and for onnxruntime. Returns how many nodes it rewrote."""
+    from onnx import helper
+
+    nodes, rewritten = [], 0
+    for node in model.graph.node:
+        if (node.domain, node.op_type) != (TRT_MOE_DOMAIN, TRT_MOE_OP):
+            nodes.append(node)
+            continue
+        rewritten += 1
+        x, experts, scores, gate, up, down, *biases = (*node.input, "", "", "")[:9]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        limit = attrs.get("swiglu_limit", math.inf)
+        name = f"{node.name or TRT_MOE_OP}_dense{rewritten}"
+        made = iter(range(10_000))
+
+        def op(op_type: str, *inputs: str, **attributes) -> str:
+            out = f"{name}/{op_type}_{next(made)}"
+            nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attributes))
+            return out
+
+        def const(value, like: str) -> str:  # a scalar of `like`'s dtype
+            return op("CastLike", op("Constant", value_float=float(value)), like)
+
+        def ints(*values: int) -> str:
+            return op("Constant", value_ints=list(values))
+
+        # [1, B, S, H] @ [E, 1, H, I] -> [E, B, S, I]; biases [E, I] -> [E, 1, 1, I]
+        tokens = op("Unsqueeze", x, ints(0))
+        g, u = op("MatMul", tokens, op("Unsqueeze", gate, ints(1))), op("MatMul", tokens, op("Unsqueeze", up, ints(1)))
+        if biases[0]:
+            g = op("Add", g, op("Unsqueeze", biases[0], ints(1, 2)))
+            u = op("Add", u, op("Unsqueeze", biases[1], ints(1, 2)))
+        if math.isfinite(limit):
+            g = op("Min", g, const(limit, x))
+            u = op("Max", op("Min", u, const(limit, x)), const(-limit, x))
+        swiglu = op("Mul", op("Mul", g, op("Sigmoid", op("Mul", g, const(attrs.get("swiglu_alpha", 1.0), x)))),
+                    op("Add", u, const(attrs.get("swiglu_beta", 0.0), x)))
+        y = op("MatMul", swiglu, op("Unsqueeze", down, ints(1)))  # [E, B, S, H]
+        if biases[2]:
+            y = op("Add", y, op("Unsqueeze", biases[2], ints(1, 2)))
+        count = op("Squeeze", op("Shape", gate, start=0, end=1), ints(0))  # E, a scalar
+        ids = op("Range", op("Constant", value_int=0), count, op("Constant", value_int=1))  # [E]
+        chosen = op("Equal", op("Unsqueeze", op("Cast", experts, to=TensorProto.INT64), ints(-1)), ids)  # [B, S, K, E]
+        weighted = op("Mul", op("CastLike", chosen, scores), op("Unsqueeze", scores, ints(-1)))
+        combine = op("Transpose", op("ReduceSum", weighted, ints(2), keepdims=0), perm=[2, 0, 1])  # [E, B, S]
+        combine = op("CastLike", op("Unsqueeze", combine, ints(-1)), y)  # [E, B, S, 1]
+        nodes.append(helper.make_node("ReduceSum", [op("Mul", y, combine), ints(0)], list(node.output),
+                                      name=f"{name}/output", keepdims=0))  # [B, S, H]
+    if rewritten:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return rewritten
+
+
 # custom_translation_table for torch.onnx.export
 TRANSLATIONS = {
     torch.ops.dflash_onnx.nvfp4_qdq.default: _nvfp4_qdq_onnx,
@@ -424,6 +551,7 @@ TRANSLATIONS = {
     torch.ops.dflash_onnx.all_reduce.default: _all_reduce_onnx,
     torch.ops.dflash_onnx.all_gather_last.default: _all_gather_last_onnx,
     torch.ops.dflash_onnx.moe.default: _moe_onnx,
+    torch.ops.dflash_onnx.trt_moe.default: _trt_moe_onnx,
 }
 
 

@@ -326,8 +326,10 @@ def set_collective_ranks(trt: ModuleType, network, onnx_path: Path) -> int:
     return count
 
 
-def _with_static_dims(onnx_path: Path, static: Mapping[str, int]) -> bytes:
-    """The graph (without its external data) with the named dimensions `static` made fixed sizes."""
+def _with_static_dims(onnx_path: Path, static: Mapping[str, int], dense: bool = True) -> bytes:
+    """The graph (without its external data) with the named dimensions `static` made fixed sizes, and, with `dense`,
+    its TRT_MoE nodes rewritten into the experts' dense form (onnx_ops.dense_experts: IMoELayer builds on Blackwell
+    only)."""
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
@@ -335,12 +337,17 @@ def _with_static_dims(onnx_path: Path, static: Mapping[str, int]) -> bytes:
         for dim in info.type.tensor_type.shape.dim:
             if dim.dim_param in static:
                 dim.dim_value = static[dim.dim_param]  # dim_value and dim_param are a oneof: this clears the name
+    if dense:
+        from trtllm_dflash.compile.onnx_ops import dense_experts
+
+        dense_experts(model)
     return model.SerializeToString()
 
 
 def parse_graph(trt: ModuleType, onnx_path: Path, *, static_dims: Mapping[str, int] | None = None,
-                plugin_library: Path | None = None) -> ParsedGraph:
-    """Parse `onnx_path` into a strongly typed network; `static_dims` fixes named dimensions first.
+                plugin_library: Path | None = None, dense_experts: bool = True) -> ParsedGraph:
+    """Parse `onnx_path` into a strongly typed network; `static_dims` fixes named dimensions first; `dense_experts`
+    rewrites TRT_MoE nodes into the dense form (False: they become IMoELayer layers, which build on Blackwell only).
 
     The parser reads the graph from bytes but is given its path, so external data (weights.onnx.data) is
     found next to it, as parse_from_file would."""
@@ -356,7 +363,7 @@ def parse_graph(trt: ModuleType, onnx_path: Path, *, static_dims: Mapping[str, i
     # Deprecated in TensorRT 11, where every network is strongly typed; required for that in 10.x.
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(_with_static_dims(onnx_path, static_dims or {}), str(onnx_path)):
+    if not parser.parse(_with_static_dims(onnx_path, static_dims or {}, dense_experts), str(onnx_path)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         raise PlanBuildError(f"{onnx_path}: TensorRT's ONNX parser refused the graph: {'; '.join(errors)}")
     return ParsedGraph(builder, network, parser, logger)
@@ -449,16 +456,19 @@ def _set_targets(trt: ModuleType, config, targets: Sequence[str]) -> None:
 
 
 def build_plan(trt: ModuleType, onnx_path: Path, *, dtype_note: str, shapes: Mapping[str, DimRange],
-               targets: Sequence[str] | None = None, plugin_library: Path | None = None) -> bytes:
+               targets: Sequence[str] | None = None, plugin_library: Path | None = None,
+               dense_experts: bool = True) -> bytes:
     """Parse, profile and build one graph; returns the serialized plan.
 
     `trt`: the `tensorrt` or `tensorrt_rtx_bindings` module. `dtype_note`: the engine's dtype, named in errors
     (the strongly typed network takes its precision from the graph). `shapes`: the range of each named
     dynamic dimension (engine_shapes); a range with min == max becomes a static size before parsing.
-    `targets`: TensorRT-RTX compute capabilities ("SM89", "SM120", ...); real TensorRT builds for its GPU."""
+    `targets`: TensorRT-RTX compute capabilities ("SM89", "SM120", ...); real TensorRT builds for its GPU.
+    `dense_experts`: TRT_MoE nodes in the dense form (True) or as IMoELayer (False: Blackwell GPUs only)."""
     onnx_path = Path(onnx_path)
     static = {name: r.min for name, r in shapes.items() if r.min == r.max}
-    graph = parse_graph(trt, onnx_path, static_dims=static, plugin_library=plugin_library)
+    graph = parse_graph(trt, onnx_path, static_dims=static, plugin_library=plugin_library,
+                        dense_experts=dense_experts)
     _check_in_place(graph.network, onnx_path)
     mark_attention_decomposable(trt, graph.network)
     set_collective_ranks(trt, graph.network, onnx_path)
@@ -534,6 +544,23 @@ def _link_tree(src: Path, dst: Path, skip: Iterable[Path]) -> None:
         os.link(path, target)
 
 
+TRT_MOE = "trt.TRT_MoE"  # graphs' `experts_op` when their experts are TensorRT's node (onnx_ops.TRT_MOE_OP)
+
+
+def experts_form(routed_op: bool, major: int, minor: int) -> tuple[bool, str | None]:
+    """How compile builds graphs whose experts are TRT_MoE nodes (`routed_op`) on a GPU of compute capability
+    major.minor: (whether as TensorRT's IMoELayer, which builds on SM 10.x / 11.x only, else rewritten into the dense
+    form; what to tell the user, None without such nodes)."""
+    from trtllm_dflash.compile.onnx_ops import ROUTED_EXPERTS_SM_MAJORS
+
+    if not routed_op:
+        return False, None
+    if major in ROUTED_EXPERTS_SM_MAJORS:
+        return True, f"IMoELayer (TensorRT's routed experts; SM {major}.{minor})"
+    return False, (f"the dense form (every expert over every token; TensorRT's IMoELayer builds on SM 10.x / 11.x "
+                   f"only, this GPU is SM {major}.{minor})")
+
+
 def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
                    report: Callable[[str], None] | None = None) -> list[Path]:
     """Build every rank's graphs into TensorRT plans on this GPU and add them to the engine (see the module
@@ -550,7 +577,8 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
         raise UserError(f"--plugin-library {plugin_library}: no such file.")
     target_graph = graph_dir(root, 0) / "target_step.onnx"
     metadata = graph_metadata(target_graph)
-    if metadata.get(EXPERTS_OP_KEY):
+    routed_op = metadata.get(EXPERTS_OP_KEY) == TRT_MOE
+    if metadata.get(EXPERTS_OP_KEY) and not routed_op:
         raise UserError(f"{target_graph}: its experts are onnxruntime's {metadata[EXPERTS_OP_KEY]} node (the engine "
                         "was built with backend: onnxruntime), which TensorRT cannot parse; rebuild the engine with "
                         "backend: tensorrt.")
@@ -573,6 +601,9 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
 
     shapes = plan_shapes(cfg, root)
     major, minor = torch.cuda.get_device_capability()
+    routed, experts = experts_form(routed_op, major, minor)
+    if report is not None and experts is not None:
+        report(f"experts: {experts}")
     written = []
     with atomic_directory(root, "engine", force=True) as tmp:
         _link_tree(root, tmp, skip=[root / ".trtllm-dflash", root / "manifest.json", root / PLANS_DIR])
@@ -580,7 +611,8 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             plan_dir(tmp, rank).mkdir(parents=True)
             for graph in engine_plans(cfg, root):
                 source = plan_source(tmp, rank, graph, plugin_library is not None)
-                plan = build_plan(trt, source, dtype_note=cfg.dtype, shapes=shapes, plugin_library=plugin_library)
+                plan = build_plan(trt, source, dtype_note=cfg.dtype, shapes=shapes, plugin_library=plugin_library,
+                                  dense_experts=not routed)
                 plan_file(tmp, rank, graph).write_bytes(plan)
                 written.append(plan_file(root, rank, graph))
                 if report is not None:
@@ -592,6 +624,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             "device": torch.cuda.get_device_name(),
             "cache_length": shapes["max_len"].max,
             "window_ring": shapes["ring"].max if "ring" in shapes else None,  # the sliding layers' positions per row
+            "experts": experts,  # (None: the graphs have no experts' node)
             "tp_size": ranks,
             "shapes": {name: [r.min, r.opt, r.max] for name, r in shapes.items()},
             "plugin_library": Path(plugin_library).name if plugin_library is not None else None,

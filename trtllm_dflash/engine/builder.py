@@ -175,10 +175,12 @@ def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
         warnings.simplefilter("ignore", FutureWarning)
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         # onnxruntime's own forms: its MoE and GroupQueryAttention nodes (TensorRT parses neither), the trees' graphs;
-        # TensorRT's: rings written whole (its KV-cache update writes linearly only), a Qwen3.5 target's target_token
+        # TensorRT's: its TRT_MoE node (IMoELayer on Blackwell; compile rewrites it into the dense form elsewhere),
+        # rings written whole (its KV-cache update writes linearly only), a Qwen3.5 target's target_token
         ort = cfg.backend == "onnxruntime"
-        return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank), experts_op=ort, trees=ort,
-                                    in_place=ort, rings=True, token_step=not ort, rewrite_rings=not ort)
+        return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank),
+                                    experts_op="onnxruntime" if ort else "tensorrt",
+                                    trees=ort, in_place=ort, rings=True, token_step=not ort, rewrite_rings=not ort)
 
 
 @contextmanager

@@ -124,10 +124,13 @@ class Experts(nn.Module):
         return ops.fp8_dequantize(w, scale)
 
 
+ExpertsOp = Literal["onnxruntime", "tensorrt"]  # com.microsoft.MoE / TensorRT's TRT_MoE (compile/onnx_ops.py)
+
+
 def experts_as_one_op(module: nn.Module) -> bool:
-    """Whether `module` (an MLP of experts) can be exported as onnxruntime's com.microsoft.MoE node
-    (compile/onnx_ops.py `moe`): its rank holds every expert, unquantized (a quantized expert's linears are
-    QuantizedInput wrappers, models/quantized.py, whose inputs the node would not quantize)."""
+    """Whether `module` (an MLP of experts) can be exported as one node, onnxruntime's com.microsoft.MoE or TensorRT's
+    TRT_MoE (compile/onnx_ops.py `moe`, `trt_moe`): its rank holds every expert, unquantized (a quantized expert's
+    linears are QuantizedInput wrappers, models/quantized.py, whose inputs the node would not quantize)."""
     if isinstance(module, SparseMoE):
         return len(module.experts) == module.gate.out_features and all(
             isinstance(p, nn.Linear) for e in module.experts.values() for p in (e.gate_proj, e.up_proj, e.down_proj))
@@ -147,12 +150,21 @@ class MoEMLP(nn.Module):
         self.tp = tp
         self.router = Router(spec)
         self.experts = Experts(spec, tp, parallel)
-        self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
+        self.export_experts_op: ExpertsOp | None = None  # set for an export (compile/onnx_export.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, T, hidden]
         flat = x.flatten(0, -2)
-        if exporting() and self.export_as_one_op:  # com.microsoft.MoE (its interleaved gate/up: gpt-oss's own)
+        if exporting() and self.export_experts_op == "tensorrt":  # TRT_MoE: the routing before it, gate/up apart
+            weights, idx = self.router(flat)
+            ex = self.experts
+            down_bias = ex.down_proj_bias if ex.adds_down_bias else torch.zeros_like(ex.down_proj_bias)
+            rows = (*x.shape[:-1], idx.shape[-1])  # x's own [batch, tokens] (IMoELayer's kernels are for <= 16 tokens)
+            y = torch.ops.dflash_onnx.trt_moe(
+                x, idx.view(rows), weights.view(rows), ex.gate_up_proj[..., ::2], ex.gate_up_proj[..., 1::2],
+                ex.down_proj, ex.gate_up_proj_bias[:, ::2], ex.gate_up_proj_bias[:, 1::2], down_bias, LIMIT, ALPHA, 1.0)
+            return self.tp.all_reduce(y)
+        if exporting() and self.export_experts_op == "onnxruntime":  # com.microsoft.MoE (interleaved gate/up)
             ex, router = self.experts, self.router
             y = torch.ops.dflash_onnx.moe(
                 flat, F.linear(flat, router.weight, router.bias), ex.gate_up_proj.transpose(1, 2), ex.gate_up_proj_bias,
@@ -233,7 +245,7 @@ class SparseMoE(nn.Module):
             self.shared_experts = MLP(dataclasses.replace(spec, intermediate_size=width, mlp_bias=False), tp)
         else:
             self.shared_experts = None
-        self.export_as_one_op = False  # set for an export for onnxruntime (compile/onnx_export.py)
+        self.export_experts_op: ExpertsOp | None = None  # set for an export (compile/onnx_export.py)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] -> routing weights [N, k] (flat's dtype; DeepSeek-V3's: float32), expert ids [N, k]."""
@@ -273,7 +285,17 @@ class SparseMoE(nn.Module):
         return routed + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert.partial(flat)
 
     def _routed(self, flat: torch.Tensor) -> torch.Tensor:
-        if exporting() and self.export_as_one_op:  # com.microsoft.MoE: gate / up rows interleaved, silu(g) * up
+        if exporting() and self.export_experts_op == "tensorrt":  # TRT_MoE, the routing (any form) before it
+            weights, idx = self.route(flat)
+            experts = self.experts.values()
+            gate, up, down = (torch.stack([getattr(e, name).weight.T for e in experts])
+                              for name in ("gate_proj", "up_proj", "down_proj"))
+            # The tokens as one row [1, N, hidden] (the node takes rank 3; passing x's own [batch, tokens] rows would
+            # suit IMoELayer's kernels better, but torch.export finds no shape guard for this module's reshapes then)
+            k = idx.shape[-1]
+            return torch.ops.dflash_onnx.trt_moe(flat[None], idx.view(1, -1, k), weights.view(1, -1, k), gate, up, down,
+                                                 None, None, None, math.inf, 1.0, 0.0)[0]
+        if exporting() and self.export_experts_op == "onnxruntime":  # com.microsoft.MoE: gate/up rows interleaved
             fc1 = torch.stack([torch.stack([e.gate_proj.weight, e.up_proj.weight], 1).flatten(0, 1)
                                for e in self.experts.values()])
             fc2 = torch.stack([e.down_proj.weight for e in self.experts.values()])
