@@ -362,8 +362,7 @@ def test_onnxruntime_backend_gives_the_torch_executors_tokens(gpt_oss_ort_engine
     ar, greedy and sampled, 7 requests through 4 slots, prompts longer than the window of 4."""
     import onnx
 
-    from trtllm_dflash.engine_dir import graph_dir, read_engine_config
-    from trtllm_dflash.runtime.executor import engine_specs
+    from trtllm_dflash.engine_dir import graph_dir
 
     graph = onnx.load(str(graph_dir(gpt_oss_ort_engine, 0) / "target_step.onnx"), load_external_data=False)
     assert [n.domain for n in graph.graph.node if n.op_type == "MoE"] == ["com.microsoft"] * 4  # one per layer
