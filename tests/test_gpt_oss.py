@@ -532,29 +532,38 @@ def test_compile_refuses_graphs_with_onnxruntimes_experts_op(gpt_oss_ort_engine,
         "backend: tensorrt.")
 
 
+def compile_faked(engine: Path, tmp_path: Path, monkeypatch, gpu: tuple[int, int]) -> tuple[Path, list, list, dict]:
+    """compile_engine over a copy of `engine` with TensorRT itself and a GPU of compute capability `gpu` faked: (the
+    copy, each plan's build_plan arguments, the lines compile reported, the plans' info)."""
+    from tests.test_tensorrt_build import fake_gpu
+
+    from trtllm_dflash.compile import tensorrt_build
+    from trtllm_dflash.compile.tensorrt_build import PLANS_DIR, PLANS_INFO, compile_engine
+
+    root = tmp_path / "engine"
+    shutil.copytree(engine, root)
+    fake_gpu(monkeypatch, gpu, "a GPU")
+    calls, lines = [], []
+
+    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None,
+                        dense_experts=True):
+        calls.append({"shapes": shapes, "dense_experts": dense_experts})
+        return b"plan"
+
+    monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
+    compile_engine(root, report=lines.append)
+    return root, calls, lines, json.loads((root / PLANS_DIR / PLANS_INFO).read_text())
+
+
 def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monkeypatch):
     """compile (TensorRT itself and the GPU faked) profiles a ring engine's plans with the rings' fixed length and
     target passes of at most the ring's pass, and records the length in the plans' info, from which the executor sizes
     the sliding layers' rows."""
-    from tests.test_tensorrt_build import fake_gpu
+    from trtllm_dflash.compile.tensorrt_build import DimRange
 
-    from trtllm_dflash.compile import tensorrt_build
-    from trtllm_dflash.compile.tensorrt_build import PLANS_DIR, PLANS_INFO, DimRange, compile_engine
-
-    root = tmp_path / "engine"
-    shutil.copytree(gpt_oss_trt_engine, root)
-    fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
-    profiles = []
-
-    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None,
-                        dense_experts=True):
-        profiles.append(shapes)
-        return b"plan"
-
-    monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
-    compile_engine(root)
-    assert profiles and all(p["ring"] == DimRange.fixed(20) and p["seq"].max == 16 for p in profiles)
-    assert json.loads((root / PLANS_DIR / PLANS_INFO).read_text())["window_ring"] == 20
+    _, calls, _, info = compile_faked(gpt_oss_trt_engine, tmp_path, monkeypatch, (10, 0))
+    assert calls and all(c["shapes"]["ring"] == DimRange.fixed(20) and c["shapes"]["seq"].max == 16 for c in calls)
+    assert info["window_ring"] == 20
 
 
 @pytest.mark.parametrize("gpu, routed", [((10, 0), True), ((11, 0), True), ((9, 0), False), ((12, 0), False)],
@@ -564,10 +573,6 @@ def test_compile_chooses_the_experts_form_per_gpu(gpt_oss_trt_engine, tmp_path, 
     as IMoELayer on SM 10.x / 11.x and in the dense form elsewhere, says which, and records it in the plans' info."""
     import onnx
 
-    from tests.test_tensorrt_build import fake_gpu
-
-    from trtllm_dflash.compile import tensorrt_build
-    from trtllm_dflash.compile.tensorrt_build import PLANS_DIR, PLANS_INFO, compile_engine
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
     from trtllm_dflash.runtime.executor import engine_specs
 
@@ -575,21 +580,9 @@ def test_compile_chooses_the_experts_form_per_gpu(gpt_oss_trt_engine, tmp_path, 
     layers = engine_specs(read_engine_config(gpt_oss_trt_engine))[0].num_layers
     assert [n.op_type for n in graph.graph.node if n.domain == "trt"].count("TRT_MoE") == layers
     assert {p.key: p.value for p in graph.metadata_props}["experts_op"] == "trt.TRT_MoE"
-    root = tmp_path / "engine"
-    shutil.copytree(gpt_oss_trt_engine, root)
-    fake_gpu(monkeypatch, gpu, "a GPU")
-    dense = []
-
-    def fake_build_plan(trt, onnx_path, *, dtype_note, shapes, targets=None, plugin_library=None,
-                        dense_experts=True):
-        dense.append(dense_experts)
-        return b"plan"
-
-    monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
-    lines = []
-    compile_engine(root, report=lines.append)
-    assert dense and set(dense) == {not routed}
-    experts = json.loads((root / PLANS_DIR / PLANS_INFO).read_text())["experts"]
+    _, calls, lines, info = compile_faked(gpt_oss_trt_engine, tmp_path, monkeypatch, gpu)
+    assert calls and {c["dense_experts"] for c in calls} == {not routed}
+    experts = info["experts"]
     assert lines[0] == f"experts: {experts}"
     assert experts.startswith("IMoELayer") if routed else experts.startswith("the dense form"), experts
     assert f"SM {gpu[0]}.{gpu[1]}" in experts
