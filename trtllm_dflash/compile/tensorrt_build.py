@@ -31,6 +31,9 @@ Graph-specific choices (found with TensorRT-RTX 1.7.1, see tests/test_tensorrt_b
 - Every attention layer is marked decomposable: TensorRT may then fall back to several kernels where no fused
   kernel exists (fp32 with more than one query row: "Attention operation was not supported by a dedicated
   kernel"); where one exists it is still used (fp16 / bf16 plans come out the same size either way).
+- Experts exported as TensorRT's TRT_MoE node (metadata `experts_op`) become IMoELayer layers on SM 10.x / 11.x only,
+  where that layer builds (NvInfer.h); on any other GPU each node is rewritten into the dense form before parsing
+  (onnx_ops.dense_experts). compile says which and records it in plans.json (`experts`).
 """
 
 from __future__ import annotations
