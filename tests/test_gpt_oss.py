@@ -532,7 +532,8 @@ def test_compile_refuses_graphs_with_onnxruntimes_experts_op(gpt_oss_ort_engine,
         "backend: tensorrt.")
 
 
-def compile_faked(engine: Path, tmp_path: Path, monkeypatch, gpu: tuple[int, int]) -> tuple[Path, list, list, dict]:
+def compile_faked(engine: Path, tmp_path: Path, monkeypatch, gpu: tuple[int, int], experts: str = "auto"
+                  ) -> tuple[Path, list, list, dict]:
     """compile_engine over a copy of `engine` with TensorRT itself and a GPU of compute capability `gpu` faked: (the
     copy, each plan's build_plan arguments, the lines compile reported, the plans' info)."""
     from tests.test_tensorrt_build import fake_gpu
@@ -551,7 +552,7 @@ def compile_faked(engine: Path, tmp_path: Path, monkeypatch, gpu: tuple[int, int
         return b"plan"
 
     monkeypatch.setattr(tensorrt_build, "build_plan", fake_build_plan)
-    compile_engine(root, report=lines.append)
+    compile_engine(root, report=lines.append, experts=experts)
     return root, calls, lines, json.loads((root / PLANS_DIR / PLANS_INFO).read_text())
 
 
@@ -566,11 +567,14 @@ def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monk
     assert info["window_ring"] == 20
 
 
-@pytest.mark.parametrize("gpu, routed", [((10, 0), True), ((11, 0), True), ((9, 0), False), ((12, 0), False)],
-                         ids=["B200", "Thor", "H200", "RTX-5090"])
-def test_compile_chooses_the_experts_form_per_gpu(gpt_oss_trt_engine, tmp_path, monkeypatch, gpu, routed):
+@pytest.mark.parametrize("gpu, choice, routed", [
+    ((10, 0), "auto", True), ((11, 0), "auto", True), ((9, 0), "auto", False), ((12, 0), "auto", False),
+    ((10, 0), "routed", True), ((10, 0), "dense", False), ((9, 0), "dense", False)],
+    ids=["B200", "Thor", "H200", "RTX-5090", "B200-routed", "B200-dense", "H200-dense"])
+def test_compile_chooses_the_experts_form_per_gpu(gpt_oss_trt_engine, tmp_path, monkeypatch, gpu, choice, routed):
     """Graphs for TensorRT hold one TRT_MoE node per MLP of experts; compile (TensorRT and the GPU faked) builds them
-    as IMoELayer on SM 10.x / 11.x and in the dense form elsewhere, says which, and records it in the plans' info."""
+    as IMoELayer on SM 10.x / 11.x and in the dense form elsewhere (or as --experts says), says which, and records it
+    in the plans' info."""
     import onnx
 
     from trtllm_dflash.engine_dir import graph_dir, read_engine_config
@@ -580,12 +584,33 @@ def test_compile_chooses_the_experts_form_per_gpu(gpt_oss_trt_engine, tmp_path, 
     layers = engine_specs(read_engine_config(gpt_oss_trt_engine))[0].num_layers
     assert [n.op_type for n in graph.graph.node if n.domain == "trt"].count("TRT_MoE") == layers
     assert {p.key: p.value for p in graph.metadata_props}["experts_op"] == "trt.TRT_MoE"
-    _, calls, lines, info = compile_faked(gpt_oss_trt_engine, tmp_path, monkeypatch, gpu)
+    _, calls, lines, info = compile_faked(gpt_oss_trt_engine, tmp_path, monkeypatch, gpu, choice)
     assert calls and {c["dense_experts"] for c in calls} == {not routed}
     experts = info["experts"]
     assert lines[0] == f"experts: {experts}"
     assert experts.startswith("IMoELayer") if routed else experts.startswith("the dense form"), experts
-    assert f"SM {gpu[0]}.{gpu[1]}" in experts
+    assert f"SM {gpu[0]}.{gpu[1]}" in experts or choice == "dense"
+
+
+def test_compile_refuses_routed_experts_it_cannot_build(gpt_oss_trt_engine, qwen3_engine_dir, tmp_path, monkeypatch,
+                                                        capsys):
+    """`compile --experts routed` on a GPU where IMoELayer does not build, or for an engine without TRT_MoE nodes: one
+    sentence, a non-zero exit, the engine unchanged."""
+    from tests.test_tensorrt_build import copy_engine, fake_gpu, snapshot
+
+    root = tmp_path / "gpt_oss"
+    shutil.copytree(gpt_oss_trt_engine, root)
+    fake_gpu(monkeypatch, (9, 0), "NVIDIA H200")
+    before = snapshot(root)
+    assert main(["compile", str(root), "--experts", "routed"]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip() == ("error: --experts routed: TensorRT's IMoELayer builds on SM 10.x / 11.x "
+                                               "only, and this GPU is SM 9.0; use --experts auto or dense.")
+    assert snapshot(root) == before
+    dense = copy_engine(qwen3_engine_dir, tmp_path, fake_graphs=True)
+    fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
+    assert main(["compile", str(dense), "--experts", "routed"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --experts routed: this engine's graphs hold no TRT_MoE node") and "\n" not in err
 
 
 @pytest.mark.slow

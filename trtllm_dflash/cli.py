@@ -125,7 +125,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     # compile rewrites ENGINE_DIR (a new directory renamed over it): the output-path rule, ENGINE_DIR as the output
     check_output_dir(args.engine_dir, "engine", "ENGINE_DIR", inputs=(args.plugin_library,), force=True)
     plans = compile_engine(args.engine_dir, args.plugin_library,
-                           report=lambda line: print(line, file=sys.stderr, flush=True))
+                           report=lambda line: print(line, file=sys.stderr, flush=True), experts=args.experts)
     print(f"{len(plans)} TensorRT plans added to {args.engine_dir}", file=sys.stderr)
     return 0
 
@@ -462,6 +462,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("engine_dir", type=Path)
     k.add_argument("--plugin-library", type=Path,
                    help="libtrtllm_dflash_plugins.so (plugins/dflash) to load while building (default: none)")
+    k.add_argument("--experts", choices=("auto", "routed", "dense"), default="auto",
+                   help="a mixture-of-experts engine's experts: TensorRT's routed IMoELayer (builds on SM 10.x / 11.x "
+                        "only), or every expert over every token; auto: routed where it builds (default: auto)")
     k.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", formatter_class=_HelpFormatter,

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 from trtllm_dflash.engine_dir import (
     EXPERTS_OP_KEY,
@@ -550,24 +550,36 @@ def _link_tree(src: Path, dst: Path, skip: Iterable[Path]) -> None:
 TRT_MOE = "trt.TRT_MoE"  # graphs' `experts_op` when their experts are TensorRT's node (onnx_ops.TRT_MOE_OP)
 
 
-def experts_form(routed_op: bool, major: int, minor: int) -> tuple[bool, str | None]:
+ExpertsChoice = Literal["auto", "routed", "dense"]  # compile --experts
+
+
+def experts_form(routed_op: bool, major: int, minor: int, choice: ExpertsChoice = "auto") -> tuple[bool, str | None]:
     """How compile builds graphs whose experts are TRT_MoE nodes (`routed_op`) on a GPU of compute capability
-    major.minor: (whether as TensorRT's IMoELayer, which builds on SM 10.x / 11.x only, else rewritten into the dense
-    form; what to tell the user, None without such nodes)."""
+    major.minor, as `choice` (compile --experts) asks: (whether as TensorRT's IMoELayer, which builds on SM 10.x / 11.x
+    only, else rewritten into the dense form; what to tell the user, None without such nodes)."""
     from trtllm_dflash.compile.onnx_ops import ROUTED_EXPERTS_SM_MAJORS
 
     if not routed_op:
+        if choice == "routed":
+            raise UserError("--experts routed: this engine's graphs hold no TRT_MoE node (no experts, quantized "
+                            "experts, experts split by moe_parallel: ep, or an engine built before 2026-12-05).")
         return False, None
-    if major in ROUTED_EXPERTS_SM_MAJORS:
+    builds = major in ROUTED_EXPERTS_SM_MAJORS
+    if choice == "routed" and not builds:
+        raise UserError(f"--experts routed: TensorRT's IMoELayer builds on SM 10.x / 11.x only, and this GPU is SM "
+                        f"{major}.{minor}; use --experts auto or dense.")
+    if builds and choice != "dense":
         return True, f"IMoELayer (TensorRT's routed experts; SM {major}.{minor})"
-    return False, (f"the dense form (every expert over every token; TensorRT's IMoELayer builds on SM 10.x / 11.x "
-                   f"only, this GPU is SM {major}.{minor})")
+    why = ("--experts dense" if builds else
+           f"TensorRT's IMoELayer builds on SM 10.x / 11.x only, this GPU is SM {major}.{minor}")
+    return False, f"the dense form (every expert over every token; {why})"
 
 
 def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
-                   report: Callable[[str], None] | None = None) -> list[Path]:
+                   report: Callable[[str], None] | None = None, experts: ExpertsChoice = "auto") -> list[Path]:
     """Build every rank's graphs into TensorRT plans on this GPU and add them to the engine (see the module
-    docstring for the layout and what a crash leaves). Returns the plan files. `report` gets one line per plan."""
+    docstring for the layout and what a crash leaves). Returns the plan files. `report` gets one line per plan (and
+    one on the experts' form); `experts`: how TRT_MoE nodes are built (experts_form)."""
     command = "compile"
     root = Path(engine_dir)
     cfg = open_engine(root)  # the manifest check: a damaged or edited graph is refused here, before TensorRT
@@ -604,9 +616,9 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
 
     shapes = plan_shapes(cfg, root)
     major, minor = torch.cuda.get_device_capability()
-    routed, experts = experts_form(routed_op, major, minor)
-    if report is not None and experts is not None:
-        report(f"experts: {experts}")
+    routed, experts_built = experts_form(routed_op, major, minor, experts)
+    if report is not None and experts_built is not None:
+        report(f"experts: {experts_built}")
     written = []
     with atomic_directory(root, "engine", force=True) as tmp:
         _link_tree(root, tmp, skip=[root / ".trtllm-dflash", root / "manifest.json", root / PLANS_DIR])
@@ -627,7 +639,7 @@ def compile_engine(engine_dir: Path, plugin_library: Path | None = None,
             "device": torch.cuda.get_device_name(),
             "cache_length": shapes["max_len"].max,
             "window_ring": shapes["ring"].max if "ring" in shapes else None,  # the sliding layers' positions per row
-            "experts": experts,  # (None: the graphs have no experts' node)
+            "experts": experts_built,  # (None: the graphs have no experts' node)
             "tp_size": ranks,
             "shapes": {name: [r.min, r.opt, r.max] for name, r in shapes.items()},
             "plugin_library": Path(plugin_library).name if plugin_library is not None else None,
