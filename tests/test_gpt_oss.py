@@ -562,9 +562,18 @@ def test_compile_gives_the_rings_their_length(gpt_oss_trt_engine, tmp_path, monk
     the sliding layers' rows."""
     from trtllm_dflash.compile.tensorrt_build import DimRange
 
+    from trtllm_dflash.engine_dir import read_engine_config
+    from trtllm_dflash.runtime.tensorrt_executor import ring_caches
+
     _, calls, _, info = compile_faked(gpt_oss_trt_engine, tmp_path, monkeypatch, (10, 0))
     assert calls and all(c["shapes"]["ring"] == DimRange.fixed(20) and c["shapes"]["seq"].max == 16 for c in calls)
     assert info["window_ring"] == 20
+    # what the executor then expects of target_step's plan: rings for the sliding layers' caches only
+    cfg = read_engine_config(gpt_oss_trt_engine)
+    sliding = [i for i, kind in enumerate(cfg.target["layer_types"]) if kind == "sliding_attention"]
+    assert sliding and len(sliding) < cfg.target["num_hidden_layers"]
+    assert ring_caches(cfg, 20) == {f"past_{kv}_{i}": 20 for i in sliding for kv in ("key", "value")}
+    assert ring_caches(cfg, None) == {}
 
 
 @pytest.mark.parametrize("gpu, choice, routed", [

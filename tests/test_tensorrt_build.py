@@ -319,6 +319,10 @@ def test_plans_must_update_caches_in_place():
         _check_plan(trt, FakePlan(520, {**good, "present_value_0": None}), Path("p.engine"), 520)
     with pytest.raises(RuntimeError, match="past_key_0 has 512 positions, not the 520"):
         _check_plan(trt, FakePlan(512, good), Path("p.engine"), 520)
+    # a sliding-window layer's caches are rings of their own length, and only those caches
+    _check_plan(trt, FakePlan(20, good), Path("p.engine"), 520, rings={"past_key_0": 20, "past_value_0": 20})
+    with pytest.raises(RuntimeError, match="past_value_0 has 20 positions, not the 520"):
+        _check_plan(trt, FakePlan(20, good), Path("p.engine"), 520, rings={"past_key_0": 20})
 
 
 def test_a_plan_whose_tensors_have_other_dtypes_is_refused_in_one_sentence():

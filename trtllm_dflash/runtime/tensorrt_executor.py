@@ -245,7 +245,7 @@ class TensorRTExecutor(StaticRows):
             if graph in ("target_step", "drafter_draft"):
                 check_graph_inputs(graph, [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)], path)
             _check_plan(trt, engine, path, int(info["cache_length"]), bound_dtypes(cfg, graph, plugin), root,
-                        info.get("window_ring"))
+                        ring_caches(cfg, info.get("window_ring")) if graph == "target_step" else None)
             engines[graph] = engine
         # The plans run one at a time on one stream: one scratch buffer, as large as the largest plan's, serves all.
         scratch_bytes = max(int(e.device_memory_size_v2) for e in engines.values())
@@ -582,18 +582,26 @@ def bound_dtypes(cfg: EngineConfig, graph: str, accept_plugin: bool) -> dict[str
             "next_block": ints, "next_positions": ints, "new_context_lengths": ints}
 
 
+def ring_caches(cfg: EngineConfig, window_ring: int | None) -> dict[str, int]:
+    """target_step's cache tensors that are rings (its sliding-window layers', compiled with `window_ring` positions)
+    -> that length; none without rings."""
+    target, _, _ = engine_specs(cfg)
+    return {f"past_{kv}_{i}": window_ring for i in target.attention_layers if window_ring and target.is_sliding(i)
+            for kv in ("key", "value")}
+
+
 def _check_plan(trt: Any, engine, path: Path, cache_length: int, dtypes: Mapping[str, torch.dtype] | None = None,
-                root: Path | None = None, window_ring: int | None = None) -> None:
-    """The plan's caches have `cache_length` positions (or a sliding-window layer's ring `window_ring`), each present_*
-    output is TensorRT's in-place update of its past_* input (the executor binds both to one buffer), and its tensors
-    are those the executor binds, of the dtypes it binds them as (`dtypes`: bound_dtypes): a buffer of another dtype
-    would be read as garbage, silently."""
+                root: Path | None = None, rings: Mapping[str, int] | None = None) -> None:
+    """The plan's caches have `cache_length` positions (the caches named in `rings`, a sliding-window layer's: their
+    ring's), each present_* output is TensorRT's in-place update of its past_* input (the executor binds both to one
+    buffer), and its tensors are those the executor binds, of the dtypes it binds them as (`dtypes`: bound_dtypes): a
+    buffer of another dtype would be read as garbage, silently."""
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     for name in names:
-        if name.startswith(("past_key_", "past_value_")) and \
-                engine.get_tensor_shape(name)[2] not in (cache_length, window_ring):
+        length = (rings or {}).get(name, cache_length)
+        if name.startswith(("past_key_", "past_value_")) and engine.get_tensor_shape(name)[2] != length:
             raise RuntimeError(f"{path}: {name} has {engine.get_tensor_shape(name)[2]} positions, not the "
-                               f"{cache_length} of {PLANS_INFO}")
+                               f"{length} of {PLANS_INFO}")
         if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT and name.startswith("present_") and \
                 not name.startswith(STATE_OUTPUTS) and engine.get_tensor_shape(name)[-1] != 0:
             # (a recurrent state's: a buffer of its own, copied back; a latent attention V holds no bytes)
