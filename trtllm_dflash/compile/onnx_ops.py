@@ -90,6 +90,7 @@ from onnxscript import values
 from onnxscript.onnx_opset import opset24
 
 from trtllm_dflash.models.linear_attention import READ_KINDS, RecurrentPass, chunk_scanned, token_by_token
+from trtllm_dflash.models.moe import swiglu
 from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
 from trtllm_dflash.quantize.nvfp4 import BLOCK_SIZE as NVFP4_BLOCK
 from trtllm_dflash.quantize.nvfp4 import NVFP4Weight, dequantize_nvfp4, fake_quant_nvfp4_activation
@@ -375,10 +376,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, fc1: torch.Tensor, fc1_bia
     if normalize:
         top = top / top.sum(dim=-1, keepdim=True)
     gate_up = torch.einsum("nh,efh->enf", x, fc1) + (0 if fc1_bias is None else fc1_bias[:, None])
-    g, up = gate_up[..., ::2], gate_up[..., 1::2]
-    if math.isfinite(limit):
-        g, up = g.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    y = torch.einsum("eni,ehi->enh", g * torch.sigmoid(alpha * g) * (up + beta), fc2)
+    y = torch.einsum("eni,ehi->enh", swiglu(gate_up[..., ::2], gate_up[..., 1::2], limit, alpha, beta), fc2)
     if fc2_bias is not None:
         y = y + fc2_bias[:, None]
     combine = torch.zeros_like(router_logits, dtype=torch.float32).scatter(1, idx, top)  # [N, E]
@@ -437,9 +435,7 @@ def trt_moe(x: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor, gate: 
     g, u = flat @ gate, flat @ up  # [E, N, I]
     if gate_bias is not None:
         g, u = g + gate_bias[:, None], u + up_bias[:, None]
-    if math.isfinite(limit):
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    y = (g * torch.sigmoid(g * alpha) * (u + beta)) @ down  # [E, N, H]
+    y = swiglu(g, u, limit, alpha, beta) @ down  # [E, N, H]
     if down_bias is not None:
         y = y + down_bias[:, None]
     chosen = experts.flatten(0, 1)[:, :, None] == torch.arange(gate.shape[0], device=x.device)  # [N, K, E]

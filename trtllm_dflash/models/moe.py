@@ -46,12 +46,18 @@ ALPHA = 1.702
 LIMIT = 7.0
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
+    """G * sigmoid(alpha * G) * (U + beta), G = min(gate, limit), U = clamp(up, -limit, limit) (limit inf: no clamp):
+    gpt-oss's clamped, shifted SwiGLU (limit 7, alpha 1.702, beta 1), or silu(gate) * up (inf, 1, 0), as the experts'
+    ops parametrize it (compile/onnx_ops.py moe, trt_moe)."""
+    if math.isfinite(limit):
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + beta)
+
+
 def gated_activation(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 * I] interleaved gate/up -> [..., I]: the clamped, shifted SwiGLU of gpt-oss."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=LIMIT)
-    up = up.clamp(min=-LIMIT, max=LIMIT)
-    return (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
+    return swiglu(gate_up[..., ::2], gate_up[..., 1::2], LIMIT, ALPHA, 1.0)
 
 
 def local_experts(spec: DecoderSpec, size: int, rank: int, parallel: MoEParallel) -> range:
