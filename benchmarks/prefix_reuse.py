@@ -25,6 +25,11 @@ runs plain steps and holds a prompt of up to 512 tokens back from the drafter. I
 request ends (since 2026-12-05; before, never: the "reuse" side then equalled "no reuse"), so the requests admitted
 after the first ones finish find the system prompt. Results: prefix_reuse_auto[_onnxruntime].json.
 
+`--random-family qwen3_5` (with --engine DIR, which it builds if it is not there): a random Qwen3.5 pair of the demo
+target's width (hidden 192, 16 layers of which every fourth is full attention and the rest Gated DeltaNet, vocabulary
+4096; train/random_pair.py), float32, max_seq_len 2048: prefix reuse of a hybrid target, which resumes the recurrent
+states kept at checkpoints (runtime/prefix_states.py). Results: prefix_reuse_qwen3_5.json.
+
 `--unique`: no prompt shares a block with another (request i's "system prompt" starts i + 1 tokens further into the
 held-out code, so even its first block differs): what prefix caching costs when it never hits (hashing, the pool's
 copies on onnxruntime, and under --policy auto the drafter's pass over a prompt at its request's end, paid for
@@ -82,6 +87,22 @@ def run(engine: Engine, root: Path, requests: list[Request], budget: int, reuse:
             "prefix_hit_rate": prefix.prefix_blocks_hit / max(1, prefix.prefix_blocks_looked_up) if prefix else 0.0}
 
 
+def build_random(engine: Path, family: str) -> None:
+    """A random `family` pair of the demo target's width, built into `engine`."""
+    import tempfile
+
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+    from trtllm_dflash.train.random_pair import write_random_pair
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target, drafter = write_random_pair(Path(tmp), family, vocab_size=4096, hidden_size=192, num_layers=16,
+                                            num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                                            block_size=16)
+        build_engine(BuildConfig(target=target, drafter=drafter, output=engine, dtype="float32", max_batch_size=8,
+                                 max_seq_len=2048), force=False, progress=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", type=Path, default=Path("engines/demo"))
@@ -96,11 +117,16 @@ def main() -> None:
                     help="dflash: blocks of the engine's block_size; auto: --block-size auto")
     ap.add_argument("--unique", action="store_true",
                     help="no shared prefix: what prefix caching costs when it never hits")
+    ap.add_argument("--random-family", choices=("qwen3_5",),
+                    help="build --engine from a random pair of this family at the demo target's width, if not there")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
+    if args.random_family and not args.engine.exists():
+        build_random(args.engine, args.random_family)
     auto = args.policy == "auto"
     suffix = (("_auto" if auto else "_burst" if args.burst else "") + ("_unique" if args.unique else "")
-              + ("" if args.backend == "torch" else f"_{args.backend}"))
+              + ("" if args.backend == "torch" else f"_{args.backend}")
+              + (f"_{args.random_family}" if args.random_family else ""))
     args.output = args.output or ROOT / "benchmarks" / "results" / f"prefix_reuse{suffix}.json"
     engine = Engine.load(args.engine, backend="torch", threads=1)
     prompts = [json.loads(line)["prompt"] for line in open(ROOT / "benchmarks" / "prompts" / "heldout_code.jsonl")

@@ -82,6 +82,31 @@ def bias_target(pair_dir: Path, token: int = BIAS_TOKEN, share: float = 0.85) ->
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
+class CountingPrefill:
+    """The executor, counting the target positions its prefill passes (those with last_index) compute: padded, in all
+    (`prefill_tokens`), and each request's own, pass by pass (`computed`), with each pass's logits (`logits`); and the
+    positions of each request's drafter-context passes of their own (`contexts`)."""
+
+    def __init__(self, executor):
+        self._executor, self.prefill_tokens, self.computed, self.contexts, self.logits = executor, 0, [], [], []
+
+    def append_context(self, hidden, *args, **kwargs):
+        """(records the positions of each pass of its own that gives the drafter features)"""
+        self.contexts += [hidden.shape[1]] * hidden.shape[0]
+        return self._executor.append_context(hidden, *args, **kwargs)
+
+    def target_forward(self, token_ids, *args, last_index=None, **kwargs):
+        out = self._executor.target_forward(token_ids, *args, last_index=last_index, **kwargs)
+        if last_index is not None:
+            self.prefill_tokens += token_ids.shape[0] * token_ids.shape[1]
+            self.computed.append((last_index + 1).tolist())
+            self.logits.append(out.logits)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
+
+
 def family_requests(vocab_size: int) -> list[Request]:
     """The model-family tests' greedy requests: 5 of different lengths on 4 slots, so one joins mid-run."""
     g = torch.Generator().manual_seed(0)

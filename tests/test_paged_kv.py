@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from tests.conftest import CountingPrefill
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.decoding import Request
@@ -161,29 +162,6 @@ def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
     assert static_report["points"][0]["request_info"]["peak_requests_in_flight"] == 4
     assert static_report["points"][0]["request_info"]["preemptions_per_run"] == 0
     assert point["performance"]["num_output_tokens"] == static_report["points"][0]["performance"]["num_output_tokens"]
-
-
-class CountingPrefill:
-    """The executor, counting the target positions its prefill passes (those with last_index) compute: padded, in all
-    (`prefill_tokens`), and each request's own, pass by pass (`computed`); and the positions of each request's
-    drafter-context passes of their own (`contexts`)."""
-
-    def __init__(self, executor):
-        self._executor, self.prefill_tokens, self.computed, self.contexts = executor, 0, [], []
-
-    def append_context(self, hidden, *args, **kwargs):
-        """(records the positions of each pass of its own that gives the drafter features)"""
-        self.contexts += [hidden.shape[1]] * hidden.shape[0]
-        return self._executor.append_context(hidden, *args, **kwargs)
-
-    def target_forward(self, token_ids, *args, last_index=None, **kwargs):
-        if last_index is not None:
-            self.prefill_tokens += token_ids.shape[0] * token_ids.shape[1]
-            self.computed.append((last_index + 1).tolist())
-        return self._executor.target_forward(token_ids, *args, last_index=last_index, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._executor, name)
 
 
 def shared_prefix_requests(n: int, prefix: int = 100, max_new: int = 20) -> list[Request]:

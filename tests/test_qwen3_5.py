@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from tests.conftest import (
+    CountingPrefill,
     assert_dflash_equals_ar_equals_generate,
     assert_dflash_equals_ar_greedy_and_sampled,
     assert_mpiexec_run_equals_one_process,
@@ -218,20 +219,99 @@ def test_sampled_dflash_equals_ar(engine):
 
 def test_paged_cache_with_preemption_gives_the_static_tokens(engine, pair, tmp_path):
     """A paged KV budget that preempts: a preempted request's states are recomputed from its prompt and tokens (its
-    first pass starts from zeros), and nothing is shared by prefix (a recurrent state is not in the blocks). The
-    states (4 slots x 3 layers: a state, a block's inputs, conv inputs) come out of the budget first."""
+    first pass starts from zeros, or, with prefix reuse, from a state kept at a block of them). The states (4 slots x 3
+    layers: a state, a block's inputs, conv inputs; and, with prefix reuse, 4 kept: a state and conv inputs) come out
+    of the budget first."""
     short = build(pair, tmp_path / "engine", max_batch_size=4, max_seq_len=64)
     with pytest.raises(UserError, match=r"after the Gated DeltaNet layers' states 165\.0 KiB and one request of the "
                                         r"engine's max_seq_len needs 5; give at least"):
-        Engine.load(short, kv_cache_memory="170KiB")
-    paged = Engine.load(short, kv_cache_memory="240KiB")  # 5 blocks of 16 positions (12 KiB each)
-    assert not paged.executor.prefix_cache
+        Engine.load(short, kv_cache_memory="170KiB", prefix_cache=False)
+    with pytest.raises(UserError, match=r"after the Gated DeltaNet layers' states, 4 slots' and 4 kept for prefix "
+                                        r"reuse, 231\.0 KiB and one request of the engine's max_seq_len needs 5"):
+        Engine.load(short, kv_cache_memory="240KiB")
     reqs = [replace(r, max_new_tokens=40) for r in requests(engine.executor.vocab_size)]
-    for mode in ("dflash", "ar"):
-        want = {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
-        decoder = paged.decoder(mode)
-        assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == want, mode
-        assert decoder.preemptions > 0, mode
+    for budget, reuse in (("240KiB", False), ("306KiB", True)):  # 5 blocks of 16 positions (12 KiB each)
+        paged = Engine.load(short, kv_cache_memory=budget, prefix_cache=reuse)
+        for mode in ("dflash", "ar"):
+            want = {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
+            decoder = paged.decoder(mode)
+            assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == want, (mode, reuse)
+            assert decoder.preemptions > 0, (mode, reuse)
+        assert reuse == (paged.executor.prefix_states is not None and paged.executor.prefix_states.kept > 0)
+
+
+def system_prompt_requests(vocab_size: int, n: int = 6) -> list[Request]:
+    """A 40-token system prompt (2 full blocks of 16 and 8 tokens) + a user turn of 30 + i tokens each, so that every
+    prompt's last full block (its fourth, positions 48 .. 63) is its own; odd ids sampled."""
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(4, vocab_size, (40,), generator=g).tolist()
+    return [Request(i, system + torch.randint(4, vocab_size, (30 + i,), generator=g).tolist(), 12,
+                    temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(n)]
+
+
+def decoder_of(engine: Engine, mode: str) -> Decoder:
+    """`engine`'s decoder of mode "dflash" or "ar", or "auto": --block-size auto with hand-made pass costs at which a
+    whole block pays, so that it holds a prompt's features back from the drafter until its first speculative step."""
+    from tests.test_block_size_auto import hand_costs
+    from trtllm_dflash.runtime.verify import AutoBlock
+    from trtllm_dflash.speculative.schedule import AutoBlockSize
+
+    if mode != "auto":
+        return engine.decoder(mode)
+    return Decoder(engine.executor, AutoBlock(AutoBlockSize(hand_costs(1.0), block_size=8)),
+                   engine.config.eos_token_ids)
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ar", "auto"])
+def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
+    """Prefix reuse of a hybrid target (runtime/prefix_states.py): the paged cache keeps the Gated DeltaNet states
+    where prefill passes end at checkpoints, and a request resumes from the last kept state its cached blocks reach.
+    One at a time: request 0 ends a pass at its last full block (64); its second turn (its prompt, answer and 20 more
+    tokens) resumes there; request 1 finds the system prompt's 2 blocks but no state there, so computes its prompt
+    whole, ending a pass where it leaves them (32) and at 64; requests 2-5 resume at 32. Submitted
+    together: the first one also ends a pass at 32 for the others, held for the step's second wave, which resume
+    there (not under --block-size auto, which publishes a prompt's blocks only once the drafter holds them). The
+    tokens are the static cache's (no reuse), greedy and sampled, and so are the logits at each prompt's last
+    token; --block-size auto holds the prompts' features back from the drafter alike; --no-prefix-cache computes
+    every prompt whole."""
+    reqs = system_prompt_requests(engine.executor.vocab_size)
+    want = {r.request.id: r.output_token_ids for r in decoder_of(engine, mode).generate(reqs)}
+    lengths = [len(r.prompt_token_ids) for r in reqs]
+
+    def paged(**options) -> tuple[Engine, CountingPrefill]:
+        loaded = Engine.load(engine_dir, kv_cache_memory="8MiB", **options)
+        return Engine(loaded.config, loaded.tokenizer, counting := CountingPrefill(loaded.executor)), counting
+
+    one_by_one, counting = paged()
+    decoder = decoder_of(one_by_one, mode)
+    turn = Request(9, reqs[0].prompt_token_ids + want[0] + list(range(4, 24)), 12, temperature=0.8, seed=9)
+    order = [reqs[0], turn, *reqs[1:]]
+    static = CountingPrefill(engine.executor)
+    static_decoder, got, logits = decoder_of(Engine(engine.config, engine.tokenizer, static), mode), {}, []
+    for req in order:  # (and each one's logits at its last prompt token, with and without reuse)
+        got |= {r.request.id: r.output_token_ids for r in decoder.generate([req])}
+        assert [r.output_token_ids for r in static_decoder.generate([req])] == [want.get(req.id, got[req.id])]
+        logits.append((counting.logits[-1], static.logits[-1]))
+    assert got.keys() == {*want, 9}
+    for ours, theirs in logits:
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    last_block = (len(turn.prompt_token_ids) - 1) // 16 * 16
+    assert counting.computed == [[64], [lengths[0] - 64], [last_block - 64], [len(turn.prompt_token_ids) - last_block],
+                                 [32], [32], [lengths[1] - 64]] + \
+        [part for n in lengths[2:] for part in ([32], [n - 64])], counting.computed
+    states = one_by_one.executor.prefix_states
+    assert (states.kept, states.resumed) == (8, 5)  # the last block of each, 32 for request 1; the rest resumed
+
+    together, counting = paged()
+    assert {r.request.id: r.output_token_ids for r in decoder_of(together, mode).generate(reqs)} == want
+    if mode != "auto":  # (auto: a prompt held back from the drafter is published later, so none waits for it)
+        assert counting.computed[:3] == [[32], [32], [lengths[0] - 64]], counting.computed
+        assert sorted(n for part in counting.computed[3:] for n in part) == \
+            sorted([32] * 5 + [n - 64 for n in lengths[1:]])
+
+    whole, counting = paged(prefix_cache=False)
+    assert {r.request.id: r.output_token_ids for r in decoder_of(whole, mode).generate(reqs)} == want
+    assert sorted(n for part in counting.computed for n in part) == sorted(lengths)
 
 
 # --- tensor parallelism, bad build options, the published config -------------------------------------------

@@ -170,6 +170,24 @@ class RecurrentStates:
         a replay before their next pass has nothing to do, which the host knows without reading the device."""
         return any(self.kept_inputs[row] for row in rows)
 
+    def state_at(self, row: int, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the row's conv inputs [K - 1, C] and recurrent state [H, dk, dv] at `position` (the state after
+        positions 0 .. position - 1), which the row's last pass must have reached: a position from that pass's first
+        token to its last real one where the pass kept its inputs, else (a prompt, a plain step) the pass's last real
+        one. What a later pass from that position resumes from (prefix reuse: runtime/prefix_states.py)."""
+        rows = torch.tensor([row], device=self.kept_from.device)
+        step = self.begin(rows, torch.full_like(rows, position), 0, rows)  # (its tokens and valid: unused by read)
+        return [(conv[0], state[0]) for conv, state in (self.read(layer, step) for layer in range(len(self.state)))]
+
+    def resume_at(self, row: int, position: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make `row` resume at `position` from `layers` (state_at's, of any row): its next pass starts at `position`
+        and replays nothing."""
+        for layer, (conv, state) in enumerate(layers):
+            self.conv[layer][row, : self.kernel - 1] = conv
+            self.state[layer][row] = state
+        self.kept_from[row] = position
+        self.kept_inputs[row] = False
+
     def read(self, layer: int, step: RecurrentPass) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' conv inputs [B, K - 1, C] and recurrent state [B, H, dk, dv] before the pass: the slot's kept state
         advanced over the `kept` tokens of its last pass (a fixed `depth`-step loop, the other steps' g and beta zero:

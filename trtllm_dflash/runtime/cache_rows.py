@@ -392,6 +392,14 @@ class StaticRows:
     def extend(self, slot: int, start: int) -> bool:
         return True
 
+    resumes_states = False  # (targets with recurrent states share no prefix here: _keep_rows)
+
+    def checkpoints(self, slot: int) -> tuple[int, ...]:
+        return ()
+
+    def checkpoint(self, slot: int, position: int) -> None:
+        pass
+
     def publish(self, slot: int) -> None:
         if self.prefix_rows is not None:
             self.prefix_rows.publish(slot)

@@ -28,7 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedTokenizerBase
 
 from trtllm_dflash.inputs import shown
-from trtllm_dflash.runtime.executor import DraftContext, Executor, HostRows
+from trtllm_dflash.runtime.executor import DraftContext, Executor, HostRows, StepOutput
 from trtllm_dflash.runtime.stop_strings import first_stop
 from trtllm_dflash.runtime.options import Mode
 from trtllm_dflash.runtime.verify import StepShape, TreeDrafting, VerifyPolicy, verify_policy
@@ -143,6 +143,9 @@ class _Active:
     # its prompt blocks are to be shared once the drafter holds their context (--block-size auto holds it back)
     unpublished: bool = False
     shared_end: int = 0  # the end of the prompt blocks it shares by prefix (full blocks of `known` but its last token)
+    # positions where its prefill passes end, for the executor to keep the target's recurrent states there
+    # (Executor.checkpoints; a hybrid target's prefix reuse)
+    checkpoints: list[int] = field(default_factory=list)
     preempted: int = 0  # times its caches were taken back for others (it was recomputed after each)
     reported: int = 0  # output tokens already in an Update
     arrival: int = 0  # submission order (the same on every tensor-parallel rank, unlike `submitted`)
@@ -309,8 +312,11 @@ class Decoder:
         for a in list(self._pending):
             if len(self._free) <= len(held):
                 break
-            if wave and (found := self._found_in(a, wave)):
+            found, source = self._found_in(a, wave)
+            if found:
                 held.append(len(a.known) - found)
+                if self.executor.resumes_states:  # it resumes the target's states where its prefix ends
+                    source.checkpoints.append(found)
                 continue
             # a block left free per running request (and per one held): its next step may need one
             cached = self.executor.reserve(self._free[0], a.known, self._share, waiting=held,
@@ -321,21 +327,22 @@ class Decoder:
                 break
             self._pending.remove(a)
             a.slot, a.cached = self._free.pop(0), cached
+            a.checkpoints = list(self.executor.checkpoints(a.slot))
             if a.acceptance is None:  # a preempted request keeps its own
                 a.acceptance = self.policy.new_request()
             wave.append(a)
         return wave
 
-    def _found_in(self, a: _Active, wave: list[_Active]) -> int:
+    def _found_in(self, a: _Active, wave: list[_Active]) -> tuple[int, _Active | None]:
         """How many positions of `a`'s prompt it would find cached once `wave`'s prefill has published its blocks,
-        where a request of `wave` computes a full block `a`'s prompt starts with (past what it found cached); else 0.
-        The blocks are those reserve shares, of every token but the last. (Where the policy holds a prompt's features
-        back from the drafter, a prompt publishes with its prefill only when it is longer than the features held
-        back.)"""
+        where a request of `wave` computes a full block `a`'s prompt starts with (past what it found cached), and the
+        first such request that computes them all; else (0, None). The blocks are those reserve shares, of every token
+        but the last. (Where the policy holds a prompt's features back from the drafter, a prompt publishes with its
+        prefill only when it is longer than the features held back.)"""
         block = self.executor.prefix_block_tokens
         if block is None:
-            return 0
-        tokens, found = a.known[:-1], 0
+            return 0, None
+        tokens, found, source = a.known[:-1], 0, None
         for b in wave:
             if self.policy.defers_context and len(b.known) - b.cached <= MAX_PENDING_CONTEXT:
                 continue
@@ -343,9 +350,9 @@ class Decoder:
             while shared + block <= min(len(tokens), len(theirs)) and \
                     tokens[shared:shared + block] == theirs[shared:shared + block]:
                 shared += block
-            if shared > b.cached:
-                found = max(found, shared)
-        return found
+            if shared > max(b.cached, found):
+                found, source = shared, b
+        return found, source
 
     def _make_room(self, running: list[_Active]) -> list[_Active]:
         """Give every running request the cache positions its next step can write, oldest first; where none are free,
@@ -367,7 +374,7 @@ class Decoder:
         self._active.remove(a)
         self.executor.release(a.slot)
         bisect.insort(self._free, a.slot)
-        a.slot, a.cached, a.pending_context, a.num_pending, a.unpublished = -1, 0, [], 0, False
+        a.slot, a.cached, a.pending_context, a.num_pending, a.unpublished, a.checkpoints = -1, 0, [], 0, False, []
         a.preempted += 1
         self.preemptions += 1
         self._pending.appendleft(a)
@@ -407,18 +414,21 @@ class Decoder:
         if save is not None:
             save()
 
-    def _stage(self, active: list[_Active], prompts: list[list[int]] | None = None) -> _Staged:
-        """The batch's host values on the executor's device, in one copy: slots, starts (0 for `prompts`: a prefill's
-        padded prompt ids), anchors, sampling settings and, where requests hold features for the drafter, where
-        those begin."""
+    def _stage(self, active: list[_Active], spans: list[tuple[int, int]] | None = None) -> _Staged:
+        """The batch's host values on the executor's device, in one copy: slots, starts (a prefill pass: the first of
+        each request's `spans` of positions of `known`, whose ids it stages padded to the longest), anchors, sampling
+        settings and, where requests hold features for the drafter, where those begin."""
         reqs = [a.request for a in active]
         temperature = [r.temperature for r in reqs]
-        starts = [a.cached for a in active] if prompts is not None else [a.start for a in active]
+        starts = [first for first, _ in spans] if spans is not None else [a.start for a in active]
         rows = [[a.slot for a in active], starts, [a.output[-1] if a.output else 0 for a in active],
                 [a.start - a.num_pending for a in active], [r.top_k for r in reqs],
                 float_bits(temperature), float_bits([r.top_p for r in reqs]), [r.seed for r in reqs]]
-        if prompts is not None:
-            rows += [[len(a.known) - a.cached - 1 for a in active], [t for p in prompts for t in p]]
+        if spans is not None:
+            longest = max(end - first for first, end in spans)
+            rows += [[end - first - 1 for first, end in spans],
+                     [t for a, (first, end) in zip(active, spans) for t in a.known[first:end] + [0] * (longest - end +
+                                                                                                   first)]]
         slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, seeds, *prefill = to_device(
             rows, self.executor.device)
         truncated = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
@@ -448,27 +458,43 @@ class Decoder:
             self._prefill_group([admitted[i] for i in group])
 
     def _prefill_group(self, admitted: list[_Active]) -> None:
-        """One target pass over the admitted requests' uncached positions (each from its `cached` position on, padded to
-        the longest), the drafter's context of them, each new request's first token (a preempted one has its tokens);
-        then their blocks may be shared."""
-        lengths = [len(a.known) - a.cached for a in admitted]
-        longest = max(lengths)
-        batch = self._stage(admitted, [a.known[a.cached:] + [0] * (longest - n) for a, n in zip(admitted, lengths)])
-        out = self.executor.target_forward(batch.prompts, batch.starts, batch.slots, capture=self.policy.drafts,
-                                           last_index=batch.last, rows=batch.rows)
+        """Target passes over the admitted requests' uncached positions (each from its `cached` position on, padded to
+        the longest): one, after one ending at each of their checkpoints, if any (the executor keeps the target's
+        recurrent states there); the drafter's context of them, each new request's first token (a preempted one has
+        its tokens); then their blocks may be shared."""
+        hold = self.policy.drafts and self.policy.defers_context and \
+            max(len(a.known) - a.cached for a in admitted) <= MAX_PENDING_CONTEXT
+        done = [a.cached for a in admitted]  # each one's positions in the caches so far
+        while cuts := [(i, c) for i, a in enumerate(admitted)
+                       if (c := min((p for p in a.checkpoints if done[i] < p < len(a.known)), default=None))]:
+            part = [admitted[i] for i, _ in cuts]
+            self._prefill_pass(part, [(done[i], c) for i, c in cuts], hold)
+            for a, (i, c) in zip(part, cuts):
+                self.executor.checkpoint(a.slot, c)
+                done[i] = c
+        batch, out = self._prefill_pass(admitted, [(d, len(a.known)) for a, d in zip(admitted, done)], hold)
         first = sample_tokens(out.logits, batch.sampling, (batch.starts + batch.last + 1)[:, None])[:, 0]
-        if self.policy.drafts and self.policy.defers_context and longest <= MAX_PENDING_CONTEXT:
-            for row, a in enumerate(admitted):  # until a speculative step needs them
-                a.hold_context(out.hidden[row, : lengths[row]])
-        elif self.policy.drafts:
-            # Padding columns of shorter prompts land past their `start` and stay masked.
-            self.executor.append_context(out.hidden, batch.starts, batch.slots, rows=batch.rows)
         block = self.executor.prefix_block_tokens or 1
         for a, tok in zip(admitted, first.tolist()):  # the prefill's one read
             a.unpublished, a.shared_end = True, (len(a.known) - 1) // block * block
             if not a.output:
                 self._commit(a, [tok])
         self._publish(admitted)
+
+    def _prefill_pass(self, requests: list[_Active], spans: list[tuple[int, int]], hold: bool
+                      ) -> tuple[_Staged, StepOutput]:
+        """One target pass over each request's span (first, end) of `known`, padded to the longest, and the drafter's
+        context of it: held back (`hold`) or added now."""
+        batch = self._stage(requests, spans)
+        out = self.executor.target_forward(batch.prompts, batch.starts, batch.slots, capture=self.policy.drafts,
+                                           last_index=batch.last, rows=batch.rows)
+        if hold:
+            for row, (a, (first, end)) in enumerate(zip(requests, spans)):  # until a speculative step needs them
+                a.hold_context(out.hidden[row, : end - first])
+        elif self.policy.drafts:
+            # Padding columns of shorter prompts land past their `start` and stay masked.
+            self.executor.append_context(out.hidden, batch.starts, batch.slots, rows=batch.rows)
+        return batch, out
 
     def _publish(self, requests: list[_Active]) -> None:
         """Share the prompt blocks of those requests whose drafter holds their prompt's context (all, at the prefill,

@@ -34,6 +34,7 @@ from trtllm_dflash.runtime.kv_blocks import (
     prefix_hashes,
     window_pool,
 )
+from trtllm_dflash.runtime.prefix_states import PrefixStates
 from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
 
@@ -116,6 +117,9 @@ class Executor(Protocol):
     block_size: int  # tokens per DFlash block at run time (1 without a drafter)
     # positions per prompt block shared by prefix (`reserve`); None: the executor shares no prefix
     prefix_block_tokens: int | None
+    # prefix reuse also keeps recurrent states at chosen prompt positions (`checkpoint`), where any position a prefix
+    # of a prompt being prefilled shares with a later one may be worth a checkpoint
+    resumes_states: bool
 
     def target_forward(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
                        capture: bool, last_index: torch.Tensor | None = None, rows: HostRows | None = None
@@ -165,6 +169,17 @@ class Executor(Protocol):
 
     def publish(self, slot: int) -> None:
         """The request in `slot` has prefilled its prompt: its full prompt blocks may be shared (see reserve)."""
+        ...
+
+    def checkpoints(self, slot: int) -> tuple[int, ...]:
+        """Positions (multiples of prefix_block_tokens, inside the prefill of the request just reserved in `slot`)
+        where a prefill pass should end so that `checkpoint` keeps the target's recurrent states there for later
+        requests with the same prefix: a hybrid target's prefix reuse (runtime/prefix_states.py). () for the others."""
+        ...
+
+    def checkpoint(self, slot: int, position: int) -> None:
+        """A prefill pass of the request in `slot` has just ended at `position` (a multiple of prefix_block_tokens past
+        what it found cached): keep its recurrent states there, if the executor keeps any (`resumes_states`)."""
         ...
 
     def release(self, slot: int) -> None:
@@ -266,11 +281,13 @@ class TorchExecutor:
         graphs = (self.device.type == "cuda" and not target.spec.has_experts and not target.spec.has_recurrent_state
                   and target.tp.size == 1 if cuda_graphs is None else cuda_graphs)
         self._margin = margin
-        # A recurrent state (Qwen3.5's Gated DeltaNet layers) holds a whole prefix in one matrix: a prompt's blocks
-        # alone cannot resume it, so nothing is shared.
-        self.prefix_cache = prefix_cache and not target.spec.has_recurrent_state
+        self.prefix_cache = prefix_cache
         # The Gated DeltaNet layers' states per slot, kept for each position of a pass of up to a verify block
         self.target_states = target.new_states(num_slots, margin)
+        # ... and, with a paged cache sharing prefixes, kept at prompt positions (`checkpoint`) for later requests: a
+        # state after a prefix is one matrix per layer, which its blocks alone cannot resume
+        self.prefix_states: PrefixStates | None = None
+        self._checkpoints: dict[int, tuple[tuple[int, ...], list[bytes]]] = {}  # slot -> (checkpoints, its hashes)
         self.kv_blocks: BlockTables | None = None
         self.window_blocks: BlockTables | None = None  # a paged cache's sliding-window layers' tables (rings)
         if kv_cache_memory is not None:
@@ -303,6 +320,10 @@ class TorchExecutor:
         reserved_for = "the sliding-window layers'"
         if self.target_states is not None:  # allocated per slot, outside the blocks (and no model has both)
             reserved, reserved_for = reserved + self.target_states.nbytes, "the Gated DeltaNet layers' states"
+            if self.prefix_cache:  # as many kept states as slots
+                self.prefix_states = PrefixStates(self.target_states, num_slots)
+                reserved += self.prefix_states.nbytes
+                reserved_for += f", {num_slots} slots' and {num_slots} kept for prefix reuse,"
         blocks = plan_blocks(budget, shapes, max_positions, reserved=reserved, reserved_for=reserved_for)
         self.kv_blocks = BlockTables(blocks, num_slots, max_positions, BLOCK_TOKENS, self.device)
         layer_tables = [self.window_blocks if i in sliding else self.kv_blocks for i in range(spec.num_layers)]
@@ -447,12 +468,35 @@ class TorchExecutor:
         share = share if self.prefix_cache else None
         hashes = prefix_hashes(tokens[:-1], share) if share is not None else []
         positions = len(tokens) + self._margin
-        hits = min(t.hit_count(hashes) for t in self._tables)  # the rings need the window before the first uncached
+        found = min(t.hit_count(hashes) for t in self._tables)  # the rings need the window before the first uncached
+        # a hybrid target resumes its states only where they were kept: up to there, the rest is computed again
+        hits = found if self.prefix_states is None else self.prefix_states.boundary(hashes, found)
         tables = [(t, headroom + sum(blocks_for(n + self._margin, t.block_tokens) for n in waiting))
                   for t in self._tables]
         if not all(t.can_reserve(positions, hashes, room, hits) for t, room in tables):
             return None
-        return min(t.reserve(slot, positions, hashes, room, hits) for t, room in tables)
+        cached = min(t.reserve(slot, positions, hashes, room, hits) for t, room in tables)
+        if self.prefix_states is not None and hashes:
+            if cached:
+                self.prefix_states.resume(slot, cached, hashes[cached // BLOCK_TOKENS - 1])
+            # where the cached prefix it found goes on without a kept state (another prompt's blocks: the next
+            # request of the same prefix resumes here), and its prompt's last full block
+            points = sorted({n * BLOCK_TOKENS for n in (found, len(hashes)) if n * BLOCK_TOKENS > cached})
+            self._checkpoints[slot] = (tuple(points), hashes)
+        return cached
+
+    @property
+    def resumes_states(self) -> bool:
+        return self.prefix_states is not None
+
+    def checkpoints(self, slot: int) -> tuple[int, ...]:
+        return self._checkpoints[slot][0] if slot in self._checkpoints else ()
+
+    def checkpoint(self, slot: int, position: int) -> None:
+        if slot in self._checkpoints:
+            hashes = self._checkpoints[slot][1]
+            assert position % BLOCK_TOKENS == 0 and 0 < position <= len(hashes) * BLOCK_TOKENS, position
+            self.prefix_states.keep(slot, position, hashes[position // BLOCK_TOKENS - 1])
 
     def extend(self, slot: int, start: int) -> bool:
         """Paged: the blocks of positions up to a verify block past `start`; the rings give back the blocks before the
@@ -468,5 +512,6 @@ class TorchExecutor:
     def release(self, slot: int) -> None:
         """Paged: the slot's blocks go back to the free list. Static: nothing to do (stale cache rows past a slot's
         start are masked, and overwritten when it is reused)."""
+        self._checkpoints.pop(slot, None)
         for t in self._tables:
             t.release(slot)

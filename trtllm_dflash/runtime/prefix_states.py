@@ -1,0 +1,80 @@
+"""Prefix reuse for hybrid targets (Qwen3.5's Gated DeltaNet layers): recurrent states kept at prompt-block boundaries.
+
+A paged cache shares a prompt's attention K/V block by block (runtime/kv_blocks.py), but a Gated DeltaNet layer's
+state after a prefix is one matrix per layer, built from every token before it (models/linear_attention.py): blocks
+alone cannot resume it. So the executor also keeps the states at chosen block boundaries of the prompts it prefills
+(`keep`), under the prefix hash of the block that ends there (kv_blocks.prefix_hashes: it covers every token before
+and what the caches hold), and a later request takes a cached prefix only up to the last boundary whose state is kept
+(`boundary`), that state copied into its slot (`resume`).
+
+Which boundaries: the decoder ends a prefill pass at each (`Executor.checkpoints`, runtime/decoding.py):
+- the end of a prompt's last full block (an identical prompt, the next turn of a conversation, a preempted request
+  recomputed);
+- where a prompt leaves a cached prefix whose state is not kept (the second request of a system prompt keeps the
+  state at its end, so the third and later ones resume there);
+- for requests admitted together that share a prefix, where it ends (the one that computes it keeps it for the
+  others).
+A state at every block, as the K/V blocks are kept, would cost far more: 72 MiB per 16 tokens for one rank of
+Qwen3.5-27B at tp 2 (48 layers of 24 value heads of 128 x 128 in fp32). vLLM's prefix caching for hybrid models and
+SGLang's MambaRadixCache also keep states at chosen points only.
+
+The pool holds `capacity` states (the torch executor: one per slot, counted in --kv-cache-memory), the least recently
+used evicted first; states are copied in and out, never shared by reference.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from trtllm_dflash.models.linear_attention import RecurrentStates
+
+
+class PrefixStates:
+    """Up to `capacity` kept states of `states`' layers (each: every layer's conv inputs and recurrent state), by the
+    prefix hash of the block they follow."""
+
+    def __init__(self, states: RecurrentStates, capacity: int):
+        self._states = states
+        self._conv = [torch.empty(capacity, states.kernel - 1, c.shape[-1], dtype=c.dtype, device=c.device)
+                      for c in states.conv]
+        self._state = [torch.empty(capacity, *s.shape[1:], dtype=s.dtype, device=s.device) for s in states.state]
+        self._kept: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> pool index, least recently used first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.capacity = capacity
+        self.kept = self.resumed = 0  # states kept, and requests that resumed from one
+
+    @staticmethod
+    def bytes_each(states: RecurrentStates) -> int:
+        """Bytes of one kept state of `states`' layers."""
+        conv = sum((states.kernel - 1) * c.shape[-1] * c.element_size() for c in states.conv)
+        return conv + sum(s[0].nbytes for s in states.state)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.bytes_each(self._states)
+
+    def boundary(self, hashes: list[bytes], blocks: int) -> int:
+        """The most blocks n <= `blocks` of a prompt with block `hashes` after which a state is kept (0: none)."""
+        return next((n for n in range(min(blocks, len(hashes)), 0, -1) if hashes[n - 1] in self._kept), 0)
+
+    def keep(self, slot: int, position: int, key: bytes) -> None:
+        """Keep the state of `slot` at `position` (RecurrentStates.state_at: its last pass reached it) under `key`, the
+        hash of the prefix block ending there; nothing if one is kept already."""
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            return
+        index = self._free.pop() if self._free else self._kept.popitem(last=False)[1]
+        for layer, (conv, state) in enumerate(self._states.state_at(slot, position)):
+            self._conv[layer][index] = conv
+            self._state[layer][index] = state
+        self._kept[key] = index
+        self.kept += 1
+
+    def resume(self, slot: int, position: int, key: bytes) -> None:
+        """Give `slot` the state kept under `key` (boundary found it), to resume at `position`."""
+        index = self._kept[key]
+        self._kept.move_to_end(key)
+        self._states.resume_at(slot, position, [(c[index], s[index]) for c, s in zip(self._conv, self._state)])
+        self.resumed += 1
