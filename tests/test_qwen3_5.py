@@ -73,6 +73,17 @@ def engine(engine_dir) -> Engine:
     return Engine.load(engine_dir)
 
 
+@pytest.fixture(scope="module")
+def ort_engine_dir(pair, tmp_path_factory) -> Path:
+    """The pair built for onnxruntime."""
+    from trtllm_dflash.config import BuildConfig
+    from trtllm_dflash.engine.builder import build_engine
+
+    return build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
+                                    max_batch_size=4, max_seq_len=256, backend="onnxruntime",
+                                    output=tmp_path_factory.mktemp("qwen3_5_ort") / "engine"), progress=False)
+
+
 def ours(target: Path) -> TargetModel:
     ckpt = load_target(target)
     return TargetModel.from_state_dict(ckpt.spec, {n: ckpt.tensors.get(n).float() for n in ckpt.tensors.names()})
@@ -151,11 +162,10 @@ class ScriptedDrafts:
         return getattr(self.executor, name)
 
     def target_forward(self, token_ids, starts, slots, capture, last_index=None, rows=None):
-        if last_index is not None:  # a prefill: whose request each slot now holds
-            for row, slot in enumerate(slots.tolist()):
-                ids = token_ids[row].tolist()
-                self.of_slot[slot] = next(seq for prompt, seq in self.greedy.items()
-                                          if ids[:len(prompt)] == list(prompt))
+        if last_index is not None:  # a prefill pass (of a prompt from `start` on): whose request each slot now holds
+            for row, (slot, start, n) in enumerate(zip(slots.tolist(), starts.tolist(), (last_index + 1).tolist())):
+                ids = token_ids[row, :n].tolist()
+                self.of_slot[slot] = next(seq for seq in self.greedy.values() if ids == seq[start:start + n])
         return self.executor.target_forward(token_ids, starts, slots, capture, last_index, rows=rows)
 
     def draft(self, anchors, starts, slots, num_drafts=None, context=None, rows=None, width=None):
@@ -262,18 +272,44 @@ def decoder_of(engine: Engine, mode: str) -> Decoder:
                    engine.config.eos_token_ids)
 
 
+def assert_one_at_a_time_resumes(reuse: Engine, plain: Engine, mode: str, reqs: list[Request],
+                                  want: dict[int, list[int]]) -> None:
+    """system_prompt_requests one at a time, request 0's second turn (its prompt, answer and 20 more tokens) right
+    after it, on `reuse` (prefix reuse) and on `plain` (none): the passes `reuse` computes, its tokens (those of `want`
+    and `plain`'s), and the logits at each prompt's last token within 1e-5 of `plain`'s. Request 0 ends a pass at its
+    last full block (64); its second turn resumes there; request 1 finds the system prompt's 2 blocks but no state
+    there, so computes its prompt whole, ending a pass where it leaves them (32) and at 64; requests 2-5 resume at
+    32."""
+    lengths = [len(r.prompt_token_ids) for r in reqs]
+    ours, theirs = CountingPrefill(reuse.executor), CountingPrefill(plain.executor)
+    decoder, plain_decoder = (decoder_of(Engine(e.config, e.tokenizer, c), mode)
+                              for e, c in ((reuse, ours), (plain, theirs)))
+    turn = Request(9, reqs[0].prompt_token_ids + want[0] + list(range(4, 24)), 12, temperature=0.8, seed=9)
+    got, logits = {}, []
+    for req in (reqs[0], turn, *reqs[1:]):
+        got |= {r.request.id: r.output_token_ids for r in decoder.generate([req])}
+        assert [r.output_token_ids for r in plain_decoder.generate([req])] == [want.get(req.id, got[req.id])]
+        logits.append((ours.logits[-1], theirs.logits[-1]))
+    assert got.keys() == {*want, 9}
+    for mine, plain_logits in logits:
+        torch.testing.assert_close(mine, plain_logits, atol=1e-5, rtol=0)
+    last_block = (len(turn.prompt_token_ids) - 1) // 16 * 16
+    assert ours.computed == [[64], [lengths[0] - 64], [last_block - 64], [len(turn.prompt_token_ids) - last_block],
+                             [32], [32], [lengths[1] - 64]] + \
+        [part for n in lengths[2:] for part in ([32], [n - 64])], ours.computed
+    states = reuse.executor.prefix_states
+    assert (states.kept, states.resumed) == (8, 5)  # the last block of each, 32 for request 1; the rest resumed
+
+
 @pytest.mark.parametrize("mode", ["dflash", "ar", "auto"])
 def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
     """Prefix reuse of a hybrid target (runtime/prefix_states.py): the paged cache keeps the Gated DeltaNet states
-    where prefill passes end at checkpoints, and a request resumes from the last kept state its cached blocks reach.
-    One at a time: request 0 ends a pass at its last full block (64); its second turn (its prompt, answer and 20 more
-    tokens) resumes there; request 1 finds the system prompt's 2 blocks but no state there, so computes its prompt
-    whole, ending a pass where it leaves them (32) and at 64; requests 2-5 resume at 32. Submitted
-    together: the first one also ends a pass at 32 for the others, held for the step's second wave, which resume
-    there (not under --block-size auto, which publishes a prompt's blocks only once the drafter holds them). The
-    tokens are the static cache's (no reuse), greedy and sampled, and so are the logits at each prompt's last
-    token; --block-size auto holds the prompts' features back from the drafter alike; --no-prefix-cache computes
-    every prompt whole."""
+    where prefill passes end at checkpoints, and a request resumes from the last kept state its cached blocks reach:
+    one at a time (assert_one_at_a_time_resumes, against the static cache), and submitted together: the first one also
+    ends a pass at 32 for the others, held for the step's second wave, which resume there (not under --block-size
+    auto, which publishes a prompt's blocks only once the drafter holds them). The tokens are the static cache's,
+    greedy and sampled; --block-size auto holds the prompts' features back from the drafter alike; --no-prefix-cache
+    computes every prompt whole."""
     reqs = system_prompt_requests(engine.executor.vocab_size)
     want = {r.request.id: r.output_token_ids for r in decoder_of(engine, mode).generate(reqs)}
     lengths = [len(r.prompt_token_ids) for r in reqs]
@@ -282,26 +318,7 @@ def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
         loaded = Engine.load(engine_dir, kv_cache_memory="8MiB", **options)
         return Engine(loaded.config, loaded.tokenizer, counting := CountingPrefill(loaded.executor)), counting
 
-    one_by_one, counting = paged()
-    decoder = decoder_of(one_by_one, mode)
-    turn = Request(9, reqs[0].prompt_token_ids + want[0] + list(range(4, 24)), 12, temperature=0.8, seed=9)
-    order = [reqs[0], turn, *reqs[1:]]
-    static = CountingPrefill(engine.executor)
-    static_decoder, got, logits = decoder_of(Engine(engine.config, engine.tokenizer, static), mode), {}, []
-    for req in order:  # (and each one's logits at its last prompt token, with and without reuse)
-        got |= {r.request.id: r.output_token_ids for r in decoder.generate([req])}
-        assert [r.output_token_ids for r in static_decoder.generate([req])] == [want.get(req.id, got[req.id])]
-        logits.append((counting.logits[-1], static.logits[-1]))
-    assert got.keys() == {*want, 9}
-    for ours, theirs in logits:
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    last_block = (len(turn.prompt_token_ids) - 1) // 16 * 16
-    assert counting.computed == [[64], [lengths[0] - 64], [last_block - 64], [len(turn.prompt_token_ids) - last_block],
-                                 [32], [32], [lengths[1] - 64]] + \
-        [part for n in lengths[2:] for part in ([32], [n - 64])], counting.computed
-    states = one_by_one.executor.prefix_states
-    assert (states.kept, states.resumed) == (8, 5)  # the last block of each, 32 for request 1; the rest resumed
-
+    assert_one_at_a_time_resumes(Engine.load(engine_dir, kv_cache_memory="8MiB"), engine, mode, reqs, want)
     together, counting = paged()
     assert {r.request.id: r.output_token_ids for r in decoder_of(together, mode).generate(reqs)} == want
     if mode != "auto":  # (auto: a prompt held back from the drafter is published later, so none waits for it)
@@ -372,7 +389,7 @@ def test_the_graphs_chunked_delta_rule_gives_the_token_by_token_rule(tokens, chu
 
 
 @pytest.mark.slow
-def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, engine, tmp_path):
+def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, engine, ort_engine_dir, tmp_path):
     """backend onnxruntime: target_step carries each Gated DeltaNet layer's conv and state in place (an ONNX Scan over
     the pass's chunks of 16 tokens) and target_replay resumes them at the next pass's start; the onnxruntime
     executor's tokens equal the torch executor's: drafts right for 0 .. k - 1 positions then wrong (blocks of 8 and
@@ -382,13 +399,9 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     engine without it (built before) runs them through target_step, same tokens."""
     import onnx
 
-    from trtllm_dflash.config import BuildConfig
-    from trtllm_dflash.engine.builder import build_engine
     from trtllm_dflash.engine_dir import graph_dir, write_manifest
 
-    engine_dir = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32",
-                                          max_batch_size=4, max_seq_len=256, backend="onnxruntime",
-                                          output=tmp_path / "engine"), progress=False)
+    engine_dir = ort_engine_dir
     graphs = graph_dir(engine_dir, 0)
     step = onnx.load(str(graphs / "target_step.onnx"), load_external_data=False).graph
     assert sum(n.op_type == "Scan" for n in step.node) == 3  # the three Gated DeltaNet layers
@@ -404,7 +417,9 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     inputs, outputs = {i.name for i in decode.input}, {o.name for o in decode.output}
     assert {"kept", "past_conv_0", "past_state_2", "past_key_3"} <= inputs and not {"valid", "key_positions"} & inputs
     assert {"present_conv_0", "present_state_2"} <= outputs and not any("delta" in name for name in outputs)
-    ort = Engine.load(engine_dir, backend="onnxruntime")
+    # (no prefix reuse: its checkpoint at a prompt's last full block leaves a pass of at most a block after it, which
+    # keeps its inputs like a verify block, and the first step replays them: the counts below are of plain passes)
+    ort = Engine.load(engine_dir, backend="onnxruntime", prefix_cache=False)
     assert type(ort.executor).__name__ == "OnnxRuntimeExecutor"
     g = torch.Generator().manual_seed(1)
     reqs = [replace(r, max_new_tokens=40) for r in requests(ort.executor.vocab_size)]
@@ -448,6 +463,30 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     assert {r.request.id: r.output_token_ids for r in old.decoder("ar").generate(reqs)} == ar
 
 
+def test_onnxruntime_prefix_reuse_resumes_the_recurrent_states(engine, ort_engine_dir):
+    """The onnxruntime executor's prefix pool (prompt blocks copied into a request's static row) with the Gated
+    DeltaNet states kept at checkpoints (runtime/prefix_states.py, as the torch executor's paged cache): one at a time
+    (assert_one_at_a_time_resumes, against the same engine loaded with --no-prefix-cache), dflash and ar, greedy and
+    sampled; the tokens are the torch executor's. --kv-cache-memory counts the kept states."""
+    from trtllm_dflash.runtime.cache_rows import _block_bytes
+
+    reqs = system_prompt_requests(engine.executor.vocab_size)
+    plain = Engine.load(ort_engine_dir, backend="onnxruntime", prefix_cache=False)
+    assert not plain.executor.resumes_states
+    # --kv-cache-memory counts a kept state per row beside the rows: a budget that leaves less than a prefix block
+    # beside both is refused in one sentence, one that leaves a block runs
+    ort = Engine.load(ort_engine_dir, backend="onnxruntime").executor
+    rows_and_kept = ort.rows_bytes + ort.prefix_states.nbytes
+    block = _block_bytes((ort._target, ort._drafter))
+    with pytest.raises(UserError, match="beside the static rows' and the recurrent states kept for them"):
+        Engine.load(ort_engine_dir, backend="onnxruntime", kv_cache_memory=str(rows_and_kept + block // 2))
+    tight = Engine.load(ort_engine_dir, backend="onnxruntime", kv_cache_memory=str(rows_and_kept + block)).executor
+    assert (tight.num_slots, tight.prefix_rows.num_blocks) == (4, 1)
+    for mode in ("dflash", "ar"):
+        want = {r.request.id: r.output_token_ids for r in engine.decoder(mode).generate(reqs)}
+        assert_one_at_a_time_resumes(Engine.load(ort_engine_dir, backend="onnxruntime"), plain, mode, reqs, want)
+
+
 @pytest.mark.slow
 def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path):
     """quantization fp8 + backend onnxruntime (ModelOpt's FP8 linears as Q/DQ nodes beside the Scans): the onnxruntime
@@ -476,7 +515,8 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     of prompts cut into passes (a row whose prompt ends in the first) then decodes the torch executor's logits; and
     TensorRT-RTX builds target_step (a TensorRT loop per Gated DeltaNet layer), target_token (plain steps' one token
     per row: no loop) and target_replay into plans, their state outputs not aliased to inputs (TensorRT aliases only
-    KV-cache updates: the executor copies them back)."""
+    KV-cache updates: the executor copies them back). Prefix reuse keeps the states at checkpoints
+    (assert_one_at_a_time_resumes)."""
     import onnx
 
     from tests.tensorrt_standin import standin_executor
@@ -509,9 +549,15 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
         assert {plan for plan, _ in made} == ({"target_step", "target_replay", "drafter_draft", "accept"} if graphs
                                               else set())
         assert all(context.rebinds == 0 for _, context in made)
+    # prefix reuse: the prompt blocks copied from the pool and the states kept at checkpoints, as onnxruntime's
+    sys_reqs = system_prompt_requests(engine.executor.vocab_size)
+    want = {r.request.id: r.output_token_ids for r in engine.decoder("dflash").generate(sys_reqs)}
+    assert_one_at_a_time_resumes(*(Engine(engine.config, engine.tokenizer, standin_executor(engine_dir, prefix_cache=c))
+                                   for c in (True, False)), "dflash", sys_reqs, want)
     # plain steps leave the states after their token: the host knows no replay is needed, and none runs; they run
-    # the loop-free target_token plan (prompts: target_step)
-    executor, replays = standin_executor(engine_dir), []
+    # the loop-free target_token plan (prompts: target_step; no prefix reuse, whose checkpoint at a prompt's last full
+    # block leaves a pass of at most a block after it, which keeps its inputs for the first step to replay)
+    executor, replays = standin_executor(engine_dir, prefix_cache=False), []
     replay = executor._contexts["target_replay"]
     run_replay = replay.execute_async_v3
     replay.execute_async_v3 = lambda stream: (replays.append(1), run_replay(stream))[1]

@@ -25,6 +25,7 @@ import torch
 
 from trtllm_dflash.models.linear_attention import RecurrentStates
 from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, KVBudgetError, format_size, prefix_hashes
+from trtllm_dflash.runtime.prefix_states import PrefixStates
 
 if TYPE_CHECKING:
     from trtllm_dflash.runtime.executor import HostRows
@@ -219,9 +220,11 @@ class PrefixRows:
         return all(j * size + self._ring_from.get(block, size) <= max(start, j * size)
                    for j, block in enumerate(found) if (j + 1) * size > start)
 
-    def reserve(self, slot: int, tokens: list[int], share: str | None) -> int:
+    def reserve(self, slot: int, tokens: list[int], share: str | None, states: PrefixStates | None = None) -> int:
         """Copy the published blocks `tokens` starts with into the slot's row; returns how many positions they cover.
-        The last token is never taken from the pool (a prefill needs its logits); `share` None: nothing shared."""
+        The last token is never taken from the pool (a prefill needs its logits); `share` None: nothing shared.
+        `states` (a target with recurrent states): only the blocks up to the last one after which it keeps a state,
+        which it gives the row (PrefixStates.admit)."""
         if share is None:
             return 0
         hashes = self._prompts[slot] = prefix_hashes(tokens[:-1], share, self.block_tokens)
@@ -234,6 +237,9 @@ class PrefixRows:
         hit = len(found)
         while hit and not self._has_window(found[:hit]):
             hit -= 1  # (rings: the window before the first computed position must be there)
+        cached_blocks = hit
+        if states is not None:
+            hit = states.boundary(hashes, hit)
         for h in hashes[:hit]:
             self._blocks.move_to_end(h)
         self._copy(row, list(range(hit)), found[:hit], into_row=True, rings=False)
@@ -241,6 +247,8 @@ class PrefixRows:
         self._copy(row, windowed, [found[j] for j in windowed], into_row=True, others=False)
         self.prefix_blocks_looked_up += len(hashes)
         self.prefix_blocks_hit += hit
+        if states is not None:
+            states.admit(slot, row, hashes, cached_blocks, hit * self.block_tokens)
         return hit * self.block_tokens
 
     def publish(self, slot: int) -> None:
@@ -324,22 +332,23 @@ class StaticRows:
 
     _rows: CacheRows
     prefix_rows: PrefixRows | None
+    prefix_states: PrefixStates | None  # a hybrid target's recurrent states kept for prefix reuse
 
     @staticmethod
     def _allocate_rows(make: Callable[[int], Rows], max_rows: int, budget: int | Callable[[], int] | None,
                        prefix_cache: bool, cache_length: int) -> tuple[int, Rows]:
         """The rows `make(n)` allocates (the caches and recurrent states of n rows): max_rows of them, or, under a
         `budget` in bytes that cannot hold them all, as many as it holds beside one prefix block (the least pool
-        _keep_rows accepts; with `prefix_cache` only, and for targets without recurrent states, which have no pool).
-        Returns (rows, what make gave). KVBudgetError, in words, where not even one row fits. A fraction of the free
-        memory (a function) is of what the rows leave: they are all allocated."""
+        _keep_rows accepts; with `prefix_cache` only), a row of a target with recurrent states counting one state kept
+        for prefix reuse too (PrefixStates). Returns (rows, what make gave). KVBudgetError, in words, where not even
+        one row fits. A fraction of the free memory (a function) is of what the rows leave: they are all allocated."""
         if budget is None or callable(budget):
             return max_rows, make(max_rows)
         caches, states = make(1)
-        row = _bytes(caches, states)
+        row = _bytes(caches, states) + (PrefixStates.bytes_each(states) if prefix_cache and states is not None else 0)
         if budget >= max_rows * row:
             return max_rows, make(max_rows)
-        block = _block_bytes(caches) if prefix_cache and states is None else 0
+        block = _block_bytes(caches) if prefix_cache else 0
         rows = (budget - block) // row
         if rows < 1:
             pool, fix = (" and one prefix block", "; give more, or add --no-prefix-cache") if block else ("", "")
@@ -350,27 +359,32 @@ class StaticRows:
     def _keep_rows(self, caches: tuple[LayerCaches, ...], states: RecurrentStates | None, cache_length: int,
                    prefix_cache: bool, window: int = 0, budget: int | Callable[[], int] | None = None) -> None:
         """Rows for `caches` (and a hybrid target's recurrent `states`); prompt blocks copied between requests with
-        `prefix_cache`, except for targets with recurrent states (whose state after a prefix is one matrix, not
-        blocks). `window`: the sliding window of the layers whose caches are rings (shorter buffers).
+        `prefix_cache`, and a hybrid target's states kept at checkpoints for them (one per row: PrefixStates, whose
+        state after a prefix is one matrix, not blocks). `window`: the sliding window of the layers whose caches are
+        rings (shorter buffers).
 
         The prefix pool holds one row's worth of blocks, or what `budget` leaves (--kv-cache-memory): bytes for the
         rows (and states) and the pool together, or a function giving the bytes the pool may take (a fraction of the
         memory free once the rows are allocated). KVBudgetError, in words, when no block would fit."""
         self._rows = CacheRows(caches + ((states,) if states is not None else ()))
-        self.prefix_rows = None
+        self.prefix_rows, self.prefix_states = None, None
         self.rows_bytes = _bytes(caches, states)
-        if not prefix_cache or states is not None:
+        if not prefix_cache:
             return
+        if states is not None:
+            self.prefix_states = PrefixStates(states, states.kept_from.shape[0])
         block = _block_bytes(caches)
         if budget is None:
             blocks = max(1, cache_length // BLOCK_TOKENS)
         else:
-            spare = budget() if callable(budget) else budget - self.rows_bytes
+            kept = self.prefix_states.nbytes if self.prefix_states is not None else 0
+            spare = budget() if callable(budget) else budget - self.rows_bytes - kept
             blocks = spare // block
             if blocks < 1:
-                raise KVBudgetError(f"leaves {format_size(spare)} beside the static rows' "
-                                    f"{format_size(self.rows_bytes)}, less than one prefix block's {format_size(block)}"
-                                    "; give more, or add --no-prefix-cache")
+                kept_too = " and the recurrent states kept for them" if kept else ""
+                raise KVBudgetError(f"leaves {format_size(spare)} beside the static rows'{kept_too} "
+                                    f"{format_size(self.rows_bytes + kept)}, less than one prefix block's "
+                                    f"{format_size(block)}; give more, or add --no-prefix-cache")
         self.prefix_rows = PrefixRows(caches, self._rows, blocks, window=window)
 
     def _rings_wrote(self, starts: torch.Tensor, slots: torch.Tensor, rows: HostRows | None, tokens: int) -> None:
@@ -387,18 +401,21 @@ class StaticRows:
 
     def reserve(self, slot: int, tokens: list[int], share: str | None = None, headroom: int = 0,
                 waiting: Sequence[int] = ()) -> int | None:
-        return self.prefix_rows.reserve(slot, tokens, share) if self.prefix_rows is not None else 0
+        return self.prefix_rows.reserve(slot, tokens, share, self.prefix_states) if self.prefix_rows is not None else 0
 
     def extend(self, slot: int, start: int) -> bool:
         return True
 
-    resumes_states = False  # (targets with recurrent states share no prefix here: _keep_rows)
+    @property
+    def resumes_states(self) -> bool:
+        return self.prefix_states is not None
 
     def checkpoints(self, slot: int) -> tuple[int, ...]:
-        return ()
+        return self.prefix_states.checkpoints(slot) if self.prefix_states is not None else ()
 
     def checkpoint(self, slot: int, position: int) -> None:
-        pass
+        if self.prefix_states is not None:
+            self.prefix_states.checkpoint(slot, self._rows.rows_of([slot])[0], position)
 
     def publish(self, slot: int) -> None:
         if self.prefix_rows is not None:
@@ -407,4 +424,6 @@ class StaticRows:
     def release(self, slot: int) -> None:
         if self.prefix_rows is not None:
             self.prefix_rows.release(slot)
+        if self.prefix_states is not None:
+            self.prefix_states.release(slot)
         self._rows.release(slot)

@@ -287,7 +287,6 @@ class TorchExecutor:
         # ... and, with a paged cache sharing prefixes, kept at prompt positions (`checkpoint`) for later requests: a
         # state after a prefix is one matrix per layer, which its blocks alone cannot resume
         self.prefix_states: PrefixStates | None = None
-        self._checkpoints: dict[int, tuple[tuple[int, ...], list[bytes]]] = {}  # slot -> (checkpoints, its hashes)
         self.kv_blocks: BlockTables | None = None
         self.window_blocks: BlockTables | None = None  # a paged cache's sliding-window layers' tables (rings)
         if kv_cache_memory is not None:
@@ -477,12 +476,7 @@ class TorchExecutor:
             return None
         cached = min(t.reserve(slot, positions, hashes, room, hits) for t, room in tables)
         if self.prefix_states is not None and hashes:
-            if cached:
-                self.prefix_states.resume(slot, cached, hashes[cached // BLOCK_TOKENS - 1])
-            # where the cached prefix it found goes on without a kept state (another prompt's blocks: the next
-            # request of the same prefix resumes here), and its prompt's last full block
-            points = sorted({n * BLOCK_TOKENS for n in (found, len(hashes)) if n * BLOCK_TOKENS > cached})
-            self._checkpoints[slot] = (tuple(points), hashes)
+            self.prefix_states.admit(slot, slot, hashes, found, cached)
         return cached
 
     @property
@@ -490,13 +484,11 @@ class TorchExecutor:
         return self.prefix_states is not None
 
     def checkpoints(self, slot: int) -> tuple[int, ...]:
-        return self._checkpoints[slot][0] if slot in self._checkpoints else ()
+        return self.prefix_states.checkpoints(slot) if self.prefix_states is not None else ()
 
     def checkpoint(self, slot: int, position: int) -> None:
-        if slot in self._checkpoints:
-            hashes = self._checkpoints[slot][1]
-            assert position % BLOCK_TOKENS == 0 and 0 < position <= len(hashes) * BLOCK_TOKENS, position
-            self.prefix_states.keep(slot, position, hashes[position // BLOCK_TOKENS - 1])
+        if self.prefix_states is not None:
+            self.prefix_states.checkpoint(slot, slot, position)
 
     def extend(self, slot: int, start: int) -> bool:
         """Paged: the blocks of positions up to a verify block past `start`; the rings give back the blocks before the
@@ -512,6 +504,7 @@ class TorchExecutor:
     def release(self, slot: int) -> None:
         """Paged: the slot's blocks go back to the free list. Static: nothing to do (stale cache rows past a slot's
         start are masked, and overwritten when it is reused)."""
-        self._checkpoints.pop(slot, None)
+        if self.prefix_states is not None:
+            self.prefix_states.release(slot)
         for t in self._tables:
             t.release(slot)

@@ -112,8 +112,8 @@ class OnnxRuntimeExecutor(StaticRows):
                  kv_cache_memory: int | Callable[[], int] | None = None):
         """`tree_budget`: the most draft nodes a tree step verifies (target_tree.onnx, drafter_candidates.onnx; its
         nodes are written past a request's positions, so the caches hold that many more); 0: no trees.
-        `prefix_cache`: prompt blocks copied between requests with the same prefix (cache_rows.PrefixRows; not for
-        targets with recurrent states, whose state after a prefix is one matrix, not blocks). `kv_cache_memory`: the
+        `prefix_cache`: prompt blocks copied between requests with the same prefix (cache_rows.PrefixRows;
+        with a hybrid target, up to a block after which its recurrent states are kept: runtime/prefix_states.py). `kv_cache_memory`: the
         caches' and the prefix pool's bytes, or a function giving the pool's (StaticRows._keep_rows)."""
         ort = _onnxruntime()
         if cfg.quantization.get("quant_algo") == "NVFP4":

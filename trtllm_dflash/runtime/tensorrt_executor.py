@@ -128,7 +128,7 @@ class TensorRTExecutor(StaticRows):
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
         plain ops'; `pass_tokens`: the most positions per row a target_step or drafter_context call may take (the
         plans' profile; None: no limit); `prefix_cache`: prompt blocks copied between requests with the same prefix
-        (cache_rows.PrefixRows; not for targets with recurrent states); `kv_cache_memory`: the caches' and the prefix
+        (cache_rows.PrefixRows; with recurrent states, up to a kept state: runtime/prefix_states.py); `kv_cache_memory`: the caches' and the prefix
         pool's bytes, or a function giving the pool's (StaticRows._keep_rows); `one_token_advances`: the target plan's
         one-token passes leave the Gated DeltaNet layers' states after their token (RecurrentStates; False: plans of
         graphs exported before 2026-12-05); `cuda_graphs`: the decode step's plan calls captured as CUDA graphs (on a
