@@ -318,7 +318,13 @@ def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
         loaded = Engine.load(engine_dir, kv_cache_memory="8MiB", **options)
         return Engine(loaded.config, loaded.tokenizer, counting := CountingPrefill(loaded.executor)), counting
 
-    assert_one_at_a_time_resumes(Engine.load(engine_dir, kv_cache_memory="8MiB"), engine, mode, reqs, want)
+    from trtllm_dflash.bench.runner import _kv_cache_report
+
+    reuse = Engine.load(engine_dir, kv_cache_memory="8MiB")
+    assert_one_at_a_time_resumes(reuse, engine, mode, reqs, want)
+    report = _kv_cache_report(reuse)  # (what bench reports)
+    assert (report["kept_states"], report["states_kept"], report["requests_resumed"]) == (4, 8, 5)
+    assert report["kept_states_bytes"] == reuse.executor.prefix_states.nbytes > 0
     together, counting = paged()
     assert {r.request.id: r.output_token_ids for r in decoder_of(together, mode).generate(reqs)} == want
     if mode != "auto":  # (auto: a prompt held back from the drafter is published later, so none waits for it)

@@ -202,7 +202,7 @@ def _kv_cache_report(engine: Engine) -> dict:
             report |= {"prefix_cache": True, "block_tokens": pool.block_tokens, "prefix_pool_blocks": pool.num_blocks,
                        "prefix_pool_bytes": pool.nbytes, "prefix_blocks_looked_up": looked_up,
                        "prefix_hit_rate": round(pool.prefix_blocks_hit / looked_up, 4) if looked_up else None}
-        return report
+        return report | _kept_states(engine.executor)
     looked_up = tables.prefix_blocks_looked_up
     report = {"layout": "paged", "block_tokens": tables.block_tokens, "blocks": tables.num_blocks,
               "peak_blocks_used": tables.peak_used, "blocks_free_at_end": tables.free,
@@ -211,7 +211,17 @@ def _kv_cache_report(engine: Engine) -> dict:
     rings = getattr(engine.executor, "window_blocks", None)
     if rings is not None:  # the sliding-window layers' own blocks
         report |= {"window_blocks": rings.num_blocks, "window_peak_blocks_used": rings.peak_used}
-    return report
+    return report | _kept_states(engine.executor)
+
+
+def _kept_states(executor) -> dict:
+    """A hybrid target's recurrent states kept for prefix reuse (runtime/prefix_states.py): how many fit, their bytes,
+    how many were kept and how many requests resumed from one; nothing for other targets."""
+    states = getattr(executor, "prefix_states", None)
+    if states is None:
+        return {}
+    return {"kept_states": states.capacity, "kept_states_bytes": states.nbytes, "states_kept": states.kept,
+            "requests_resumed": states.resumed}
 
 
 def _dflash_point(b: int | str, c: int, runs: dict[tuple[Mode, int], list[TimedRun]],
