@@ -427,8 +427,8 @@ class Decoder:
         if spans is not None:
             longest = max(end - first for first, end in spans)
             rows += [[end - first - 1 for first, end in spans],
-                     [t for a, (first, end) in zip(active, spans) for t in a.known[first:end] + [0] * (longest - end +
-                                                                                                   first)]]
+                     [t for a, (first, end) in zip(active, spans)
+                      for t in a.known[first:end] + [0] * (longest - (end - first))]]
         slots, starts_d, anchors, context_starts, top_k, temperature_bits, top_p_bits, seeds, *prefill = to_device(
             rows, self.executor.device)
         truncated = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)

@@ -117,8 +117,8 @@ class Executor(Protocol):
     block_size: int  # tokens per DFlash block at run time (1 without a drafter)
     # positions per prompt block shared by prefix (`reserve`); None: the executor shares no prefix
     prefix_block_tokens: int | None
-    # prefix reuse also keeps recurrent states at chosen prompt positions (`checkpoint`), where any position a prefix
-    # of a prompt being prefilled shares with a later one may be worth a checkpoint
+    # whether prefix reuse also keeps recurrent states at checkpoints (a hybrid target's): then where a waiting prompt
+    # leaves a prompt being prefilled is worth a checkpoint of the latter
     resumes_states: bool
 
     def target_forward(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
