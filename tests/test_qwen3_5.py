@@ -310,6 +310,8 @@ def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
     auto, which publishes a prompt's blocks only once the drafter holds them). The tokens are the static cache's,
     greedy and sampled; --block-size auto holds the prompts' features back from the drafter alike; --no-prefix-cache
     computes every prompt whole."""
+    from trtllm_dflash.bench.runner import _kv_cache_report
+
     reqs = system_prompt_requests(engine.executor.vocab_size)
     want = {r.request.id: r.output_token_ids for r in decoder_of(engine, mode).generate(reqs)}
     lengths = [len(r.prompt_token_ids) for r in reqs]
@@ -317,8 +319,6 @@ def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
     def paged(**options) -> tuple[Engine, CountingPrefill]:
         loaded = Engine.load(engine_dir, kv_cache_memory="8MiB", **options)
         return Engine(loaded.config, loaded.tokenizer, counting := CountingPrefill(loaded.executor)), counting
-
-    from trtllm_dflash.bench.runner import _kv_cache_report
 
     reuse = Engine.load(engine_dir, kv_cache_memory="8MiB")
     assert_one_at_a_time_resumes(reuse, engine, mode, reqs, want)

@@ -25,7 +25,7 @@ import torch
 
 from trtllm_dflash.models.linear_attention import RecurrentStates
 from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, KVBudgetError, format_size, prefix_hashes
-from trtllm_dflash.runtime.prefix_states import PrefixStates
+from trtllm_dflash.runtime.prefix_states import KeepsPrefixStates, PrefixStates
 
 if TYPE_CHECKING:
     from trtllm_dflash.runtime.executor import HostRows
@@ -324,7 +324,7 @@ def _block_bytes(caches: Sequence[LayerCaches]) -> int:
 Rows = tuple[tuple[LayerCaches, ...], RecurrentStates | None]
 
 
-class StaticRows:
+class StaticRows(KeepsPrefixStates):
     """The Executor contract's memory methods for the executors that keep one static cache row per request (onnxruntime,
     TensorRT): every row holds max_seq_len positions, so a request is admitted while a row is free and never extended;
     its first positions may be copied from published prompt blocks (`prefix_rows`). `_allocate_rows` makes the rows,
@@ -406,16 +406,8 @@ class StaticRows:
     def extend(self, slot: int, start: int) -> bool:
         return True
 
-    @property
-    def resumes_states(self) -> bool:
-        return self.prefix_states is not None
-
-    def checkpoints(self, slot: int) -> tuple[int, ...]:
-        return self.prefix_states.checkpoints(slot) if self.prefix_states is not None else ()
-
-    def checkpoint(self, slot: int, position: int) -> None:
-        if self.prefix_states is not None:
-            self.prefix_states.checkpoint(slot, self._rows.rows_of([slot])[0], position)
+    def _state_row(self, slot: int) -> int:  # (KeepsPrefixStates)
+        return self._rows.rows_of([slot])[0]
 
     def publish(self, slot: int) -> None:
         if self.prefix_rows is not None:

@@ -34,7 +34,7 @@ from trtllm_dflash.runtime.kv_blocks import (
     prefix_hashes,
     window_pool,
 )
-from trtllm_dflash.runtime.prefix_states import PrefixStates
+from trtllm_dflash.runtime.prefix_states import KeepsPrefixStates, PrefixStates
 from trtllm_dflash.speculative.core import Sampling, block_input, verify_block
 
 
@@ -225,7 +225,7 @@ def logits_at_last(logits: torch.Tensor, last_index: torch.Tensor, first: int,
     return found if picked is None else torch.where(here[:, None, None], found, picked)
 
 
-class TorchExecutor:
+class TorchExecutor(KeepsPrefixStates):
     """Target + drafter as torch modules, with static per-slot KV caches for both."""
 
     @classmethod
@@ -478,17 +478,6 @@ class TorchExecutor:
         if self.prefix_states is not None and hashes:
             self.prefix_states.admit(slot, slot, hashes, found, cached)
         return cached
-
-    @property
-    def resumes_states(self) -> bool:
-        return self.prefix_states is not None
-
-    def checkpoints(self, slot: int) -> tuple[int, ...]:
-        return self.prefix_states.checkpoints(slot) if self.prefix_states is not None else ()
-
-    def checkpoint(self, slot: int, position: int) -> None:
-        if self.prefix_states is not None:
-            self.prefix_states.checkpoint(slot, slot, position)
 
     def extend(self, slot: int, start: int) -> bool:
         """Paged: the blocks of positions up to a verify block past `start`; the rings give back the blocks before the

@@ -3,9 +3,9 @@
 A paged cache shares a prompt's attention K/V block by block (runtime/kv_blocks.py), but a Gated DeltaNet layer's
 state after a prefix is one matrix per layer, built from every token before it (models/linear_attention.py): blocks
 alone cannot resume it. So the executor also keeps the states at chosen block boundaries of the prompts it prefills
-(`keep`), under the prefix hash of the block that ends there (kv_blocks.prefix_hashes: it covers every token before
-and what the caches hold), and a later request takes a cached prefix only up to the last boundary whose state is kept
-(`boundary`), that state copied into its slot (`resume`).
+(`checkpoint`), under the prefix hash of the block that ends there (kv_blocks.prefix_hashes: it covers every token
+before and what the caches hold), and a later request takes a cached prefix only up to the last boundary whose state
+is kept (`boundary`), that state copied into its slot (`admit`).
 
 Which boundaries: the decoder ends a prefill pass at each (`Executor.checkpoints`, runtime/decoding.py):
 - the end of a prompt's last full block (an identical prompt, the next turn of a conversation, a preempted request
@@ -102,3 +102,24 @@ class PrefixStates:
         self._kept.move_to_end(key)
         self._states.resume_at(row, position, [(c[index], s[index]) for c, s in zip(self._conv, self._state)])
         self.resumed += 1
+
+
+class KeepsPrefixStates:
+    """The Executor contract's checkpoint methods (runtime/executor.py) for an executor whose `prefix_states` (None: no
+    hybrid prefix reuse) keeps the states of a slot's request in row `_state_row(slot)` of its recurrent states."""
+
+    prefix_states: PrefixStates | None
+
+    def _state_row(self, slot: int) -> int:
+        return slot
+
+    @property
+    def resumes_states(self) -> bool:
+        return self.prefix_states is not None
+
+    def checkpoints(self, slot: int) -> tuple[int, ...]:
+        return self.prefix_states.checkpoints(slot) if self.prefix_states is not None else ()
+
+    def checkpoint(self, slot: int, position: int) -> None:
+        if self.prefix_states is not None:
+            self.prefix_states.checkpoint(slot, self._state_row(slot), position)
