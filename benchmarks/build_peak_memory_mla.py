@@ -1,18 +1,21 @@
-"""Peak memory of `trtllm-dflash build` on a random DeepSeek-V3 / Kimi K2-shaped checkpoint of ~1.7 GB (issue 30).
+"""Peak memory of `trtllm-dflash build` on a random DeepSeek-V3 / Kimi K2-shaped checkpoint (issue 30).
 
 Writes a random bf16 deepseek_v3 target with Kimi K2's latent attention (q rank 1536, latent 512 + 64 roped dims, 128
 unroped and 128 value dims per head) at a narrower width (hidden 2048, 16 heads) and K2's layer pattern in small:
-layer 0 dense (intermediate 8192), layers 1-2 with 64 routed experts of 1024 in 8 groups (4 eligible, top 6) and a
-shared expert; vocabulary 512. Builds it unquantized (quantization is not supported for this family yet) at tp_size 8
-with moe_parallel ep (8 whole experts a rank) in a fresh process, and compares the build's peak resident memory
-(`/usr/bin/time`'s maximum RSS) with
+layer 0 dense (intermediate 8192), the others (2 by default: ~1.7 GB; `--layers`) with 64 routed experts of 1024 in 8
+groups (4 eligible, top 6) and a shared expert; vocabulary 512. Builds it at tp_size 8 with moe_parallel ep (8 whole
+experts a rank) in a fresh process and compares the build's peak resident memory (`/usr/bin/time`'s maximum RSS) with
 
-    bound = 1.5 x the largest decoder layer's weights (bytes in the checkpoint) + the import-only baseline
+    bound = k x the largest decoder layer's weights (bytes in the checkpoint) + the import-only baseline
 
-(the baseline: a process that only imports the builder, i.e. torch + transformers): the build streams the checkpoint a
-tensor at a time into the eight rank files, so it should stay far below the bound.
+(the baseline: a process that only imports the builder, i.e. torch + transformers). Unquantized (k = 1.5), the build
+streams the checkpoint a tensor at a time into the eight rank files. With `--quantization nvfp4` (k = 4) ModelOpt
+quantizes the target a layer at a time (engine/quantize_layers.py: a layer as read, transformers' fused copy of its
+experts, the exported tensors), and the script also measures, in a fresh process on the same prompts, ModelOpt's PTQ of
+the whole model loaded by transformers (engine/quantize_target.py `quantize_target`, what the build did before),
+whose peak grows with the whole checkpoint instead.
 
-    python benchmarks/build_peak_memory_mla.py [--workdir DIR] [--output FILE]
+    python benchmarks/build_peak_memory_mla.py [--quantization nvfp4] [--layers N] [--workdir DIR] [--output FILE]
 """
 
 from __future__ import annotations
@@ -46,15 +49,15 @@ DIMS = dict(vocab_size=512, hidden_size=2048, intermediate_size=8192, moe_interm
 TP_SIZE = 8
 
 
-def write_pair(root: Path) -> tuple[int, int]:
-    """Random target and a 1-layer drafter under root; returns (checkpoint bytes, largest layer's bytes)."""
+def write_pair(root: Path, dims: dict) -> tuple[int, int]:
+    """Random target of `dims` and a 1-layer drafter under root; returns (checkpoint bytes, largest layer's bytes)."""
     write_random_pair(root / "small", "deepseek_v3")  # for its tokenizer (vocab 512, with the MASK token)
     target = root / "target"
     target.mkdir()
     for f in (root / "small" / "target").iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
             shutil.copy(f, target / f.name)
-    config = DeepseekV3Config(**DIMS, architectures=["DeepseekV3ForCausalLM"])
+    config = DeepseekV3Config(**dims, architectures=["DeepseekV3ForCausalLM"])
     config.to_json_file(str(target / "config.json"))
     spec = DecoderSpec.from_hf(config)
     g, layer_bytes = torch.Generator().manual_seed(0), [0] * spec.num_layers
@@ -81,31 +84,60 @@ def write_pair(root: Path) -> tuple[int, int]:
     return (target / "model.safetensors").stat().st_size, max(layer_bytes)
 
 
+# What the nvfp4 build calibrates on (the builder's default prompts, Python standard library code)
+CALIBRATION = {"calibration_samples": 8, "calibration_max_tokens": 64}
+WHOLE_MODEL = """
+import sys
+from pathlib import Path
+from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
+from trtllm_dflash.engine.quantize_target import LATENT_ATTENTION, calibration_batches, quantize_target
+target = Path(sys.argv[1])
+batches = calibration_batches(load_tokenizer(target), None, int(sys.argv[2]), int(sys.argv[3]))
+quantize_target(target, "nvfp4", batches, LATENT_ATTENTION)
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quantization", choices=("none", "nvfp4"), default="none")
+    ap.add_argument("--layers", type=int, default=DIMS["num_hidden_layers"], help="decoder layers (1 dense)")
     ap.add_argument("--workdir", type=Path, help="where to write the checkpoint and engine (default: a temp dir)")
-    ap.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "build_peak_memory_mla.json")
+    ap.add_argument("--output", type=Path, help="default: results/build_peak_memory_mla[_nvfp4].json")
     args = ap.parse_args()
+    nvfp4 = args.quantization == "nvfp4"
+    output = args.output or Path(__file__).parent / "results" / f"build_peak_memory_mla{'_nvfp4' * nvfp4}.json"
+    dims = DIMS | {"num_hidden_layers": args.layers}
+    whole = None
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
-        ckpt, layer = write_pair(root)
+        ckpt, layer = write_pair(root, dims)
         baseline, _ = peak_rss_mib([sys.executable, "-c", "import trtllm_dflash.engine.builder"])
         config = root / "build.yaml"
-        config.write_text(f"target: target\ndrafter: drafter\ndtype: bfloat16\nquantization: none\n"
-                          f"tp_size: {TP_SIZE}\nmoe_parallel: ep\nmax_batch_size: 8\nmax_seq_len: 4096\n")
+        config.write_text(f"target: target\ndrafter: drafter\ndtype: bfloat16\nquantization: {args.quantization}\n"
+                          f"tp_size: {TP_SIZE}\nmoe_parallel: ep\nmax_batch_size: 8\nmax_seq_len: 4096\n"
+                          + "".join(f"{k}: {v}\n" for k, v in CALIBRATION.items() if nvfp4))
         rss, wall = peak_rss_mib([sys.executable, "-m", "trtllm_dflash.cli", "build", str(config),
                                   "--output", str(root / "engine")])
         engine_bytes = sum(f.stat().st_size for f in (root / "engine").glob("rank*.safetensors"))
-    bound = 1.5 * layer / 2**20 + baseline
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
-              "target_dims": DIMS, "checkpoint_bytes": ckpt, "largest_layer_bytes": layer,
+        if nvfp4:
+            whole = peak_rss_mib([sys.executable, "-c", WHOLE_MODEL, str(root / "target"),
+                                  *(str(v) for v in CALIBRATION.values())])
+    bound = (4 if nvfp4 else 1.5) * layer / 2**20 + baseline
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
+              "target_dims": dims, "checkpoint_bytes": ckpt, "largest_layer_bytes": layer,
               "import_only_peak_rss_mib": round(baseline),
-              "build": {"quantization": "none", "tp_size": TP_SIZE, "moe_parallel": "ep", "peak_rss_mib": round(rss),
-                        "build_s": round(wall, 1), "engine_weight_bytes": engine_bytes},
+              "build": {"quantization": args.quantization, "tp_size": TP_SIZE, "moe_parallel": "ep",
+                        "peak_rss_mib": round(rss), "build_s": round(wall, 1), "engine_weight_bytes": engine_bytes}
+              | (CALIBRATION if nvfp4 else {}),
               "bound_mib": round(bound), "within_bound": rss <= bound,
               "peak_minus_import_over_largest_layer": round((rss - baseline) * 2**20 / layer, 3)}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    if whole is not None:
+        report["whole_model_modelopt"] = {
+            "peak_rss_mib": round(whole[0]), "wall_s": round(whole[1], 1),
+            "peak_minus_import_over_checkpoint": round((whole[0] - baseline) * 2**20 / ckpt, 3),
+            "build_peak_over_whole_model_peak": round(rss / whole[0], 3)}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
 

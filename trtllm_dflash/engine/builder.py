@@ -30,7 +30,8 @@ from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.quantize_drafter import quantize_drafter
 from trtllm_dflash.engine.quantize_moe_target import LayerwiseQuantizedTarget
-from trtllm_dflash.engine.quantize_target import LATENT_ATTENTION, QUANT_ALGOS, calibration_batches, quantize_target
+from trtllm_dflash.engine.quantize_layers import ModelOptLayers
+from trtllm_dflash.engine.quantize_target import LATENT_ATTENTION, QUANT_ALGOS, calibration_batches
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.engine_dir import (
     CONFIG,
@@ -243,12 +244,10 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
         if cfg.quantize_drafter:
             with _stage(report, f"drafter quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
                 quantized[DRAFTER_PREFIX] = quantize_drafter(target, drafter, cfg.quantization, batches)
-        if target.spec.num_experts:  # calibrated and quantized a layer at a time while the rank files are written
-            quantized[TARGET_PREFIX] = LayerwiseQuantizedTarget(target, cfg.quantization, batches)
-        else:
-            with _stage(report, f"target quantized to {fmt} (ModelOpt, calibrated on {len(batches)} prompts)"):
-                quantized[TARGET_PREFIX] = quantize_target(cfg.target, cfg.quantization, batches,
-                                                           LATENT_ATTENTION if target.spec.is_mla else ())
+        # calibrated and quantized a layer at a time while the rank files are written (engine/quantize_layers.py)
+        quantized[TARGET_PREFIX] = (
+            LayerwiseQuantizedTarget(target, cfg.quantization, batches) if target.spec.num_experts  # gpt-oss
+            else ModelOptLayers(target, cfg.quantization, batches, LATENT_ATTENTION if target.spec.is_mla else ()))
 
     def stored(prefix: str, store, name: str) -> list[tuple[str, torch.Tensor]]:
         """One checkpoint tensor as stored in the engine (a quantized linear: in ModelOpt's unified format)."""
@@ -264,9 +263,13 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
                (DRAFTER_PREFIX, drafter.tensors, drafter.engine_tensor_names(), drafter.spec)]
     with atomic_directory(cfg.output, "engine", force) as tmp:
         total = sum(len(names) for _, _, names, _ in sources)
-        with _stage(report, f"wrote {cfg.tp_size} rank file{'s' if cfg.tp_size > 1 else ''}"), \
-                Progress(disable=not progress, transient=True) as bar, ExitStack() as files:
-            task = bar.add_task(f"writing {cfg.tp_size} rank file(s)", total=total)
+        wrote = f"wrote {cfg.tp_size} rank file{'s' if cfg.tp_size > 1 else ''}"
+        if cfg.quantization != "none":
+            wrote = (f"quantized the target to {QUANT_ALGOS[cfg.quantization]} a layer at a time "
+                     f"(calibrated on {len(batches)} prompts) and {wrote}")
+        with _stage(report, wrote), Progress(disable=not progress, transient=True) as bar, ExitStack() as files:
+            task = bar.add_task(f"{'quantizing and ' if cfg.quantization != 'none' else ''}writing {cfg.tp_size} "
+                                "rank file(s)", total=total)
             # Streamed: each source tensor is read once, its slices go to every rank's file, and memory holds one
             # source tensor at a time, never a whole rank.
             outs = [files.enter_context(SafetensorsWriter(tmp / rank_file(r), metadata={"format": "pt"}))

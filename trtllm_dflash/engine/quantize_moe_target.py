@@ -26,12 +26,13 @@ while it is packed, and the calibration hidden states (prompts x tokens x hidden
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
 from trtllm_dflash.checkpoint.formats import TargetCheckpoint
+from trtllm_dflash.engine.quantize_layers import LayerByLayer
 from trtllm_dflash.models.spec import hf_config_from_dict
 from trtllm_dflash.quantize.experts import EXPERT_SCALE_SUFFIXES, EXPERT_WEIGHTS, expert_tensors, quantize_experts
 from trtllm_dflash.quantize.fp8 import quantize_fp8_weight
@@ -41,24 +42,20 @@ from trtllm_dflash.quantize.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_nvfp4_weig
 LINEAR_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
 
 
-class LayerwiseQuantizedTarget(Mapping[str, torch.Tensor]):
-    """The quantized tensors of a gpt-oss target under their HF names, computed a decoder layer at a time.
-
-    Invariant: tensors are read in layer order, as `build_engine` writes them. Reading a tensor of layer i
-    calibrates and quantizes layer i (layer i-1 must be done) and drops layer i-1's tensors. Names and
-    membership are known without computing anything."""
+class LayerwiseQuantizedTarget(LayerByLayer):
+    """The quantized tensors of a gpt-oss target under their HF names, computed a decoder layer at a time (the reading
+    order: quantize_layers.LayerByLayer). Names and membership are known without computing anything."""
 
     def __init__(self, target: TargetCheckpoint, fmt: Literal["nvfp4", "fp8"], batches: list[torch.Tensor]):
-        assert target.spec.num_experts, "LayerwiseQuantizedTarget quantizes mixture-of-experts targets"
+        assert target.spec.num_experts, "LayerwiseQuantizedTarget quantizes gpt-oss targets"
+        super().__init__(target.spec.num_layers)
         self.target, self.fmt, self.batches = target, fmt, batches
         self.config = hf_config_from_dict(target.hf_config, str(target.directory / "config.json"))
         # What ModelOpt calibrates with: eager attention (transformers' only choice for gpt-oss on CPU) and eager
         # experts (ModelOpt switches transformers' grouped_mm experts to eager to see their matmuls).
         self.config._attn_implementation = self.config._experts_implementation = "eager"
         self.names = [name for i in range(target.spec.num_layers) for name in self.layer_names(i)]
-        self._layer_of = {name: int(name.split(".")[2]) for name in self.names}
-        self.done = -1  # last layer quantized
-        self.layer: dict[str, torch.Tensor] = {}  # its tensors
+        self._names = set(self.names)
         self.hidden: list[torch.Tensor] = []  # [1, T, hidden] bf16 per calibration prompt: the input of layer done + 1
 
     def layer_names(self, i: int) -> list[str]:
@@ -77,16 +74,7 @@ class LayerwiseQuantizedTarget(Mapping[str, torch.Tensor]):
         return len(self.names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._layer_of
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        layer = self._layer_of[name]
-        if layer != self.done:
-            assert layer == self.done + 1, f"{name}: layers are quantized in order; layer {self.done} is the last done"
-            self.layer = {}  # (drop the previous layer's tensors before making this one's)
-            self.layer = self._quantize_layer(layer)
-            self.done = layer
-        return self.layer[name]
+        return name in self._names
 
     def _embeddings(self) -> list[torch.Tensor]:
         embed = self.target.tensors.get("model.embed_tokens.weight").to(torch.bfloat16)

@@ -1,16 +1,17 @@
-"""The build's quantization stage: ModelOpt PTQ of the target's linear layers on the CPU.
+"""ModelOpt PTQ of a target on the CPU (the whole model: `quantize_target`), and the calibration prompts.
 
-The target is loaded with transformers in bfloat16 (ModelOpt's unified export needs bf16), calibrated
-with NVFP4_DEFAULT_CFG or FP8_DEFAULT_CFG (max calibration) on a prompt set, and exported with
-`export_hf_checkpoint`. Quantized linears come back in the unified format (NVFP4: uint8 weight [out, in/2],
-float8_e4m3fn weight_scale [out, in/16], fp32 weight_scale_2 and input_scale; FP8: float8_e4m3fn weight,
-fp32 weight_scale and input_scale); embedding, lm_head and norms stay unquantized. The drafter is not
-quantized here: it keeps the engine's compute dtype. A Qwen3.5 directory (multimodal) loads as its text model
-(Qwen3_5ForCausalLM): its Gated DeltaNet layers' in_proj_qkv / in_proj_z / out_proj are quantized like any linear;
-in_proj_a / in_proj_b (a row per value head), the conv and the norms stay unquantized. A DeepSeek-V3 / Kimi K2 target
-keeps its latent attention unquantized (`LATENT_ATTENTION`): the engine's absorbed form multiplies kv_b_proj's weight
-into the query and the output instead of applying it to an input (docs/models.md); its dense MLPs, routed and shared
-experts are quantized.
+`quantize_target` defines what a quantized build writes; the build computes the same tensors one decoder layer at a
+time (engine/quantize_layers.py; tests/test_quantize_layers.py compares them byte for byte). The target is loaded with
+transformers in bfloat16 (ModelOpt's unified export needs bf16), calibrated with NVFP4_DEFAULT_CFG or FP8_DEFAULT_CFG
+(max calibration) on a prompt set, and exported with `export_hf_checkpoint`. Quantized linears come back in the
+unified format (NVFP4: uint8 weight [out, in/2], float8_e4m3fn weight_scale [out, in/16], fp32 weight_scale_2 and
+input_scale; FP8: float8_e4m3fn weight, fp32 weight_scale and input_scale); embedding, lm_head and norms stay
+unquantized. The drafter is not quantized here: it keeps the engine's compute dtype. A Qwen3.5 directory (multimodal)
+loads as its text model (Qwen3_5ForCausalLM): its Gated DeltaNet layers' in_proj_qkv / in_proj_z / out_proj are
+quantized like any linear; in_proj_a / in_proj_b (a row per value head), the conv and the norms stay unquantized. A
+DeepSeek-V3 / Kimi K2 target keeps its latent attention unquantized (`LATENT_ATTENTION`): the engine's absorbed form
+multiplies kv_b_proj's weight into the query and the output instead of applying it to an input (docs/models.md); its
+dense MLPs, routed and shared experts are quantized.
 """
 
 from __future__ import annotations
@@ -51,14 +52,28 @@ def quantize_target(target_dir: Path, fmt: Literal["nvfp4", "fp8"], batches: lis
                     exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Calibrate and export with ModelOpt (the `exclude` module patterns left unquantized); returns the exported
     tensors under their HF names."""
-    try:
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-        from trtllm_dflash.quantize.modelopt_cpu import calibrate, export_unified
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise UserError(f"quantization needs NVIDIA ModelOpt: pip install 'trtllm-dflash[quantize]' ({exc}).") from None
+    require_modelopt()
+    from trtllm_dflash.quantize.modelopt_cpu import calibrate
+
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
     calibrate(model, fmt, batches, exclude)
+    return export_tensors(model, fmt)
+
+
+def require_modelopt() -> None:
+    try:
+        import modelopt.torch.quantization  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise UserError(f"quantization needs NVIDIA ModelOpt: pip install 'trtllm-dflash[quantize]' ({exc}).") from None
+
+
+def export_tensors(model: torch.nn.Module, fmt: Literal["nvfp4", "fp8"]) -> dict[str, torch.Tensor]:
+    """ModelOpt's `export_hf_checkpoint` of a calibrated model (packed in place: unusable afterwards), read back: the
+    tensors under their HF names."""
+    from trtllm_dflash.quantize.modelopt_cpu import export_unified
+
     with tempfile.TemporaryDirectory() as tmp:
         export_unified(model, tmp)
         tensors = {}
