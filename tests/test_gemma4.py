@@ -1,6 +1,6 @@
 """Gemma 4 text targets: our decoder == transformers' Gemma4ForCausalLM (and the text part of a multimodal
 Gemma4ForConditionalGeneration directory), greedy DFlash == AR == HF generate(), tensor parallelism under mpiexec ==
-one process, the published 31B config, bad inputs.
+one process, NVFP4 / FP8 through ModelOpt, the published 31B config, bad inputs.
 
 The tiny target (train/random_pair.py) alternates sliding (window 4) and full layers; full layers have twice the
 head_dim, one KV head and V = K (attention_k_eq_v) and the proportional RoPE; logits are soft-capped at 2.
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditiona
 
 from tests.conftest import (
     assert_dflash_equals_ar_equals_generate,
+    assert_dflash_equals_ar_greedy_and_sampled,
     assert_mpiexec_run_equals_one_process,
     build,
     write_family_config,
@@ -193,17 +194,45 @@ def test_parts_outside_the_dense_text_model_are_refused(pair, tmp_path, capsys, 
     assert len(err.splitlines()) == 1 and not (tmp_path / "e").exists()
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"quantization": "fp8"}, "quantization fp8 of gemma4_text targets is not supported yet"),
-    ({"backend": "onnxruntime"}, None),  # onnx extra may be missing: either sentence is fine, one of them is given
-], ids=["quantized", "onnx-backend"])
-def test_build_options_a_gemma4_target_cannot_take(pair, tmp_path, capsys, fields, message):
-    config = write_family_config(tmp_path / "b.yaml", pair, **fields)
+def test_build_options_a_gemma4_target_cannot_take(pair, tmp_path, capsys):
+    """backend onnxruntime (the onnx extra may be missing: either sentence is fine, one of them is given)."""
+    config = write_family_config(tmp_path / "b.yaml", pair, backend="onnxruntime")
     assert main(["build", str(config), "--output", str(tmp_path / "e")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert str(config) in err and len(err.splitlines()) == 1, err
-    assert message is None or message in err
     assert not (tmp_path / "e").exists()
+
+
+# --- quantization --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_nvfp4_and_fp8_through_modelopt_are_stored_as_exported_cut_exactly_and_lossless(multimodal_pair, tmp_path):
+    """quantization nvfp4 (and fp8) from the multimodal directory: ModelOpt quantizes every attention and MLP linear of
+    the text model (a full layer's k_proj, which is also its V, included; norms, layer_scalar and the embedding not),
+    a decoder layer at a time (byte for byte ModelOpt's export of the whole model: tests/test_quantize_layers.py); a tp
+    2 build cuts q_proj's packed rows and block scales, gives every rank a full layer's one KV head whole, and decoding
+    is lossless against itself (greedy and sampled dflash == ar)."""
+    pytest.importorskip("modelopt.torch.quantization")
+    calibration = {"calibration_samples": 4, "calibration_max_tokens": 24}
+    one = cli_build(tmp_path, multimodal_pair, "nvfp4", quantization="nvfp4", **calibration)
+    two = cli_build(tmp_path, multimodal_pair, "nvfp4_tp2", quantization="nvfp4", tp_size=2, **calibration)
+    full, ranks = load_file(str(one / rank_file(0))), [load_file(str(two / rank_file(r))) for r in range(2)]
+    prefix = "target.model.layers.1."  # (a full layer: V = K)
+    assert {k.removeprefix(prefix): v.dtype for k, v in full.items() if k.startswith(prefix + "self_attn.k_proj")} == {
+        "self_attn.k_proj.weight": torch.uint8, "self_attn.k_proj.weight_scale": torch.float8_e4m3fn,
+        "self_attn.k_proj.weight_scale_2": torch.float32, "self_attn.k_proj.input_scale": torch.float32}
+    assert f"{prefix}self_attn.v_proj.weight" not in full
+    for name in ("layer_scalar", "input_layernorm.weight", "self_attn.k_norm.weight"):
+        assert full[prefix + name].dtype == torch.float32, name
+    for leaf in ("weight", "weight_scale"):
+        q, k = (f"{prefix}self_attn.{p}_proj.{leaf}" for p in "qk")
+        assert torch.equal(torch.cat([r[q].view(torch.uint8) for r in ranks]), full[q].view(torch.uint8))
+        assert all(torch.equal(r[k].view(torch.uint8), full[k].view(torch.uint8)) for r in ranks)
+    fp8 = cli_build(tmp_path, multimodal_pair, "fp8", quantization="fp8", **calibration)
+    assert load_file(str(fp8 / rank_file(0)))[f"{prefix}mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    for engine in (Engine.load(one), Engine.load(fp8)):
+        assert_dflash_equals_ar_greedy_and_sampled(engine)
 
 
 # --- the published 31B config (no download) ---------------------------------------------------------------

@@ -58,11 +58,11 @@ def layers_equal_whole(directory: Path, fmt: str) -> int:
 
 @pytest.mark.parametrize("family, fmt", [("qwen3", "nvfp4"), ("llama", "fp8"), ("qwen3_moe", "nvfp4"),
                                          ("qwen3_5", "fp8"), ("qwen3_5_moe", "nvfp4"), ("deepseek_v3", "nvfp4"),
-                                         ("deepseek_v3", "fp8")])
+                                         ("deepseek_v3", "fp8"), ("gemma4", "nvfp4")])
 def test_a_layer_at_a_time_is_modelopts_export_of_the_whole_model(family, fmt, tmp_path):
     """Each family's tiny random target (4 layers: Qwen3.5's linear and full attention, Qwen3 MoE's and DeepSeek's
-    dense and routed layers, DeepSeek's latent attention left unquantized): every tensor ModelOpt exports for the
-    layers, byte for byte."""
+    dense and routed layers, DeepSeek's latent attention left unquantized, Gemma 4's sliding and full layers): every
+    tensor ModelOpt exports for the layers, byte for byte."""
     write_random_pair(tmp_path, family, block_size=8, seed=0)
     scales = layers_equal_whole(tmp_path / "target", fmt)
     spec = load_target(tmp_path / "target").spec

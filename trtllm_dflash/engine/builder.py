@@ -94,14 +94,11 @@ def check_backend(cfg: BuildConfig, source: str) -> None:
 
 def check_target_family(cfg: BuildConfig, spec: DecoderSpec, source: str) -> None:
     """What Gemma 4 targets can be built into today: the torch executor only (the exported graphs have one head_dim
-    per model and no soft-capped logits), unquantized (ModelOpt's export of Gemma 4 is not wired in yet). Every other
+    per model and no soft-capped logits). Every other
     family builds for every backend (Qwen3.5: its Gated DeltaNet layers' states as graph inputs and outputs,
     docs/models.md §Recurrent state; DeepSeek-V3 / Kimi K2: the latent cache as one KV head and a zero-wide V)."""
     if not spec.is_gemma4:
         return
-    if cfg.quantization != "none":
-        raise UserError(f"{source}: quantization {cfg.quantization} of {spec.model_type} targets is not supported "
-                        "yet; use quantization: none.")
     if cfg.backend != "torch":
         raise UserError(f"{source}: backend {cfg.backend} cannot export {spec.model_type} targets yet (per-layer-type "
                         "head dims, attention scale 1, soft-capped logits); use backend: torch for this engine.")

@@ -7,7 +7,7 @@ unquantized, so layer i's scales depend only on the unquantized outputs of layer
 in layer order while it writes the rank files: reading a tensor of layer i quantizes layer i on the hidden states
 layer i-1 left, and drops layer i-1's tensors. Two ways to quantize a layer:
 
-- `ModelOptLayers` (Qwen3, Llama, Qwen3 MoE, Qwen3.5 dense and MoE, DeepSeek-V3 / Kimi K2): ModelOpt itself, on a
+- `ModelOptLayers` (Qwen3, Llama, Qwen3 MoE, Qwen3.5 dense and MoE, DeepSeek-V3 / Kimi K2, Gemma 4): ModelOpt, on a
   one-layer model of the target's own transformers class holding layer i (`one_layer_config`): `mtq.quantize` fed the
   calibration prompts' hidden states, then `export_hf_checkpoint`, the tensors renamed from layer 0 to layer i. The
   result is byte for byte what ModelOpt writes for the whole model (tests/test_quantize_layers.py). The layer's weights
