@@ -6,16 +6,16 @@ layer 0 dense (intermediate 8192), the others (2 by default: ~1.7 GB; `--layers`
 groups (4 eligible, top 6) and a shared expert; vocabulary 512. Builds it at tp_size 8 with moe_parallel ep (8 whole
 experts a rank) in a fresh process and compares the build's peak resident memory (`/usr/bin/time`'s maximum RSS) with
 
-    bound = k x the largest decoder layer's weights (bytes in the checkpoint) + the import-only baseline
+    bound = 1.5 x the largest decoder layer's weights (bytes in the checkpoint) + the import-only baseline
 
-(the baseline: a process that only imports the builder, i.e. torch + transformers). Unquantized (k = 1.5), the build
-streams the checkpoint a tensor at a time into the eight rank files. With `--quantization nvfp4` (k = 4) ModelOpt
-quantizes the target a layer at a time (engine/quantize_layers.py: a layer as read, transformers' fused copy of its
-experts, the exported tensors), and the script also measures, in a fresh process on the same prompts, ModelOpt's PTQ of
-the whole model loaded by transformers (engine/quantize_target.py `quantize_target`, what the build did before),
-whose peak grows with the whole checkpoint instead.
+(the baseline: a process that only imports the builder, i.e. torch + transformers): unquantized, the build streams the
+checkpoint a tensor at a time into the eight rank files. With `--quantization nvfp4` ModelOpt quantizes the target a
+layer at a time (engine/quantize_layers.py), so the peak should stay flat as layers are added (`--layers 3,7`: one
+checkpoint of each depth), and the script also measures, in a fresh process on the same prompts, ModelOpt's PTQ of the
+whole model loaded by transformers (engine/quantize_target.py `quantize_target`), whose peak grows with the checkpoint.
+The baseline then imports ModelOpt too.
 
-    python benchmarks/build_peak_memory_mla.py [--quantization nvfp4] [--layers N] [--workdir DIR] [--output FILE]
+    python benchmarks/build_peak_memory_mla.py [--quantization nvfp4] [--layers N[,N...]] [--workdir DIR] [--output F]
 """
 
 from __future__ import annotations
@@ -97,45 +97,56 @@ quantize_target(target, "nvfp4", batches, LATENT_ATTENTION)
 """
 
 
+def measure(root: Path, dims: dict, quantization: str, baseline: float) -> dict:
+    """One checkpoint of `dims`: the build's peak (and, quantized, ModelOpt's on the whole model)."""
+    nvfp4 = quantization == "nvfp4"
+    ckpt, layer = write_pair(root, dims)
+    config = root / "build.yaml"
+    config.write_text(f"target: target\ndrafter: drafter\ndtype: bfloat16\nquantization: {quantization}\n"
+                      f"tp_size: {TP_SIZE}\nmoe_parallel: ep\nmax_batch_size: 8\nmax_seq_len: 4096\n"
+                      + "".join(f"{k}: {v}\n" for k, v in CALIBRATION.items() if nvfp4))
+    rss, wall = peak_rss_mib([sys.executable, "-m", "trtllm_dflash.cli", "build", str(config),
+                              "--output", str(root / "engine")])
+    run = {"num_hidden_layers": dims["num_hidden_layers"], "checkpoint_bytes": ckpt, "largest_layer_bytes": layer,
+           "build": {"quantization": quantization, "tp_size": TP_SIZE, "moe_parallel": "ep",
+                     "peak_rss_mib": round(rss), "build_s": round(wall, 1),
+                     "engine_weight_bytes": sum(f.stat().st_size for f in (root / "engine").glob("rank*.safetensors"))}
+           | (CALIBRATION if nvfp4 else {}),
+           "peak_minus_import_over_largest_layer": round((rss - baseline) * 2**20 / layer, 3)}
+    if nvfp4:
+        whole, whole_s = peak_rss_mib([sys.executable, "-c", WHOLE_MODEL, str(root / "target"),
+                                       *(str(v) for v in CALIBRATION.values())])
+        run["whole_model_modelopt"] = {
+            "peak_rss_mib": round(whole), "wall_s": round(whole_s, 1),
+            "peak_minus_import_over_checkpoint": round((whole - baseline) * 2**20 / ckpt, 3),
+            "build_peak_over_whole_model_peak": round(rss / whole, 3)}
+    else:
+        bound = 1.5 * layer / 2**20 + baseline
+        run |= {"bound_mib": round(bound), "within_bound": rss <= bound}
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantization", choices=("none", "nvfp4"), default="none")
-    ap.add_argument("--layers", type=int, default=DIMS["num_hidden_layers"], help="decoder layers (1 dense)")
-    ap.add_argument("--workdir", type=Path, help="where to write the checkpoint and engine (default: a temp dir)")
+    ap.add_argument("--layers", default=str(DIMS["num_hidden_layers"]),
+                    help="decoder layers (1 dense), or several checkpoints' counts: 3,7")
+    ap.add_argument("--workdir", type=Path, help="where to write the checkpoints and engines (default: a temp dir)")
     ap.add_argument("--output", type=Path, help="default: results/build_peak_memory_mla[_nvfp4].json")
     args = ap.parse_args()
-    nvfp4 = args.quantization == "nvfp4"
-    output = args.output or Path(__file__).parent / "results" / f"build_peak_memory_mla{'_nvfp4' * nvfp4}.json"
-    dims = DIMS | {"num_hidden_layers": args.layers}
-    whole = None
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        root = Path(tmp)
-        ckpt, layer = write_pair(root, dims)
-        baseline, _ = peak_rss_mib([sys.executable, "-c", "import trtllm_dflash.engine.builder"])
-        config = root / "build.yaml"
-        config.write_text(f"target: target\ndrafter: drafter\ndtype: bfloat16\nquantization: {args.quantization}\n"
-                          f"tp_size: {TP_SIZE}\nmoe_parallel: ep\nmax_batch_size: 8\nmax_seq_len: 4096\n"
-                          + "".join(f"{k}: {v}\n" for k, v in CALIBRATION.items() if nvfp4))
-        rss, wall = peak_rss_mib([sys.executable, "-m", "trtllm_dflash.cli", "build", str(config),
-                                  "--output", str(root / "engine")])
-        engine_bytes = sum(f.stat().st_size for f in (root / "engine").glob("rank*.safetensors"))
-        if nvfp4:
-            whole = peak_rss_mib([sys.executable, "-c", WHOLE_MODEL, str(root / "target"),
-                                  *(str(v) for v in CALIBRATION.values())])
-    bound = (4 if nvfp4 else 1.5) * layer / 2**20 + baseline
+    output = args.output or Path(__file__).parent / "results" / (
+        f"build_peak_memory_mla{'_nvfp4' * (args.quantization == 'nvfp4')}.json")
+    # (the import-only baseline: what the build imports before it reads a tensor; ModelOpt too when it quantizes)
+    imports = "import trtllm_dflash.engine.builder" + (
+        ", modelopt.torch.quantization, modelopt.torch.export" if args.quantization == "nvfp4" else "")
+    baseline, _ = peak_rss_mib([sys.executable, "-c", imports])
+    runs = []
+    for layers in (int(n) for n in args.layers.split(",")):
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            runs.append(measure(Path(tmp), DIMS | {"num_hidden_layers": layers}, args.quantization, baseline))
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
-              "target_dims": dims, "checkpoint_bytes": ckpt, "largest_layer_bytes": layer,
-              "import_only_peak_rss_mib": round(baseline),
-              "build": {"quantization": args.quantization, "tp_size": TP_SIZE, "moe_parallel": "ep",
-                        "peak_rss_mib": round(rss), "build_s": round(wall, 1), "engine_weight_bytes": engine_bytes}
-              | (CALIBRATION if nvfp4 else {}),
-              "bound_mib": round(bound), "within_bound": rss <= bound,
-              "peak_minus_import_over_largest_layer": round((rss - baseline) * 2**20 / layer, 3)}
-    if whole is not None:
-        report["whole_model_modelopt"] = {
-            "peak_rss_mib": round(whole[0]), "wall_s": round(whole[1], 1),
-            "peak_minus_import_over_checkpoint": round((whole[0] - baseline) * 2**20 / ckpt, 3),
-            "build_peak_over_whole_model_peak": round(rss / whole[0], 3)}
+              "target_dims": DIMS | {"num_hidden_layers": "per run"}, "import_only": imports,
+              "import_only_peak_rss_mib": round(baseline), "runs": runs}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
