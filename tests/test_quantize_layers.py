@@ -98,8 +98,10 @@ def test_kimi_int4_experts_are_quantized_from_their_values(tmp_path):
 def test_layers_are_read_in_order(tmp_path):
     write_random_pair(tmp_path, "qwen3", block_size=8, seed=0)
     layers = ModelOptLayers(load_target(tmp_path / "target"), "nvfp4", prompts())
+    started: list[int] = []
+    layers.on_layer = started.append  # (the builder's progress bar names the layer)
     assert "model.embed_tokens.weight" not in layers and layers.done == -1  # (not a layer's: nothing computed)
     with pytest.raises(AssertionError, match="in order"):
         layers["model.layers.1.self_attn.q_proj.weight"]
-    assert "model.layers.0.self_attn.q_proj.weight_scale" in layers and layers.done == 0
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in layers and layers.done == 0 and started == [0]
     assert "model.layers.0.input_layernorm.weight" not in layers  # (not quantized: the checkpoint's, as stored)

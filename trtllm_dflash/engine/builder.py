@@ -30,7 +30,7 @@ from trtllm_dflash.checkpoint.tokenizer import load_tokenizer
 from trtllm_dflash.config import BuildConfig
 from trtllm_dflash.engine.quantize_drafter import quantize_drafter
 from trtllm_dflash.engine.quantize_moe_target import LayerwiseQuantizedTarget
-from trtllm_dflash.engine.quantize_layers import ModelOptLayers
+from trtllm_dflash.engine.quantize_layers import LayerByLayer, ModelOptLayers
 from trtllm_dflash.engine.quantize_target import LATENT_ATTENTION, QUANT_ALGOS, calibration_batches
 from trtllm_dflash.engine.safetensors_stream import SafetensorsWriter
 from trtllm_dflash.engine_dir import (
@@ -265,8 +265,11 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
             wrote = (f"quantized the target to {QUANT_ALGOS[cfg.quantization]} a layer at a time "
                      f"(calibrated on {len(batches)} prompts) and {wrote}")
         with _stage(report, wrote), Progress(disable=not progress, transient=True) as bar, ExitStack() as files:
-            task = bar.add_task(f"{'quantizing and ' if cfg.quantization != 'none' else ''}writing {cfg.tp_size} "
-                                "rank file(s)", total=total)
+            task = bar.add_task(f"writing {cfg.tp_size} rank file(s)", total=total)
+            layers = quantized[TARGET_PREFIX]
+            if isinstance(layers, LayerByLayer):  # (a layer's calibration can take minutes: say which one runs)
+                layers.on_layer = lambda i: bar.update(task, description=f"quantizing layer {i + 1} of "
+                                                       f"{layers.num_layers}, writing {cfg.tp_size} rank file(s)")
             # Streamed: each source tensor is read once, its slices go to every rank's file, and memory holds one
             # source tensor at a time, never a whole rank.
             outs = [files.enter_context(SafetensorsWriter(tmp / rank_file(r), metadata={"format": "pt"}))

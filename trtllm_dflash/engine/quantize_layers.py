@@ -25,7 +25,7 @@ import contextlib
 import copy
 import io
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -46,6 +46,7 @@ class LayerByLayer(Mapping[str, torch.Tensor]):
         self.num_layers = num_layers
         self.done = -1  # last layer quantized
         self.layer: dict[str, torch.Tensor] = {}  # its tensors
+        self.on_layer: Callable[[int], None] | None = None  # told each layer's index as it starts (progress)
 
     def _quantize_layer(self, i: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -59,6 +60,8 @@ class LayerByLayer(Mapping[str, torch.Tensor]):
         if i != self.done:
             assert i == self.done + 1, f"layer {i}: layers are quantized in order; layer {self.done} is the last done"
             self.layer = {}  # (drop the previous layer's tensors before making this one's)
+            if self.on_layer is not None:
+                self.on_layer(i)
             self.layer = self._quantize_layer(i)
             self.done = i
 
