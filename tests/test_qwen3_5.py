@@ -337,6 +337,77 @@ def test_prefix_reuse_resumes_the_recurrent_states(engine, engine_dir, mode):
     assert sorted(n for part in counting.computed for n in part) == sorted(lengths)
 
 
+def conversations(vocab_size: int, n: int = 5) -> list[Request]:
+    """n prompts of 50 tokens with nothing in common (each keeps one state, at its last full block: 48)."""
+    g = torch.Generator().manual_seed(11)
+    return [Request(i, torch.randint(4, vocab_size, (50,), generator=g).tolist(), 8) for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_prefix_states_keeps_more_conversations_than_slots(engine, engine_dir, ort_engine_dir, backend):
+    """--prefix-states N: five conversations one at a time on 4 request slots, then the first one's next turn. One kept
+    state per slot (the default) has evicted the first conversation's by then, so its next turn computes its prompt
+    whole; 8 kept states resume it at its last full block. The tokens are the same either way (the torch executor's
+    static cache's), and --kv-cache-memory counts the 8 states."""
+    from trtllm_dflash.runtime.cache_rows import _block_bytes
+
+    reqs = conversations(engine.executor.vocab_size)
+    first = {r.request.id: r.output_token_ids for r in engine.decoder("dflash").generate(reqs[:1])}[0]
+    turn = Request(9, reqs[0].prompt_token_ids + first + list(range(4, 24)), 8)
+    want = {r.request.id: r.output_token_ids for r in engine.decoder("dflash").generate([*reqs, turn])}
+    where = {"backend": "onnxruntime"} if backend == "onnxruntime" else {"kv_cache_memory": "8MiB"}
+    directory = ort_engine_dir if backend == "onnxruntime" else engine_dir
+    # (the default: the turn finds its first turn's 3 blocks without their state, computes them again and keeps a
+    # state there and at its own last full block)
+    n = len(turn.prompt_token_ids)  # (78: passes end at its checkpoints, 48 and 64, then its last 14 tokens)
+    for kept, (states_kept, resumed, computed) in ((None, (7, 0, [48, 16, n - 64])), (8, (6, 1, [16, n - 64]))):
+        loaded = Engine.load(directory, prefix_states=kept, **where)
+        counting = CountingPrefill(loaded.executor)
+        decoder = Engine(loaded.config, loaded.tokenizer, counting).decoder("dflash")
+        got = {r.request.id: r.output_token_ids for req in reqs for r in decoder.generate([req])}
+        before = len(counting.computed)
+        got |= {r.request.id: r.output_token_ids for r in decoder.generate([turn])}
+        states = loaded.executor.prefix_states
+        assert got == want and states.capacity == (kept or 4)
+        assert (states.kept, states.resumed) == (states_kept, resumed), (states.kept, states.resumed)
+        assert [n for part in counting.computed[before:] for n in part] == computed, counting.computed
+    if backend == "torch":  # the paged budget gives the 4 more kept states' bytes from its blocks
+        blocks = {kept: Engine.load(directory, prefix_states=kept, **where).executor.kv_blocks.num_blocks
+                  for kept in (None, 8)}
+        assert blocks[8] < blocks[None], blocks
+    if backend == "onnxruntime":  # the budget counts 8 kept states beside the 4 rows, not one a row
+        ort = Engine.load(directory, prefix_states=8, **where).executor
+        rows_and_kept, block = ort.rows_bytes + ort.prefix_states.nbytes, _block_bytes((ort._target, ort._drafter))
+        assert ort.prefix_states.nbytes == 8 * ort.prefix_states.bytes_each(ort._states)
+        tight = Engine.load(directory, prefix_states=8, kv_cache_memory=str(rows_and_kept + block), **where).executor
+        assert (tight.num_slots, tight.prefix_rows.num_blocks, tight.prefix_states.capacity) == (4, 1, 8)
+        with pytest.raises(UserError, match="beside the static rows' and the recurrent states kept for them"):
+            Engine.load(directory, prefix_states=8, kv_cache_memory=str(rows_and_kept + block // 2), **where)
+
+
+def test_prefix_states_bad_inputs_are_one_sentence(engine_dir, qwen3_engine_dir, tmp_path, capsys):
+    """Where no state would be kept (no recurrent layers, --no-prefix-cache, the torch executor's static cache) and a
+    count below 1: one sentence, a non-zero exit, no output file."""
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    run = ["run", "--input", str(prompts), "--output", str(out), "--prefix-states"]
+    for directory, args, words in (
+            (qwen3_engine_dir, ["4", "--kv-cache-memory", "8MiB"],
+             "--prefix-states 4: this engine's qwen3 target has no recurrent states to keep (only Gated DeltaNet "
+             "layers, as Qwen3.5's, do); drop --prefix-states."),
+            (engine_dir, ["4", "--no-prefix-cache", "--kv-cache-memory", "8MiB"],
+             "--prefix-states 4: the states are kept for prefix reuse, which --no-prefix-cache turns off; drop one."),
+            (engine_dir, ["4"], "--prefix-states 4: the torch executor reuses prefixes in its paged cache only; give "
+             "--kv-cache-memory SIZE too.")):
+        assert main([run[0], str(directory), *run[1:], *args]) == EXIT_USER_ERROR
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1 and not out.exists(), err
+    with pytest.raises(SystemExit) as exited:  # (argparse's own sentence, after its usage line)
+        main([run[0], str(engine_dir), *run[1:], "0"])
+    assert exited.value.code != 0 and capsys.readouterr().err.strip().endswith(
+        "argument --prefix-states: must be an integer >= 1, got 0")
+
+
 # --- tensor parallelism, bad build options, the published config -------------------------------------------
 
 

@@ -98,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("--stream: the prompt is empty; give the text to complete, or - to read prompts from stdin.")
     opts = RunOptions(args.mode, args.max_new_tokens, args.temperature, args.seed, tuple(args.stop_token_ids),
                       args.threads, args.block_size, args.device, args.resume, args.progress, args.backend,
-                      args.cuda_graphs, args.kv_cache_memory, args.prefix_cache, args.tree_budget)
+                      args.cuda_graphs, args.kv_cache_memory, args.prefix_cache, args.tree_budget, args.prefix_states)
     check_tree_options(args.tree_budget, args.mode, args.block_size)
     world = init_world("nccl" if args.device == "cuda" else "gloo")
     try:
@@ -201,7 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError("bench needs --dataset (or --profile to only measure the pass costs).")
     opts = BenchOptions(args.concurrency, args.modes, args.block_sizes, args.num_requests, args.max_new_tokens,
                         args.warmup, args.repeats, args.threads, args.backend, args.kv_cache_memory,
-                        args.prefix_cache, args.system_prompt, args.multi_turn)
+                        args.prefix_cache, args.system_prompt, args.multi_turn, args.prefix_states)
     bench_command(args.engine_dir, args.dataset, opts, args.report_json, args.plot)
     return 0
 
@@ -222,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(engine_dir=str(args.engine_dir.absolute()), mode=args.mode, block_size=args.block_size,
                       max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
                       threads=args.threads, backend=args.backend, kv_cache_memory=args.kv_cache_memory,
-                      prefix_cache=args.prefix_cache, tree_budget=args.tree_budget)
+                      prefix_cache=args.prefix_cache, tree_budget=args.tree_budget, prefix_states=args.prefix_states)
     endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port) if args.launch else None
 
     engine = check_launch(cfg, args.launch)
@@ -263,6 +263,7 @@ def _add_serve(sub) -> None:
                    "shared among the ranks)")
     s.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
+    s.add_argument("--prefix-states", type=_positive_int, metavar="N", help=PREFIX_STATES_HELP)
     s.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N", help=TREE_BUDGET_HELP)
     _add_backend(s)
     s.add_argument("--launch", action="store_true", help="start tritonserver on the repository")
@@ -289,8 +290,11 @@ KV_CACHE_MEMORY_HELP = ("a paged KV cache of this size for target and drafter (5
 PREFIX_CACHE_HELP = ("a request whose prompt starts with the full 16-position blocks of an earlier request's prompt "
                      "skips their prefill: a paged cache (--kv-cache-memory) shares the blocks, the onnxruntime and "
                      "tensorrt executors copy them into the request's row from a pool (one row's size, or what "
-                     "--kv-cache-memory leaves; with --block-size auto once the drafter holds the prompt; not for "
-                     "Qwen3.5 targets)")
+                     "--kv-cache-memory leaves; with --block-size auto once the drafter holds the prompt; a Qwen3.5 "
+                     "target up to a block after which its recurrent states are kept: --prefix-states)")
+PREFIX_STATES_HELP = ("Qwen3.5 (Gated DeltaNet) targets: how many recurrent states the prefix cache keeps at prompt "
+                      "block boundaries, least recently used evicted first, counted in --kv-cache-memory (default: one "
+                      "per request slot); more keep more conversations' next turns from recomputing their prompt")
 BLOCK_SIZE_HELP = ("tokens per block, 2 .. the engine's, or auto: each step verifies the k in 1 .. the engine's block "
                    "that maximises expected tokens/s, from pass costs measured once and cached (default: the engine's)")
 
@@ -371,6 +375,7 @@ def _add_bench(sub) -> None:
                    "shared among the ranks)")
     b.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     b.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
+    b.add_argument("--prefix-states", type=_positive_int, metavar="N", help=PREFIX_STATES_HELP)
     b.add_argument("--system-prompt", type=Path, metavar="FILE",
                    help="a shared prefix: this text file's contents begin every request (the chat's system message "
                         "for SPEED-Bench records, text before the prompt otherwise) (default: none)")
@@ -509,6 +514,7 @@ def parser() -> argparse.ArgumentParser:
                         "--device cuda where the target has no experts)")
     r.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
+    r.add_argument("--prefix-states", type=_positive_int, metavar="N", help=PREFIX_STATES_HELP)
     r.add_argument("--tree-budget", type=_int_in(1, 1024), metavar="N", help=TREE_BUDGET_HELP)
     _add_backend(r)
     r.set_defaults(func=cmd_run)

@@ -24,3 +24,4 @@ class BenchOptions:
     prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     system_prompt: Path | None = None  # a text file every request begins with (a shared prefix)
     multi_turn: bool = False  # SPEED-Bench: every turn of a conversation, each after the engine's answer
+    prefix_states: int | None = None  # a hybrid target's recurrent states kept for prefix reuse (None: one a slot)

@@ -93,7 +93,7 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     engine = Engine.load(engine_dir, block_size="auto" if "auto" in block_sizes else None, command="bench",
                          backend=opts.backend, report=progress, threads=opts.threads,
                          kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache,
-                         tree_budget=max(trees) if trees else None)
+                         tree_budget=max(trees) if trees else None, prefix_states=opts.prefix_states)
     cfg = engine.config
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests, system)
     conversations = (Conversations(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, system)

@@ -336,32 +336,36 @@ class StaticRows(KeepsPrefixStates):
 
     @staticmethod
     def _allocate_rows(make: Callable[[int], Rows], max_rows: int, budget: int | Callable[[], int] | None,
-                       prefix_cache: bool, cache_length: int) -> tuple[int, Rows]:
+                       prefix_cache: bool, cache_length: int, kept_states: int | None = None) -> tuple[int, Rows]:
         """The rows `make(n)` allocates (the caches and recurrent states of n rows): max_rows of them, or, under a
         `budget` in bytes that cannot hold them all, as many as it holds beside one prefix block (the least pool
-        _keep_rows accepts; with `prefix_cache` only), a row of a target with recurrent states counting one state kept
-        for prefix reuse too (PrefixStates). Returns (rows, what make gave). KVBudgetError, in words, where not even
-        one row fits. A fraction of the free memory (a function) is of what the rows leave: they are all allocated."""
+        _keep_rows accepts; with `prefix_cache` only) and a target's recurrent states kept for prefix reuse
+        (PrefixStates: `kept_states` of them, or one per row). Returns (rows, what make gave). KVBudgetError, in
+        words, where not even one row fits. A fraction of the free memory (a function) is of what the rows leave: they
+        are all allocated."""
         if budget is None or callable(budget):
             return max_rows, make(max_rows)
         caches, states = make(1)
-        row = _bytes(caches, states) + (PrefixStates.bytes_each(states) if prefix_cache and states is not None else 0)
-        if budget >= max_rows * row:
+        kept = PrefixStates.bytes_each(states) if prefix_cache and states is not None else 0
+        row, fixed = _bytes(caches, states) + (0 if kept_states else kept), kept * (kept_states or 0)
+        if budget >= max_rows * row + fixed:
             return max_rows, make(max_rows)
         block = _block_bytes(caches) if prefix_cache else 0
-        rows = (budget - block) // row
+        rows = (budget - block - fixed) // row
         if rows < 1:
             pool, fix = (" and one prefix block", "; give more, or add --no-prefix-cache") if block else ("", "")
+            states_too = f" beside {kept_states} kept recurrent states' {format_size(fixed)}" if fixed else ""
             raise KVBudgetError(f"smaller than one static row{pool}, {format_size(row + block)} (a row holds "
-                                f"{cache_length} positions of every layer){fix}")
+                                f"{cache_length} positions of every layer){states_too}{fix}")
         return rows, make(rows)
 
     def _keep_rows(self, caches: tuple[LayerCaches, ...], states: RecurrentStates | None, cache_length: int,
-                   prefix_cache: bool, window: int = 0, budget: int | Callable[[], int] | None = None) -> None:
+                   prefix_cache: bool, window: int = 0, budget: int | Callable[[], int] | None = None,
+                   kept_states: int | None = None) -> None:
         """Rows for `caches` (and a hybrid target's recurrent `states`); prompt blocks copied between requests with
-        `prefix_cache`, and a hybrid target's states kept at checkpoints for them (one per row: PrefixStates, whose
-        state after a prefix is one matrix, not blocks). `window`: the sliding window of the layers whose caches are
-        rings (shorter buffers).
+        `prefix_cache`, and a hybrid target's states kept at checkpoints for them (`kept_states`, default one per row:
+        PrefixStates, whose state after a prefix is one matrix, not blocks). `window`: the sliding window of the layers
+        whose caches are rings (shorter buffers).
 
         The prefix pool holds one row's worth of blocks, or what `budget` leaves (--kv-cache-memory): bytes for the
         rows (and states) and the pool together, or a function giving the bytes the pool may take (a fraction of the
@@ -372,7 +376,7 @@ class StaticRows(KeepsPrefixStates):
         if not prefix_cache:
             return
         if states is not None:
-            self.prefix_states = PrefixStates(states, states.kept_from.shape[0])
+            self.prefix_states = PrefixStates(states, kept_states or states.kept_from.shape[0])
         block = _block_bytes(caches)
         if budget is None:
             blocks = max(1, cache_length // BLOCK_TOKENS)

@@ -232,7 +232,8 @@ class TorchExecutor(KeepsPrefixStates):
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, tp: TPGroup, device: str,
                     block_size: int | None, cuda_graphs: bool | None = None,
                     kv_cache_memory: int | Callable[[], int] | None = None,
-                    prefix_cache: bool = True, tree_budget: int = 0) -> "TorchExecutor":
+                    prefix_cache: bool = True, tree_budget: int = 0,
+                    prefix_states: int | None = None) -> "TorchExecutor":
         """This rank's shard of a verified engine directory, dequantized for the torch modules."""
         target_spec, drafter_spec, params = engine_specs(cfg)
         weights = load_file(str(Path(root) / rank_file(rank)), device=device)
@@ -247,12 +248,12 @@ class TorchExecutor(KeepsPrefixStates):
         quantize_inputs(drafter, drafter_inputs)
         # The weights were loaded onto `device`; the RoPE tables (buffers made at construction) follow them.
         return cls(target.to(device), drafter.to(device), cfg.max_batch_size, cfg.max_seq_len, block_size,
-                   cuda_graphs, kv_cache_memory, prefix_cache, tree_budget)
+                   cuda_graphs, kv_cache_memory, prefix_cache, tree_budget, prefix_states)
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, num_slots: int, max_seq_len: int,
                  block_size: int | None = None, cuda_graphs: bool | None = None,
                  kv_cache_memory: int | Callable[[], int] | None = None,
-                 prefix_cache: bool = True, tree_budget: int = 0):
+                 prefix_cache: bool = True, tree_budget: int = 0, prefix_states: int | None = None):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
@@ -261,8 +262,9 @@ class TorchExecutor(KeepsPrefixStates):
         once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request; not with CUDA graphs. `prefix_cache`: with a paged cache, prompt blocks shared
-        across requests with the same prefix. `tree_budget`: the most draft nodes a tree step verifies (its pass writes
-        that many positions and the anchor's), 0: chains only."""
+        across requests with the same prefix, and a hybrid target's recurrent states kept at checkpoints for them:
+        `prefix_states` of them (None: one per slot). `tree_budget`: the most draft nodes a tree step verifies (its pass
+        writes that many positions and the anchor's), 0: chains only."""
         self.target, self.drafter = target, drafter
         # Tokens per block at run time: the trained block size, or fewer (a shorter block of the same drafter).
         self.block_size = block_size or (drafter.params.block_size if drafter is not None else 1)
@@ -281,7 +283,7 @@ class TorchExecutor(KeepsPrefixStates):
         graphs = (self.device.type == "cuda" and not target.spec.has_experts and not target.spec.has_recurrent_state
                   and target.tp.size == 1 if cuda_graphs is None else cuda_graphs)
         self._margin = margin
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self._kept_states = prefix_cache, prefix_states or num_slots
         # The Gated DeltaNet layers' states per slot, kept for each position of a pass of up to a verify block
         self.target_states = target.new_states(num_slots, margin)
         # ... and, with a paged cache sharing prefixes, kept at prompt positions (`checkpoint`) for later requests: a
@@ -319,10 +321,10 @@ class TorchExecutor(KeepsPrefixStates):
         reserved_for = "the sliding-window layers'"
         if self.target_states is not None:  # allocated per slot, outside the blocks (and no model has both)
             reserved, reserved_for = reserved + self.target_states.nbytes, "the Gated DeltaNet layers' states"
-            if self.prefix_cache:  # as many kept states as slots
-                self.prefix_states = PrefixStates(self.target_states, num_slots)
+            if self.prefix_cache:  # (one per slot unless --prefix-states says)
+                self.prefix_states = PrefixStates(self.target_states, self._kept_states)
                 reserved += self.prefix_states.nbytes
-                reserved_for += f", {num_slots} slots' and {num_slots} kept for prefix reuse,"
+                reserved_for += f", {num_slots} slots' and {self._kept_states} kept for prefix reuse,"
         blocks = plan_blocks(budget, shapes, max_positions, reserved=reserved, reserved_for=reserved_for)
         self.kv_blocks = BlockTables(blocks, num_slots, max_positions, BLOCK_TOKENS, self.device)
         layer_tables = [self.window_blocks if i in sliding else self.kv_blocks for i in range(spec.num_layers)]

@@ -109,12 +109,13 @@ class OnnxRuntimeExecutor(StaticRows):
 
     def __init__(self, graphs: Path, cfg: EngineConfig, block_size: int | None, threads: int | None,
                  device: torch.device | str = "cpu", tree_budget: int = 0, prefix_cache: bool = True,
-                 kv_cache_memory: int | Callable[[], int] | None = None):
+                 kv_cache_memory: int | Callable[[], int] | None = None, prefix_states: int | None = None):
         """`tree_budget`: the most draft nodes a tree step verifies (target_tree.onnx, drafter_candidates.onnx; its
         nodes are written past a request's positions, so the caches hold that many more); 0: no trees.
         `prefix_cache`: prompt blocks copied between requests with the same prefix (cache_rows.PrefixRows;
-        with a hybrid target, up to a block after which its recurrent states are kept: runtime/prefix_states.py). `kv_cache_memory`: the
-        caches' and the prefix pool's bytes, or a function giving the pool's (StaticRows._keep_rows)."""
+        with a hybrid target, up to a block after which its recurrent states are kept: runtime/prefix_states.py;
+        `prefix_states` of them, default one per row). `kv_cache_memory`: the caches' and the prefix pool's bytes, or a
+        function giving the pool's (StaticRows._keep_rows)."""
         ort = _onnxruntime()
         if cfg.quantization.get("quant_algo") == "NVFP4":
             raise UserError("--backend onnxruntime cannot run NVFP4 graphs (TensorRT's FP4 quantize node); use "
@@ -177,16 +178,17 @@ class OnnxRuntimeExecutor(StaticRows):
 
         # (max_batch_size rows, or as many as --kv-cache-memory holds)
         self.num_slots, ((self._target, self._drafter), self._states) = self._allocate_rows(
-            rows, cfg.max_batch_size, kv_cache_memory, prefix_cache, max_len)
+            rows, cfg.max_batch_size, kv_cache_memory, prefix_cache, max_len, prefix_states)
         self._linear = target.linear_layers
         self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window,  # (StaticRows)
-                        kv_cache_memory)
+                        kv_cache_memory, prefix_states)
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
                     threads: int | None, device: str = "cpu", tree_budget: int = 0, prefix_cache: bool = True,
-                    kv_cache_memory: int | Callable[[], int] | None = None) -> "OnnxRuntimeExecutor":
+                    kv_cache_memory: int | Callable[[], int] | None = None,
+                    prefix_states: int | None = None) -> "OnnxRuntimeExecutor":
         graphs = graph_dir(Path(root), rank)
         recurrent = engine_specs(cfg)[0].has_recurrent_state
         missing = [name for name in GRAPHS + ((REPLAY_GRAPH,) if recurrent else ()) if not (graphs / name).is_file()]
@@ -197,7 +199,7 @@ class OnnxRuntimeExecutor(StaticRows):
         if missing:
             raise UserError(f"{root}: --tree-budget needs {graphs / missing[0]}, which engines built by an earlier "
                             "trtllm-dflash lack; build it again with `trtllm-dflash build CONFIG --force`.")
-        return cls(graphs, cfg, block_size, threads, device, tree_budget, prefix_cache, kv_cache_memory)
+        return cls(graphs, cfg, block_size, threads, device, tree_budget, prefix_cache, kv_cache_memory, prefix_states)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract

@@ -35,6 +35,7 @@ class RunOptions:
     kv_cache_memory: str | None = None  # a paged KV cache of this size (torch executor; None: a static slot each)
     prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     tree_budget: int | None = None  # dflash: verify a DDTree of this many draft nodes a step (None: a chain)
+    prefix_states: int | None = None  # a hybrid target's recurrent states kept for prefix reuse (None: one a slot)
 
 
 

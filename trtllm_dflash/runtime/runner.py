@@ -53,8 +53,8 @@ class Engine:
              world: World | None = None, command: str = "run", backend: Backend | None = None,
              plugin_library: Path | None = None, report: Callable[[str], None] = lambda line: None,
              threads: int | None = None, cuda_graphs: bool | None = None,
-             kv_cache_memory: str | None = None, prefix_cache: bool = True, tree_budget: int | None = None
-             ) -> "Engine":
+             kv_cache_memory: str | None = None, prefix_cache: bool = True, tree_budget: int | None = None,
+             prefix_states: int | None = None) -> "Engine":
         """`block_size`: draft this many tokens per block (2 .. the trained block size); default: trained;
         "auto": each step chooses how many of the trained block's tokens to verify (the pass costs are measured
         here, or read from the cache: runtime/costs.py; `report` hears about it).
@@ -69,8 +69,11 @@ class Engine:
         request; 'static': the static slots whatever the engine says); for the compiled executors, whose rows are
         static, the rows' and their prefix pool's memory together (cache_rows.StaticRows); `prefix_cache`: with it,
         prompt blocks shared across requests by prefix (a paged cache's blocks; the compiled executors' static rows copy
-        them from a pool: runtime/cache_rows.PrefixRows). `tree_budget`: dflash steps verify a DDTree of that many
-        draft nodes (speculative/tree.py; torch executor, targets without sliding windows or Gated DeltaNet layers).
+        them from a pool: runtime/cache_rows.PrefixRows). `prefix_states`: how many of a hybrid target's recurrent
+        states the prefix cache keeps (runtime/prefix_states.py; default: one per request slot), counted in
+        kv_cache_memory.
+        `tree_budget`: dflash steps verify a DDTree of that many draft nodes (speculative/tree.py; torch executor,
+        targets without sliding windows or Gated DeltaNet layers).
 
         Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
         CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
@@ -105,6 +108,8 @@ class Engine:
             kv_cache_memory = str(kv_cache_memory)
         if kv_cache_memory == STATIC_KV:
             kv_cache_memory = None
+        if prefix_states is not None:
+            _check_prefix_states(cfg, backend, prefix_states, prefix_cache, kv_cache_memory)
         kv_bytes = None
         if kv_cache_memory is not None:  # (the torch executor's paged cache has no graphs; the compiled ones' rows do)
             kv_bytes = _kv_budget(kv_cache_memory, device, cuda_graphs if backend == "torch" else None)
@@ -115,15 +120,17 @@ class Engine:
 
                 executor = OnnxRuntimeExecutor.from_engine(root, cfg, world.rank, block_size, threads=None,
                                                            device=device, tree_budget=tree_budget or 0,
-                                                           prefix_cache=prefix_cache, kv_cache_memory=kv_bytes)
+                                                           prefix_cache=prefix_cache, kv_cache_memory=kv_bytes,
+                                                           prefix_states=prefix_states)
             elif backend == "tensorrt":
                 from trtllm_dflash.runtime.tensorrt_executor import TensorRTExecutor
 
                 executor = TensorRTExecutor.from_engine(root, cfg, world.rank, block_size, plugin_library,
-                                                        prefix_cache, kv_bytes, cuda_graphs, report, auto=auto)
+                                                        prefix_cache, kv_bytes, cuda_graphs, report, auto=auto,
+                                                        prefix_states=prefix_states)
             else:
                 executor = TorchExecutor.from_engine(root, cfg, world.rank, world.tp, device, block_size, cuda_graphs,
-                                                     kv_bytes, prefix_cache, tree_budget or 0)
+                                                     kv_bytes, prefix_cache, tree_budget or 0, prefix_states)
         except KVBudgetError as e:
             raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
         if executor.num_slots < cfg.max_batch_size:  # (the compiled executors' static rows: cache_rows.StaticRows)
@@ -193,6 +200,23 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
         raise UserError(f"--tree-budget: this engine's {target.model_type} target has "
                         f"{'sliding-window' if target.sliding_window is not None else 'Gated DeltaNet'} layers, which "
                         "cannot verify a tree yet (their state follows one sequence of positions); drop --tree-budget.")
+
+
+def _check_prefix_states(cfg: EngineConfig, backend: Backend, count: int, prefix_cache: bool,
+                         kv_cache_memory: str | None) -> None:
+    """--prefix-states: one sentence where no recurrent state would be kept."""
+    what = f"--prefix-states {count}"
+    if type(count) is not int or count < 1:
+        raise UserError(f"{what}: must be a positive integer.")
+    target, _, _ = engine_specs(cfg)
+    if not target.has_recurrent_state:
+        raise UserError(f"{what}: this engine's {target.model_type} target has no recurrent states to keep (only "
+                        "Gated DeltaNet layers, as Qwen3.5's, do); drop --prefix-states.")
+    if not prefix_cache:
+        raise UserError(f"{what}: the states are kept for prefix reuse, which --no-prefix-cache turns off; drop one.")
+    if backend == "torch" and kv_cache_memory in (None, STATIC_KV):
+        raise UserError(f"{what}: the torch executor reuses prefixes in its paged cache only; give --kv-cache-memory "
+                        "SIZE too.")
 
 
 def _kv_budget(text: str, device: str, cuda_graphs: bool | None) -> int | Callable[[], int]:
@@ -279,7 +303,8 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
                              report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads,
                              cuda_graphs=opts.cuda_graphs, kv_cache_memory=opts.kv_cache_memory,
-                             prefix_cache=opts.prefix_cache, tree_budget=opts.tree_budget)
+                             prefix_cache=opts.prefix_cache, tree_budget=opts.tree_budget,
+                             prefix_states=opts.prefix_states)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")

@@ -122,14 +122,16 @@ class TensorRTExecutor(StaticRows):
                  pass_tokens: int | None = None, prefix_cache: bool = True,
                  kv_cache_memory: int | Callable[[], int] | None = None, one_token_advances: bool = True,
                  new_context: Callable[[str], ExecutionContext] | None = None, cuda_graphs: bool = False,
-                 report: Callable[[str], None] = lambda line: None, window_ring: int | None = None):
+                 report: Callable[[str], None] = lambda line: None, window_ring: int | None = None,
+                 prefix_states: int | None = None):
         """`contexts`: plan name (PLANS) -> execution context; `cache_length`: the plans' cache positions per
         row; `owners`: the TensorRT objects the contexts depend on (runtime, engines, scratch, communicator),
         kept alive here; `accept_plugin`: the accept plan is the DFlashAccept plugin's (int32 tensors) rather than
         plain ops'; `pass_tokens`: the most positions per row a target_step or drafter_context call may take (the
         plans' profile; None: no limit); `prefix_cache`: prompt blocks copied between requests with the same prefix
-        (cache_rows.PrefixRows; with recurrent states, up to a kept state: runtime/prefix_states.py); `kv_cache_memory`: the caches' and the prefix
-        pool's bytes, or a function giving the pool's (StaticRows._keep_rows); `one_token_advances`: the target plan's
+        (cache_rows.PrefixRows; with recurrent states, up to a kept state: runtime/prefix_states.py, `prefix_states` of
+        them, default one per row); `kv_cache_memory`: the caches' and the prefix pool's bytes, or a function giving the
+        pool's (StaticRows._keep_rows); `one_token_advances`: the target plan's
         one-token passes leave the Gated DeltaNet layers' states after their token (RecurrentStates; False: plans of
         graphs exported before 2026-12-05); `cuda_graphs`: the decode step's plan calls captured as CUDA graphs (on a
         CPU: run over the same static buffers), each on a context of its own from `new_context(plan)`
@@ -162,11 +164,11 @@ class TensorRTExecutor(StaticRows):
 
         # (max_batch_size rows, or as many as --kv-cache-memory holds)
         self.num_slots, ((self._target, self._drafter), self._states) = self._allocate_rows(
-            rows, cfg.max_batch_size, kv_cache_memory, prefix_cache, cache_length)
+            rows, cfg.max_batch_size, kv_cache_memory, prefix_cache, cache_length, prefix_states)
         self._linear = target.linear_layers
         # slot -> cache row, and the prefix pool (runtime/cache_rows.py StaticRows)
         self._keep_rows((self._target, self._drafter), self._states, cache_length, prefix_cache,
-                        target.sliding_window if window_ring else 0, kv_cache_memory)
+                        target.sliding_window if window_ring else 0, kv_cache_memory, prefix_states)
         self._contexts = dict(contexts)
         self._accept_ints = torch.int32 if accept_plugin else torch.int64
         if accept_plugin and self.block_size != params.block_size:
@@ -186,7 +188,8 @@ class TensorRTExecutor(StaticRows):
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
                     plugin_library: Path | None = None, prefix_cache: bool = True,
                     kv_cache_memory: int | Callable[[], int] | None = None, cuda_graphs: bool | None = None,
-                    report: Callable[[str], None] = lambda line: None, auto: bool = False) -> "TensorRTExecutor":
+                    report: Callable[[str], None] = lambda line: None, auto: bool = False,
+                    prefix_states: int | None = None) -> "TensorRTExecutor":
         """Rank `rank`'s plans of a verified engine directory, deserialized on the current CUDA device (under
         tp > 1, inside the torch.distributed NCCL group of the MPI ranks). `cuda_graphs`: the decode step's plan
         calls as CUDA graphs (None: at tp_size 1); `auto`: for --block-size auto, whose steps verify every length
@@ -268,7 +271,7 @@ class TensorRTExecutor(StaticRows):
                    prefix_cache=prefix_cache, kv_cache_memory=kv_cache_memory,
                    one_token_advances=bool(info.get(ONE_TOKEN_ADVANCES_KEY)), new_context=new_context,
                    cuda_graphs=cfg.mapping.tp_size == 1 if cuda_graphs is None else cuda_graphs, report=report,
-                   window_ring=info.get("window_ring"))
+                   window_ring=info.get("window_ring"), prefix_states=prefix_states)
 
     # ------------------------------------------------------------------------------------------------
     # The Executor contract

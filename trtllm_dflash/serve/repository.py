@@ -77,6 +77,7 @@ class ServeConfig(BaseModel):
     kv_cache_memory: str | None = None  # KV memory: paged (torch executor) or rows + prefix pool (None: a slot each)
     prefix_cache: bool = True  # prompt blocks reused across requests by prefix (shared when paged, else copied)
     tree_budget: int | None = Field(None, ge=1, le=1024)  # dflash: verify a DDTree of this many nodes (None: a chain)
+    prefix_states: int | None = Field(None, ge=1)  # a hybrid target's recurrent states kept (None: one a slot)
 
 
 def read_serve_config(path: Path) -> ServeConfig:

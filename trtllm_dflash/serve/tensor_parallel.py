@@ -33,7 +33,8 @@ STORE_ENV = "TRTLLM_DFLASH_TP_STORE"  # "host:port:world_size", set for tritonse
 
 def _options(cfg: ServeConfig) -> RunOptions:
     return RunOptions(mode=cfg.mode, block_size=cfg.block_size, threads=cfg.threads, backend=cfg.backend,
-                      kv_cache_memory=cfg.kv_cache_memory, prefix_cache=cfg.prefix_cache, tree_budget=cfg.tree_budget)
+                      kv_cache_memory=cfg.kv_cache_memory, prefix_cache=cfg.prefix_cache, tree_budget=cfg.tree_budget,
+                      prefix_states=cfg.prefix_states)
 
 
 def check_launch(cfg: ServeConfig, launching: bool) -> EngineConfig:

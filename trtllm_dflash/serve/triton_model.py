@@ -184,7 +184,8 @@ class TritonPythonModel:
         else:
             engine = Engine.load(Path(cfg.engine_dir), block_size=cfg.block_size, command="serve", backend=cfg.backend,
                                  threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory,
-                                 prefix_cache=cfg.prefix_cache, tree_budget=cfg.tree_budget)
+                                 prefix_cache=cfg.prefix_cache, tree_budget=cfg.tree_budget,
+                                 prefix_states=cfg.prefix_states)
             stepper = engine.decoder(cfg.mode)
         self.tokenizer = engine.tokenizer
         self.block_size = engine.executor.block_size
