@@ -98,11 +98,14 @@ class ModelOptLayers(LayerByLayer):
         return name in self.names
 
     def __iter__(self) -> Iterator[str]:
-        assert self.done == self.num_layers - 1, f"names are known once every layer is quantized; {self.done} done"
-        return iter(self.names)
+        return iter(self._every_name())
 
     def __len__(self) -> int:
-        return len(list(iter(self)))
+        return len(self._every_name())
+
+    def _every_name(self) -> dict[str, None]:
+        assert self.done == self.num_layers - 1, f"names are known once every layer is quantized; {self.done} done"
+        return self.names
 
     @torch.no_grad()
     def _quantize_layer(self, i: int) -> dict[str, torch.Tensor]:
