@@ -101,6 +101,7 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
     ("kv cache memory", ["--kv-cache-memory lots: 'lots' is not a size"]),
     ("tree with ar", ["--tree-budget drafts a tree every step of --mode dflash (or, with --block-size auto, where it "
                       "pays); it does not take --mode ar"]),
+    ("prefix states", ["--prefix-states 4: this engine's qwen3 target has no recurrent states to keep"]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, capsys, case, words):
     repo, engine, extra = tmp_path / "repo", str(engine_dir), []
@@ -119,7 +120,8 @@ def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, 
         extra = {"block size": ["--block-size", "17"], "max batch": ["--max-batch-size", "9"],
                  "max new tokens": ["--max-new-tokens", "2048"],
                  "kv cache memory": ["--kv-cache-memory", "lots"],
-                 "tree with ar": ["--tree-budget", "8", "--mode", "ar"]}[case]
+                 "tree with ar": ["--tree-budget", "8", "--mode", "ar"],
+                 "prefix states": ["--prefix-states", "4", "--kv-cache-memory", "64MiB"]}[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(["serve", engine, "--model-repo", str(repo), *extra]) == EXIT_USER_ERROR
     err = capsys.readouterr().err

@@ -109,7 +109,7 @@ class Engine:
         if kv_cache_memory == STATIC_KV:
             kv_cache_memory = None
         if prefix_states is not None:
-            _check_prefix_states(cfg, backend, prefix_states, prefix_cache, kv_cache_memory)
+            check_prefix_states(cfg, backend, prefix_states, prefix_cache, kv_cache_memory)
         kv_bytes = None
         if kv_cache_memory is not None:  # (the torch executor's paged cache has no graphs; the compiled ones' rows do)
             kv_bytes = _kv_budget(kv_cache_memory, device, cuda_graphs if backend == "torch" else None)
@@ -202,9 +202,10 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
                         "cannot verify a tree yet (their state follows one sequence of positions); drop --tree-budget.")
 
 
-def _check_prefix_states(cfg: EngineConfig, backend: Backend, count: int, prefix_cache: bool,
-                         kv_cache_memory: str | None) -> None:
-    """--prefix-states: one sentence where no recurrent state would be kept."""
+def check_prefix_states(cfg: EngineConfig, backend: Backend, count: int, prefix_cache: bool,
+                        kv_cache_memory: str | None) -> None:
+    """--prefix-states: one sentence where no recurrent state would be kept (Engine.load, and `serve` before it writes
+    the repository)."""
     what = f"--prefix-states {count}"
     if type(count) is not int or count < 1:
         raise UserError(f"{what}: must be a positive integer.")

@@ -100,6 +100,11 @@ def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
 
         check_budget_syntax(cfg.kv_cache_memory)
     check_tree_options(cfg.tree_budget, cfg.mode, cfg.block_size)
+    if cfg.prefix_states is not None:
+        from trtllm_dflash.runtime.runner import check_prefix_states
+
+        check_prefix_states(engine, cfg.backend or engine.backend, cfg.prefix_states, cfg.prefix_cache,
+                            cfg.kv_cache_memory or engine.kv_cache_memory)
     if cfg.max_new_tokens >= engine.max_seq_len:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: must be below the engine's max_seq_len "
                         f"{engine.max_seq_len} (which also holds the prompt).")
