@@ -74,8 +74,8 @@ def test_a_layer_at_a_time_is_modelopts_export_of_the_whole_model(family, fmt, t
 
 def test_kimi_int4_experts_are_quantized_from_their_values(tmp_path):
     """A Kimi K2.6 layout with INT4 routed experts (compressed-tensors pack-quantized) quantizes to what ModelOpt
-    exports for a plain bfloat16 checkpoint holding the values the INT4 codes stand for: transformers' own loading
-    could not read that directory, the checkpoint reader does, a layer at a time."""
+    exports for a plain bfloat16 checkpoint holding the values the INT4 codes stand for: the checkpoint reader
+    dequantizes the experts as it reads them, a layer at a time."""
     write_random_pair(tmp_path / "pair", "deepseek_v3", block_size=8, seed=0)
     kimi, dequantized = kimi_int4_directory(tmp_path / "pair", tmp_path / "kimi")
     plain = tmp_path / "plain"
