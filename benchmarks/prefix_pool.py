@@ -48,6 +48,7 @@ for _ in range(12):
     assert found == tokens // pool.block_tokens * pool.block_tokens, found
     pool.release(0)
     pool.release(1)
+# (PrefixRows' private _buffers: what every checkout since the pool has, the earlier one under --before too)
 print(json.dumps({"publish_ms": statistics.median(publish[2:]) * 1e3, "hit_ms": statistics.median(hit[2:]) * 1e3,
                   "blocks": tokens // pool.block_tokens, "buffers": len(pool._buffers)}))
 '''

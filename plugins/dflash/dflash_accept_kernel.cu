@@ -17,6 +17,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+
 namespace trtllm_dflash
 {
 namespace
@@ -203,26 +205,45 @@ __global__ void __launch_bounds__(kFinishThreads) dflashFinishKernel(DFlashAccep
 }
 
 // kAUTO's choice: rows in parallel when every row's block is resident at once (one wave), where a step then costs
-// one row's reduction; beyond, the per-request kernel reads fewer rows and is no longer left waiting.
+// one row's reduction; beyond, the per-request kernel reads fewer rows and is no longer left waiting. How many rows
+// are resident at once on a GPU (its multiprocessors times the row kernel's blocks on each) is found on the first
+// launch there and kept: it never changes, and the decode path (a launch per step, or its CUDA graph's capture)
+// need not query the device every time.
 template <typename T>
 cudaError_t rowsFitOneWave(DFlashAcceptParams const& p, bool& fits)
 {
+    constexpr int32_t kKnownDevices = 64;
+    static std::atomic<int64_t> residentRows[kKnownDevices]{}; // 0: not known yet
     int32_t device = 0;
-    int32_t multiprocessors = 0;
-    int32_t blocksPerMultiprocessor = 0;
     cudaError_t status = cudaGetDevice(&device);
-    if (status == cudaSuccess)
+    if (status != cudaSuccess)
     {
+        return status;
+    }
+    bool const kept = device >= 0 && device < kKnownDevices;
+    int64_t resident = kept ? residentRows[device].load(std::memory_order_relaxed) : 0;
+    if (resident == 0)
+    {
+        int32_t multiprocessors = 0;
+        int32_t blocksPerMultiprocessor = 0;
         status = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+        if (status == cudaSuccess)
+        {
+            status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &blocksPerMultiprocessor, dflashRowKernel<T>, kThreadsPerBlock, 0);
+        }
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        resident = static_cast<int64_t>(multiprocessors) * blocksPerMultiprocessor;
+        if (kept)
+        {
+            residentRows[device].store(resident, std::memory_order_relaxed);
+        }
     }
-    if (status == cudaSuccess)
-    {
-        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocksPerMultiprocessor, dflashRowKernel<T>, kThreadsPerBlock, 0);
-    }
-    fits = static_cast<int64_t>(p.batchSize) * p.blockSize
-        <= static_cast<int64_t>(multiprocessors) * blocksPerMultiprocessor;
-    return status;
+    fits = static_cast<int64_t>(p.batchSize) * p.blockSize <= resident;
+    return cudaSuccess;
 }
 
 template <typename T>
