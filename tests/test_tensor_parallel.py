@@ -140,6 +140,65 @@ def test_demo_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, tp):
     assert outputs(out) == outputs(ref) and len(outputs(ref)) == 3
 
 
+@pytest.mark.mpi
+@needs_mpi
+def test_block_size_auto_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_path, monkeypatch):
+    """--block-size auto on a 2-way split. With an empty cost cache rank 0 measures the pass costs and the other rank
+    times the same (collective) passes beside it; a second run reads rank 0's cache. Each step verifies the k rank 0
+    chose (its costs learn from its own step times, which the other rank's do not match): the ranks' passes pair up and
+    the tokens are one process's plain decoding, with speculative steps among them; rank 0 records the acceptance."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    ref = tmp_path / "ar.jsonl"
+    args = ["--input", str(prompts), "--max-new-tokens", "48"]
+    assert main(["run", str(demo_tp[1]), *args, "--output", str(ref), "--mode", "ar"]) == 0
+    for run, measures in ((1, True), (2, False)):
+        out = tmp_path / f"auto{run}.jsonl"
+        proc = mpirun(2, str(demo_tp[2]), *args, "--output", str(out), "--block-size", "auto")
+        assert proc.returncode == 0, proc.stderr
+        assert outputs(out) == outputs(ref) and len(outputs(ref)) == 3
+        assert proc.stderr.count("measuring the pass costs") == measures, proc.stderr
+        lengths = [n for r in map(json.loads, out.read_text().splitlines()) for n in r["acceptance_lengths"]]
+        assert lengths and max(lengths) > 1, lengths  # speculative steps ran, and accepted drafts
+    assert len(list((tmp_path / "cache" / "cost_profiles").iterdir())) == 1
+    assert len(list((tmp_path / "cache" / "acceptance").iterdir())) == 1
+
+
+def _choose_on_rank(rank: int, store: str, outs: list[str]) -> None:
+    """One rank of test_rank0_chooses_every_ranks_k: the same hand-made costs on both ranks; rank 1's steps took 20x
+    their prediction, so that alone it would stop speculating."""
+    import torch.distributed as dist
+
+    from tests.test_block_size_auto import hand_costs
+    from trtllm_dflash.runtime.lockstep import Rank0Chooses
+    from trtllm_dflash.runtime.verify import AutoBlock, StepShape
+    from trtllm_dflash.speculative.schedule import AutoBlockSize
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    policy = AutoBlock(AutoBlockSize(hand_costs(), block_size=8))
+    shape = StepShape(batch=1, context=64, estimates=[policy.new_request()], pending=0.0, remaining=64.0)
+    if rank == 1:
+        for _ in range(20):  # an AR step as predicted, then a speculative one 20x its prediction
+            policy.observe(1, [0], shape, policy.auto.predicted_seconds(1, 64, 1))
+            policy.observe(8, [7], shape, 20 * policy.auto.predicted_seconds(1, 64, 8))
+    alone = policy.choose(shape)
+    shared = Rank0Chooses(policy, leader=rank == 0).choose(shape)
+    Path(outs[rank]).write_text(json.dumps([alone, shared]))
+    dist.destroy_process_group()
+
+
+def test_rank0_chooses_every_ranks_k(tmp_path):
+    """--block-size auto under tensor parallelism (two gloo processes): ranks whose step times differ would choose
+    different verify lengths alone; wrapped in Rank0Chooses, both take rank 0's."""
+    import torch.multiprocessing as mp
+
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    mp.start_processes(_choose_on_rank, args=(str(tmp_path / "store"), [str(o) for o in outs]), nprocs=2,
+                       start_method="spawn")
+    (leader_alone, leader_shared), (follower_alone, follower_shared) = (json.loads(o.read_text()) for o in outs)
+    assert leader_alone == 8 and follower_alone == 1  # alone, they would disagree
+    assert leader_shared == follower_shared == leader_alone
+
+
 # --- bring-up on GPUs: the process group's backends and each rank's device ------------------------------------
 
 def test_an_nccl_world_also_has_gloo_for_the_cpu_traffic():

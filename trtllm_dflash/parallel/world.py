@@ -79,6 +79,15 @@ class World:
             raise AgreedError(first.rstrip(".") + where + ".", quiet=self.rank != 0)
         return value
 
+    def from_rank0(self, fn: Callable[[], T]) -> T:
+        """fn's value on rank 0, on every rank: fn runs on rank 0 only (it may read files the others must not race
+        for); its error is raised on every rank, as `agree`'s."""
+        if self.size == 1:
+            return fn()
+        box = [self.agree(fn if self.rank == 0 else lambda: None)]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def close(self) -> None:
         """Leave the process group cleanly (gloo's threads otherwise end the process with std::terminate)."""
         if self.size > 1 and dist.is_initialized():

@@ -313,6 +313,16 @@ def load_or_measure(engine_dir: Path, executor: Executor, backend: str, remeasur
                     report: Callable[[str], None] = lambda line: None) -> tuple[PassCosts, Path]:
     """The engine's cost profile for this machine and backend: cached, or measured now (and cached when the cache
     can be written; a cache that cannot be costs the next run a measurement, never this run its results)."""
+    costs, path = cached_costs(engine_dir, executor, backend, remeasure, report)
+    if costs is not None:
+        return costs, path
+    return measure_and_cache(engine_dir, executor, backend, report), path
+
+
+def cached_costs(engine_dir: Path, executor: Executor, backend: str, remeasure: bool = False,
+                 report: Callable[[str], None] = lambda line: None) -> tuple[PassCosts | None, Path]:
+    """The cached profile if it was measured for this engine, machine and backend (else None, and a profile of
+    something else is reported), and where it is kept."""
     key = profile_key(engine_dir, executor, backend)
     path = profile_path(key)
     if path.is_file() and not remeasure:
@@ -322,6 +332,14 @@ def load_or_measure(engine_dir: Path, executor: Executor, backend: str, remeasur
         changed = next(f for f in ProfileKey.__dataclass_fields__ if getattr(cached_key, f) != getattr(key, f))
         report(f"{path}: measured with another {changed} ({getattr(cached_key, changed)!r}, now "
                f"{getattr(key, changed)!r}); measuring the pass costs again.")
+    return None, path
+
+
+def measure_and_cache(engine_dir: Path, executor: Executor, backend: str,
+                      report: Callable[[str], None] = lambda line: None) -> PassCosts:
+    """Measure the pass costs now (`measure`) and cache them where the cache can be written."""
+    key = profile_key(engine_dir, executor, backend)
+    path = profile_path(key)
     problem = cache_problem(path.parent)
     if problem:
         report(f"warning: the pass-cost cache {problem}: measuring the pass costs of {engine_dir} for this run only "
@@ -336,7 +354,7 @@ def load_or_measure(engine_dir: Path, executor: Executor, backend: str, remeasur
         except (OSError, UserError) as exc:  # the cache changed while we measured (a full disk, say)
             report(f"warning: the pass costs were not cached ({exc}); the next run measures them again.")
     report(f"pass costs measured in {time.perf_counter() - start:.1f} s.")
-    return costs, path
+    return costs
 
 
 def costs_table(costs: PassCosts, context: int | None = None) -> list[str]:

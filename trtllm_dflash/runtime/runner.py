@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -24,12 +24,13 @@ from trtllm_dflash.inputs import decode_lines, loads, require_file, shown
 from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
-from trtllm_dflash.runtime.executor import TorchExecutor, engine_specs
+from trtllm_dflash.runtime.executor import Executor, TorchExecutor, engine_specs
 from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_memory, is_fraction, resolve_budget
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, TreeDrafting, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
-from trtllm_dflash.runtime.lockstep import LockstepDriver, follow
-from trtllm_dflash.runtime.costs import load_or_measure, read_acceptance, write_acceptance
+from trtllm_dflash.runtime.lockstep import LockstepDriver, Rank0Chooses, follow
+from trtllm_dflash.runtime.costs import (cached_costs, load_or_measure, measure, measure_and_cache, read_acceptance,
+                                         write_acceptance)
 from trtllm_dflash.runtime.options import BlockSize, RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
@@ -47,6 +48,7 @@ class Engine:
     tokenizer: object
     executor: TorchExecutor
     auto_block: AutoBlockSize | None = None  # with --block-size auto: pass costs + acceptance, for every decoder
+    world: World = field(default_factory=World)  # this rank's place in a tensor-parallel job
 
     @classmethod
     def load(cls, root: Path, device: str = "cpu", block_size: BlockSize | None = None,
@@ -75,8 +77,9 @@ class Engine:
         `tree_budget`: dflash steps verify a DDTree of that many draft nodes (speculative/tree.py; torch executor,
         targets without sliding windows or Gated DeltaNet layers).
 
-        Under MPI (`world`), each rank verifies and reads only its own rank file. `command` names the
-        CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
+        Under MPI (`world`), each rank verifies and reads only its own rank file, and `auto`'s costs are left to the
+        caller (`prepare`: load_auto_block, whose passes are collective, once every rank has loaded). `command` names
+        the CLI command in errors; commands other than run and serve have no tensor-parallel mode."""
         root, world = Path(root), world or World()
         cfg = open_engine(root, rank=world.rank)
         if threads or device == "cpu":
@@ -84,7 +87,6 @@ class Engine:
         auto = block_size == "auto"
         backend = backend or cfg.backend
         if auto:
-            _check_auto(cfg, backend)
             block_size = None
         if block_size is not None and not 2 <= block_size <= cfg.dflash.block_size:
             raise UserError(f"--block-size {block_size}: must be between 2 and the engine's trained block_size "
@@ -136,15 +138,10 @@ class Engine:
         if executor.num_slots < cfg.max_batch_size:  # (the compiled executors' static rows: cache_rows.StaticRows)
             report(f"--kv-cache-memory {kv_cache_memory}: {executor.num_slots} of the engine's {cfg.max_batch_size} "
                    "request rows (max_batch_size) fit; further requests wait for a free row.")
-        auto_block = None
-        if auto:
-            costs, _ = load_or_measure(root, executor, backend, report=report)
-            positions = executor.block_size - 1
-            prior = read_acceptance(root, positions)  # the last run's rates, if any
-            auto_block = AutoBlockSize(costs, executor.block_size, AcceptanceEstimate(positions, prior=prior),
-                                       record=lambda rates: write_acceptance(root, rates),
-                                       tree_budget=tree_budget or 0)
-        return cls(cfg, load_tokenizer(root / TOKENIZER), executor, auto_block)
+        engine = cls(cfg, load_tokenizer(root / TOKENIZER), executor, world=world)
+        if auto and world.size == 1:  # (under tensor parallelism prepare does it, once every rank has loaded)
+            engine.auto_block = load_auto_block(root, executor, backend, tree_budget or 0, world, report)
+        return engine
 
     def decoder(self, mode: Mode, stop_token_ids: tuple[int, ...] = (), block_size: BlockSize | None = None
                 ) -> Decoder:
@@ -168,6 +165,8 @@ class Engine:
             if self.auto_block is None:
                 raise UserError("--block-size auto: this engine was loaded without it; load it with block_size 'auto'.")
             policy = AutoBlock(self.auto_block)
+            if self.world.size > 1:  # every rank must verify the k that rank 0's timings chose
+                policy = Rank0Chooses(policy, leader=self.world.rank == 0)
         else:
             k = block_size or self.executor.block_size
             if not 2 <= k <= self.executor.block_size:
@@ -175,6 +174,27 @@ class Engine:
                                 f"{self.executor.block_size}.")
             policy = FixedBlock(k)
         return Decoder(self.executor, policy, eos, self.tokenizer)
+
+
+def load_auto_block(root: Path, executor: Executor, backend: str, tree_budget: int, world: World,
+                    report: Callable[[str], None] = lambda line: None) -> AutoBlockSize:
+    """--block-size auto's cost model and acceptance estimate for `executor`: the pass costs cached for this machine
+    and backend, or measured now, and the acceptance the last run recorded. Under tensor parallelism every rank calls
+    it, once all have loaded (the passes it may time are collective): rank 0 reads the cache; when it has to measure,
+    every rank times the same passes with it; every rank gets rank 0's costs and prior, and only rank 0 records what
+    the run accepts (the choices are rank 0's too: Rank0Chooses)."""
+    positions = executor.block_size - 1
+    if world.size == 1:
+        costs, _ = load_or_measure(root, executor, backend, report=report)
+    else:
+        costs = world.from_rank0(lambda: cached_costs(root, executor, backend, report=report)[0])
+        if costs is None:
+            measured = measure_and_cache(root, executor, backend, report) if world.rank == 0 else measure(executor)
+            costs = world.from_rank0(lambda: measured)
+    prior = world.from_rank0(lambda: read_acceptance(root, positions))  # the last run's rates, if any
+    record = (lambda rates: write_acceptance(root, rates)) if world.rank == 0 else None
+    return AutoBlockSize(costs, executor.block_size, AcceptanceEstimate(positions, prior=prior), record=record,
+                         tree_budget=tree_budget)
 
 
 # --tree-budget's range: a tree of more nodes than this verifies more positions than any block drafts usefully
@@ -259,13 +279,6 @@ def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None
                         "eagerly).")
 
 
-def _check_auto(cfg: EngineConfig, backend: Backend) -> None:
-    """--block-size auto runs where its choice is the same on every rank and every verify length can be accepted."""
-    if cfg.mapping.tp_size > 1:
-        raise UserError(f"--block-size auto: not yet for tensor-parallel engines (this one has tp_size "
-                        f"{cfg.mapping.tp_size}: every rank would have to make the same choice); give a block size.")
-
-
 # Below this many bytes of weights per rank, a CPU pass's matrix products are too small to share among threads:
 # OpenMP's fork/join and spin-waits cost more than they save, and when other processes share the cores the threads
 # wait on one another. Measured on the demo engine (36 MB, 2 cores; benchmarks/threads_under_load.py,
@@ -296,22 +309,28 @@ def prepare(engine_dir: Path, opts: RunOptions, world: World, input_path: Path |
     """Every rank: load its shard and check the options; rank 0 also checks the input file and the
     `outputs` (option -> path) before anything is loaded. Errors are agreed on by all ranks."""
 
-    def load() -> tuple[Engine, Decoder]:
+    def report(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def load() -> Engine:
         if world.rank == 0:
             if input_path is not None:
                 require_file(input_path, "input file")
             check_output_files(outputs or {}, inputs=(engine_dir, input_path))
         engine = Engine.load(engine_dir, _device(opts, world), opts.block_size, world, backend=opts.backend,
-                             report=lambda line: print(line, file=sys.stderr, flush=True), threads=opts.threads,
-                             cuda_graphs=opts.cuda_graphs, kv_cache_memory=opts.kv_cache_memory,
-                             prefix_cache=opts.prefix_cache, tree_budget=opts.tree_budget,
-                             prefix_states=opts.prefix_states)
+                             report=report, threads=opts.threads, cuda_graphs=opts.cuda_graphs,
+                             kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache,
+                             tree_budget=opts.tree_budget, prefix_states=opts.prefix_states)
         bad = [t for t in opts.stop_token_ids if not 0 <= t < engine.executor.vocab_size]
         if bad:
             raise UserError(f"--stop-token-ids: {bad[0]} is outside the vocabulary 0..{engine.executor.vocab_size - 1}.")
-        return engine, engine.decoder(opts.mode, opts.stop_token_ids)
+        return engine
 
-    return world.agree(load)
+    engine = world.agree(load)
+    if opts.block_size == "auto" and world.size > 1:  # (collective: once every rank has loaded)
+        engine.auto_block = load_auto_block(engine_dir, engine.executor, opts.backend or engine.config.backend,
+                                            opts.tree_budget or 0, world, report)
+    return engine, engine.decoder(opts.mode, opts.stop_token_ids)
 
 
 # What a result line must share with this run's request of the same id for --resume to keep it.
