@@ -742,6 +742,11 @@ def stage_executor(ctx: StageContext) -> None:
     top_p = [dataclasses.replace(req, top_p=0.9) for req in sampled]  # the kept set's boundary in every step
     for mode in ("ar", "dflash"):
         runs["gpu_top_p", mode] = decode(gpu, mode, top_p, ctx.device)
+    # a paged KV cache under the CUDA graphs (on by default here): the tables read inside each replay
+    paged = Engine.load(engine_dir, device=ctx.device, kv_cache_memory="256MiB")
+    runs["gpu_paged", "dflash"] = decode(paged, "dflash", greedy, ctx.device)
+    r["paged_graphs_captured"] = paged.executor.graphs is not None and all(
+        p.graph is not None for p in paged.executor.graphs.passes.values())
     alone: dict[str, list[int]] = {}  # each prompt decoded as a batch of one: batch invariance
     for req in greedy:
         alone.update(decode(gpu, "ar", [req], ctx.device)["tokens"])
@@ -755,9 +760,10 @@ def stage_executor(ctx: StageContext) -> None:
              "greedy dflash: gpu == cpu": (("gpu", "dflash"), ("cpu", "dflash"), True),
              "greedy ar on gpu: alone == in a batch": (("gpu_alone", "ar"), ("gpu", "ar"), True),
              "greedy on gpu: dflash == ar": (("gpu", "dflash"), ("gpu", "ar"), False),
+             "greedy dflash on gpu: paged cache == static": (("gpu_paged", "dflash"), ("gpu", "dflash"), True),
              "sampled (T=0.8) on gpu: dflash == ar": (("gpu_sampled", "dflash"), ("gpu_sampled", "ar"), False),
              "sampled (T=0.8, top-p 0.9) on gpu: dflash == ar": (("gpu_top_p", "dflash"), ("gpu_top_p", "ar"), False)}
-    engines = {"gpu": gpu, "gpu_alone": gpu, "cpu": cpu}
+    engines = {"gpu": gpu, "gpu_alone": gpu, "gpu_paged": paged, "cpu": cpu}
     prompts = {str(req.id): req.prompt_token_ids for req in greedy}
     r["checks"], r["differences"] = {}, {}
     for label, (a, b, near_ties_allowed) in pairs.items():
@@ -772,6 +778,8 @@ def stage_executor(ctx: StageContext) -> None:
         if diffs:
             r["differences"][label] = diffs[:5]
     ctx.save()
+    if ctx.device.startswith("cuda"):  # (a CPU standing in for the GPU runs no graphs)
+        r["checks"]["paged cache: its decode passes captured as CUDA graphs"] = r["paged_graphs_captured"]
     problems = [label for label, ok in r["checks"].items() if not ok]
     if not r["runs_as_written"]:
         problems.insert(0, f"the executor as written fails on {ctx.device}: {r['as_written_error']}")

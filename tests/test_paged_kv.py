@@ -126,11 +126,35 @@ def test_run_with_a_budget(qwen3_engine_dir, tmp_path, capsys):
     assert got["paged"] == got["static"]
 
 
-def test_a_budget_refuses_cuda_graphs():
-    from trtllm_dflash.runtime.runner import _kv_budget
+@pytest.mark.parametrize("mode", ["dflash", "ar"])
+def test_static_passes_over_the_paged_cache_give_the_static_tokens(qwen3_engine_dir, engines, mode):
+    """The torch executor's static passes (what its CUDA graphs replay; on the CPU they run eagerly) over a paged cache
+    at the tightest budget: padding rows in the tables' scratch slot, every slot's rows gathered through the tables
+    (never views) and computed afresh each pass. Requests preempted and recomputed, then prompt blocks shared: token for
+    token the static cache's, greedy and sampled."""
+    import dataclasses
 
-    with pytest.raises(UserError, match="a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs"):
-        _kv_budget("64MiB", "cuda:0", cuda_graphs=True)
+    from trtllm_dflash.parallel.group import SINGLE
+    from trtllm_dflash.runtime.executor import TorchExecutor
+
+    static, _, tight = engines
+    per_block = 16 * sum(s.position_bytes() for s in _shapes(static))
+    graphed = dataclasses.replace(tight, executor=TorchExecutor.from_engine(
+        qwen3_engine_dir, tight.config, 0, SINGLE, "cpu", None, cuda_graphs=True, kv_cache_memory=34 * per_block))
+    ex = graphed.executor
+    tables = ex.kv_blocks
+    assert tables.num_blocks == 33 and tables.table.shape[0] == ex.num_slots + 1
+    long = [Request(r.id, r.prompt_token_ids, 200, temperature=r.temperature, top_k=r.top_k, seed=r.seed)
+            for r in requests(6)]
+    assert outputs(graphed, mode, long) == outputs(static, mode, long)
+    assert tables.peak_used == 33 and tables.free == 33  # preempted under pressure (as test_paged_gives_...)
+    shared = shared_prefix_requests(6)
+    assert outputs(graphed, mode, shared) == outputs(static, mode, shared)
+    assert tables.prefix_blocks_hit > 0
+    keys = ex.graphs.passes
+    assert not any(k.views for k in keys) and {k.batch for k in keys} >= {1, 2, 4, 8}, sorted(keys, key=str)
+    assert ("draft" in {k.kind for k in keys}) == (mode == "dflash")
+    assert (tables.table[ex.num_slots] == tables.trash).all()  # the scratch slot held nothing
 
 
 def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):

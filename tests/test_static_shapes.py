@@ -272,12 +272,16 @@ def test_masked_gqa_runs_a_fused_backend_on_cuda(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["static-cache", "paged-cache"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_captured_cuda_graphs_give_the_eager_executors_tokens(engine_dir, sampled):
+def test_captured_cuda_graphs_give_the_eager_executors_tokens(engine_dir, sampled, paged):
+    """(paged: the block tables are read inside each replay, and the rows computed inside the capture)"""
     engine = Engine.load(engine_dir)
+    budget = 64 * 2**20 if paged else None
 
     def on_cuda(cuda_graphs: bool) -> TorchExecutor:
-        return TorchExecutor.from_engine(engine_dir, engine.config, 0, SINGLE, "cuda", None, cuda_graphs=cuda_graphs)
+        return TorchExecutor.from_engine(engine_dir, engine.config, 0, SINGLE, "cuda", None, cuda_graphs=cuda_graphs,
+                                         kv_cache_memory=budget)
 
     graphed = on_cuda(True)
     assert _tokens(engine, graphed, "dflash", sampled) == _tokens(engine, on_cuda(False), "dflash", sampled)

@@ -2,13 +2,17 @@
 
 A CUDA graph replays fixed kernels on fixed addresses, so a pass is made static first:
 - its rows are padded up to a batch bucket (`batch_bucket`); a padding row reads token 0 at position 0 and writes
-  its K/V into the caches' scratch slot (the slot after the last real one), so it touches no request; its outputs
-  are dropped;
+  its K/V into the caches' scratch slot (the slot after the last real one; a paged cache's: a table row that is all
+  trash block, kv_blocks.BlockTables), so it touches no request; its outputs are dropped;
 - its attended length is rounded up to a length bucket (`length_bucket`); the models build their masks on the device
   from the positions, so keys past a row's own positions are masked and the bucket changes no value;
 - its inputs are copied into static buffers made once per graph, and its outputs into static buffers shared by
   the graphs of one output shape (the graphs share one memory pool; every output is copied out before the next
-  replay, so no graph's result is overwritten while someone holds it).
+  replay, so no graph's result is overwritten while someone holds it);
+- over a paged KV cache (runtime/kv_blocks.py), the rows of each slot's positions are gathered through the block
+  tables, a device tensor the host updates in place as blocks are taken and given back: a replay reads the tables
+  as they are then. The caches are read by index, never as views (a view is of the blocks one slot held at capture),
+  and the rows are computed inside each pass (PagedKVCache.forget_rows), not remembered from an earlier one.
 
 One graph per `PassKey` (kind, batch bucket, length bucket, tokens, ...), made the first time a pass of that key
 runs: the pass runs twice eagerly (warm-up: cuBLAS handles, lazy initialisation; every write repeats the same
@@ -104,20 +108,22 @@ class _StaticPass:
 
 class StaticPasses:
     """The executor's decode passes at bucketed shapes over static buffers: captured CUDA graphs (`capture`) or, on a
-    CPU, the same padded passes run eagerly. `scratch_slot`: a cache slot no request owns (the padding rows')."""
+    CPU, the same padded passes run eagerly. `scratch_slot`: a cache slot no request owns (the padding rows').
+    `views`: a run of slots 0 .. n - 1 reads the caches as views (a static cache's slots); False: always by index (a
+    paged cache, whose views would be of the blocks one slot held at capture)."""
 
     def __init__(self, target_pass: TargetPass, draft_pass: DraftPass, num_slots: int, scratch_slot: int,
-                 capacity: int, device: torch.device, capture: bool):
+                 capacity: int, device: torch.device, capture: bool, views: bool = True):
         self.target_pass, self.draft_pass = target_pass, draft_pass
         self.num_slots, self.scratch_slot, self.capacity = num_slots, scratch_slot, capacity
-        self.device, self.capture = device, capture
+        self.device, self.capture, self.views = device, capture, views
         self.passes: dict[PassKey, _StaticPass] = {}
         self._outputs: dict[tuple, torch.Tensor] = {}  # output buffers by (name, shape, dtype), shared by graphs
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def _views(self, slots: tuple[int, ...]) -> bool:
         """The slots are 0 .. n - 1 in order: the padded batch's caches are slots 0 .. bucket - 1, read as views."""
-        return slots == tuple(range(len(slots)))
+        return self.views and slots == tuple(range(len(slots)))
 
     def target(self, token_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, capture: bool,
                slots_host: tuple[int, ...], keys: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -261,7 +261,7 @@ class TorchExecutor(KeepsPrefixStates):
         passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them, called
         once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
-        max_seq_len slot per request; not with CUDA graphs. `prefix_cache`: with a paged cache, prompt blocks shared
+        max_seq_len slot per request. `prefix_cache`: with a paged cache, prompt blocks shared
         across requests with the same prefix, and a hybrid target's recurrent states kept at checkpoints for them:
         `prefix_states` of them (None: one per slot). `tree_budget`: the most draft nodes a tree step verifies (its pass
         writes that many positions and the anchor's), 0: chains only."""
@@ -291,23 +291,24 @@ class TorchExecutor(KeepsPrefixStates):
         self.prefix_states: PrefixStates | None = None
         self.kv_blocks: BlockTables | None = None
         self.window_blocks: BlockTables | None = None  # a paged cache's sliding-window layers' tables (rings)
+        # With graphs the caches have one more slot, after the requests': the padding rows' scratch (a paged cache's:
+        # a row of its tables that no request holds).
         if kv_cache_memory is not None:
-            if graphs:
-                raise ValueError("a paged KV cache does not run with CUDA graphs yet; turn them off (--no-cuda-graphs)")
             budget = kv_cache_memory() if callable(kv_cache_memory) else kv_cache_memory
-            self._paged(budget, num_slots, max_seq_len + margin)
+            self._paged(budget, num_slots, max_seq_len + margin, scratch=graphs)
         else:
-            # With graphs the caches have one more slot, after the requests': the padding rows' scratch.
             cache_slots = num_slots + 1 if graphs else num_slots
             self.target_cache = target.new_cache(cache_slots, max_seq_len + margin)
             self.draft_cache = drafter.new_cache(cache_slots, max_seq_len + margin) if drafter is not None else None
-        self.graphs = StaticPasses(self._target_pass, self._draft_pass, num_slots, num_slots, max_seq_len + margin,
-                                   self.device, capture=self.device.type == "cuda") if graphs else None
+        self.graphs = StaticPasses(self._fresh_rows(self._target_pass), self._fresh_rows(self._draft_pass), num_slots,
+                                   num_slots, max_seq_len + margin, self.device, capture=self.device.type == "cuda",
+                                   views=self.kv_blocks is None) if graphs else None
         self._graph_tokens = margin  # target passes of at most this many tokens per row run as graphs
 
-    def _paged(self, budget: int, num_slots: int, max_positions: int) -> None:
+    def _paged(self, budget: int, num_slots: int, max_positions: int, scratch: bool) -> None:
         """Paged caches of `budget` bytes: the target's sliding-window layers (if any) in rings of their own
-        (window_pool), every other layer of target and drafter in blocks of the rest."""
+        (window_pool), every other layer of target and drafter in blocks of the rest; `scratch`: their tables have
+        the static passes' scratch slot."""
         spec, dtype = self.target.spec, self.target.lm_head.weight.dtype
         target, shapes = cache_shape(self.target), [cache_shape(m) for m in (self.target, self.drafter) if m is not None]
         sliding = [i for i in range(spec.num_layers) if spec.is_sliding(i)]
@@ -316,7 +317,7 @@ class TorchExecutor(KeepsPrefixStates):
             window_blocks, reserved = window_pool(spec.sliding_window, self._margin, num_slots, max_positions,
                                                   target.of_layers(sliding))
             self.window_blocks = BlockTables(window_blocks, num_slots, max_positions, BLOCK_TOKENS, self.device,
-                                             window=spec.sliding_window)
+                                             window=spec.sliding_window, scratch=scratch)
             shapes[0] = target.of_layers([i for i in range(spec.num_layers) if i not in sliding])
         reserved_for = "the sliding-window layers'"
         if self.target_states is not None:  # allocated per slot, outside the blocks (and no model has both)
@@ -326,10 +327,20 @@ class TorchExecutor(KeepsPrefixStates):
                 reserved += self.prefix_states.nbytes
                 reserved_for += f", {num_slots} slots' and {self._kept_states} kept for prefix reuse,"
         blocks = plan_blocks(budget, shapes, max_positions, reserved=reserved, reserved_for=reserved_for)
-        self.kv_blocks = BlockTables(blocks, num_slots, max_positions, BLOCK_TOKENS, self.device)
+        self.kv_blocks = BlockTables(blocks, num_slots, max_positions, BLOCK_TOKENS, self.device, scratch=scratch)
         layer_tables = [self.window_blocks if i in sliding else self.kv_blocks for i in range(spec.num_layers)]
         self.target_cache = PagedKVCache(self.kv_blocks, target, dtype, self.device, layer_tables)
         self.draft_cache = PagedKVCache(self.kv_blocks, shapes[-1], dtype, self.device) if self.drafter else None
+
+    def _fresh_rows(self, run_pass: Callable) -> Callable:
+        """`run_pass` for the static passes: a paged cache's rows are computed inside each (PagedKVCache.forget_rows)."""
+        def run(*args):
+            for cache in (self.target_cache, self.draft_cache):
+                if isinstance(cache, PagedKVCache):
+                    cache.forget_rows()
+            return run_pass(*args)
+
+        return run
 
     @property
     def _tables(self) -> list[BlockTables]:

@@ -108,10 +108,14 @@ class BlockTables:
     `window` (sliding-window layers, whose query at position p sees keys p - window + 1 .. p): the tables of those
     layers alone. A request gives back the blocks that fell out of its window as it advances (`trim`), so it holds
     about window + a verify block of positions, whatever its length: a ring of blocks. A prefix hit needs only the
-    blocks of the window before the first uncached position (`hit_count`); those before it stay unheld (trash)."""
+    blocks of the window before the first uncached position (`hit_count`); those before it stay unheld (trash).
+
+    `scratch` (static passes, runtime/cuda_graphs.py): the table has one more row, slot `num_slots`, that no request
+    ever holds: every entry of it is the trash block, so the padding rows of a padded pass read and write only
+    there."""
 
     def __init__(self, num_blocks: int, num_slots: int, max_positions: int, block_tokens: int,
-                 device: torch.device | str, window: int | None = None):
+                 device: torch.device | str, window: int | None = None, scratch: bool = False):
         self.num_blocks, self.block_tokens, self.window = num_blocks, block_tokens, window
         self.max_blocks = blocks_for(max_positions, block_tokens)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest first
@@ -123,7 +127,7 @@ class BlockTables:
         self._hash_of: dict[int, bytes] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, least recent first
         self.trash = num_blocks
-        self.table = torch.full((num_slots, self.max_blocks), self.trash, dtype=torch.int64, device=device)
+        self.table = torch.full((num_slots + scratch, self.max_blocks), self.trash, dtype=torch.int64, device=device)
         self.peak_used = 0
         self.version = 0  # changes whenever a table does
         self.prefix_blocks_looked_up = self.prefix_blocks_hit = 0
@@ -333,6 +337,11 @@ class PagedKVCache:
                 return self.k[layer][None, row + first:row + length], self.v[layer][None, row + first:row + length]
         rows = self._rows_of(tables, slots, length)[:, first:]
         return self.k[layer][rows], self.v[layer][rows]
+
+    def forget_rows(self) -> None:
+        """Compute the next pass's rows afresh: a static pass (runtime/cuda_graphs.py) keeps its slots tensor while it
+        copies new values into it, and a CUDA graph's capture must compute the rows inside the graph."""
+        self._rows.clear()
 
     def _rows_of(self, tables: BlockTables, slots: torch.Tensor, where: torch.Tensor | int) -> torch.Tensor:
         """The rows of `where` (positions [B, T], or a length: positions 0 .. length - 1) of `slots`, computed once per

@@ -112,10 +112,7 @@ class Engine:
             kv_cache_memory = None
         if prefix_states is not None:
             check_prefix_states(cfg, backend, prefix_states, prefix_cache, kv_cache_memory)
-        kv_bytes = None
-        if kv_cache_memory is not None:  # (the torch executor's paged cache has no graphs; the compiled ones' rows do)
-            kv_bytes = _kv_budget(kv_cache_memory, device, cuda_graphs if backend == "torch" else None)
-            cuda_graphs = cuda_graphs if backend == "tensorrt" else False
+        kv_bytes = _kv_budget(kv_cache_memory, device) if kv_cache_memory is not None else None
         try:
             if backend == "onnxruntime":
                 from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
@@ -240,14 +237,11 @@ def check_prefix_states(cfg: EngineConfig, backend: Backend, count: int, prefix_
                         "SIZE too.")
 
 
-def _kv_budget(text: str, device: str, cuda_graphs: bool | None) -> int | Callable[[], int]:
+def _kv_budget(text: str, device: str) -> int | Callable[[], int]:
     """--kv-cache-memory's bytes, or one sentence saying why not. A fraction ('0.9') is of the memory free once the
     weights are loaded (TensorRT-LLM's free_gpu_memory_fraction; the compiled executors: once their static rows are
     allocated too, for their prefix pool): its form is checked now, and the executor calls the function returned to
     read the free memory then."""
-    if cuda_graphs:
-        raise UserError("--kv-cache-memory: a paged KV cache does not run with CUDA graphs yet; add --no-cuda-graphs.")
-
     def resolve() -> int:
         available = (torch.cuda.mem_get_info(torch.device(device))[0] if str(device).startswith("cuda")
                      else available_memory())
