@@ -157,6 +157,34 @@ def test_static_passes_over_the_paged_cache_give_the_static_tokens(qwen3_engine_
     assert (tables.table[ex.num_slots] == tables.trash).all()  # the scratch slot held nothing
 
 
+def test_static_passes_compute_a_paged_caches_rows_in_each_pass(qwen3_engine_dir):
+    """Two target passes of one static shape whose slots differ (0, 1, then 1, 0) with no table changed between them:
+    the second reads its own slots' rows, as a CUDA graph's replay must (rows remembered from the first pass, which
+    also kept the static slots buffer, would be the other request's): the eager paged executor's logits."""
+    from trtllm_dflash.parallel.group import SINGLE
+    from trtllm_dflash.runtime.executor import HostRows, TorchExecutor
+
+    cfg = Engine.load(qwen3_engine_dir).config
+    eager, static = (TorchExecutor.from_engine(qwen3_engine_dir, cfg, 0, SINGLE, "cpu", None, cuda_graphs=graphs,
+                                               kv_cache_memory=8 * 2**20) for graphs in (False, True))
+    prompts = [[5, 9, 13, 17, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    block = torch.randint(4, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    got = []
+    for ex in (eager, static):
+        for slot, prompt in enumerate(prompts):
+            assert ex.reserve(slot, prompt) == 0
+            ex.target_forward(torch.tensor([prompt]), torch.zeros(1, dtype=torch.long), torch.tensor([slot]), False)
+        passes = []
+        for slots in ((0, 1), (1, 0)):
+            starts = [len(prompts[s]) for s in slots]
+            passes.append(ex.target_forward(block, torch.tensor(starts), torch.tensor(slots), False,
+                                            rows=HostRows(slots, tuple(starts))).logits)
+        got.append(passes)
+    assert len(static.graphs.passes) == 1  # both passes ran the one static pass
+    for want, have in zip(*got):
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+
+
 def test_bench_reports_the_paged_cache(engines, qwen3_engine_dir, tmp_path):
     """bench under the tightest budget: requests preempted, the blocks' peak, every block free at the end, and the
     static run's tokens."""

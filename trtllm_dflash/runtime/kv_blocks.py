@@ -303,7 +303,8 @@ class PagedKVCache:
                  layer_tables: list[BlockTables] | None = None):
         self.tables = tables
         self.layer_tables = layer_tables or [tables] * shape.layers
-        # per tables: (slots, positions or length, tables.version, rows): every layer of a pass asks alike
+        # per tables, for writes and for reads: (slots, positions or length, tables.version, rows): every layer of a
+        # pass asks alike
         self._rows: dict[int, tuple] = {}
         self.k, self.v = [], []
         for t, h, d, v in zip(self.layer_tables, shape.kv_heads, shape.head_dim, shape.v_dims):
@@ -347,7 +348,8 @@ class PagedKVCache:
         """The rows of `where` (positions [B, T], or a length: positions 0 .. length - 1) of `slots`, computed once per
         tables for the layers of a pass: the same tensors (kept alive here, so identity is safe) or the same length
         again."""
-        cached_slots, cached_where, version, rows = self._rows.get(id(tables), (None, None, -1, None))
+        key = (id(tables), isinstance(where, int))  # a pass's writes (positions) and reads (a length) alternate
+        cached_slots, cached_where, version, rows = self._rows.get(key, (None, None, -1, None))
         same_where = where is cached_where or (isinstance(where, int) and isinstance(cached_where, int)
                                                and where == cached_where)
         if slots is cached_slots and same_where and version == tables.version:
@@ -355,7 +357,7 @@ class PagedKVCache:
         positions = where if isinstance(where, torch.Tensor) else \
             torch.arange(where, device=slots.device).expand(slots.shape[0], where)
         rows = tables.rows(slots, positions)
-        self._rows[id(tables)] = (slots, where, tables.version, rows)
+        self._rows[key] = (slots, where, tables.version, rows)
         return rows
 
 
