@@ -146,7 +146,8 @@ def test_block_size_auto_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_
     """--block-size auto on a 2-way split. With an empty cost cache rank 0 measures the pass costs and the other rank
     times the same (collective) passes beside it; a second run reads rank 0's cache. Each step verifies the k rank 0
     chose (its costs learn from its own step times, which the other rank's do not match): the ranks' passes pair up and
-    the tokens are one process's plain decoding, with speculative steps among them; rank 0 records the acceptance."""
+    the tokens are one process's plain decoding, with speculative steps among them; rank 0 records the acceptance. A
+    cache file that is not a profile is refused in one sentence, and no rank waits on the others."""
     monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     ref = tmp_path / "ar.jsonl"
     args = ["--input", str(prompts), "--max-new-tokens", "48"]
@@ -159,8 +160,14 @@ def test_block_size_auto_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_
         assert proc.stderr.count("measuring the pass costs") == measures, proc.stderr
         lengths = [n for r in map(json.loads, out.read_text().splitlines()) for n in r["acceptance_lengths"]]
         assert lengths and max(lengths) > 1, lengths  # speculative steps ran, and accepted drafts
-    assert len(list((tmp_path / "cache" / "cost_profiles").iterdir())) == 1
+    (profile,) = (tmp_path / "cache" / "cost_profiles").iterdir()
     assert len(list((tmp_path / "cache" / "acceptance").iterdir())) == 1
+    # a cache file that is not a profile: rank 0's one sentence, every rank exits, nothing written
+    profile.write_text("{")
+    out = tmp_path / "refused.jsonl"
+    proc = mpirun(2, str(demo_tp[2]), *args, "--output", str(out), "--block-size", "auto")
+    assert proc.returncode == EXIT_USER_ERROR and not out.exists(), proc.stderr
+    assert proc.stderr.count(f"error: {profile}: not a readable cost profile") == 1, proc.stderr
 
 
 def _choose_on_rank(rank: int, store: str, outs: list[str]) -> None:
