@@ -170,6 +170,25 @@ def test_block_size_auto_under_mpiexec_equals_one_process(demo_tp, prompts, tmp_
     assert proc.stderr.count(f"error: {profile}: not a readable cost profile") == 1, proc.stderr
 
 
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.parametrize("mode", ["ar", "dflash"])
+def test_static_passes_under_mpiexec_equal_one_process(demo_tp, prompts, tmp_path, mode):
+    """`--cuda-graphs` under tensor parallelism (opt-in; the capture with NCCL never run): every rank pads its passes
+    to the same batch and length buckets, so the collectives pair up, and a 2-way split decoded by the static passes
+    (run eagerly on the CPU, as a graph replays them) gives one process's tokens."""
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "static.json"
+    assert main(["run", str(demo_tp[1]), "--input", str(prompts), "--output", str(ref), "--max-new-tokens", "24",
+                 "--mode", mode]) == 0
+    proc = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "tests" / "mpi_static_passes.py"),
+                           str(demo_tp[2]), str(prompts), str(out), mode], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["tokens"] == outputs(ref) and len(outputs(ref)) == 3
+    assert ["target", 4] in got["passes"] and (["draft", 4] in got["passes"]) == (mode == "dflash"), got["passes"]
+
+
 def _choose_on_rank(rank: int, store: str, outs: list[str]) -> None:
     """One rank of test_rank0_chooses_every_ranks_k: the same hand-made costs on both ranks; rank 1's steps took 20x
     their prediction, so that alone it would stop speculating."""

@@ -256,9 +256,9 @@ class TorchExecutor(KeepsPrefixStates):
                  prefix_cache: bool = True, tree_budget: int = 0, prefix_states: int | None = None):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
-        CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (collectives
-        inside a capture: not tried). True on a CPU runs the same static
-        passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them, called
+        CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (True turns
+        them on there: every rank pads alike; NCCL collectives inside a capture never run). True on a CPU runs the same
+        static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them, called
         once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request. `prefix_cache`: with a paged cache, prompt blocks shared

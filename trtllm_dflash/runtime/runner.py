@@ -260,10 +260,11 @@ def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None
     if backend == "onnxruntime":
         raise UserError("--cuda-graphs: the onnxruntime executor does not capture CUDA graphs; drop --cuda-graphs or "
                         "use --backend torch or tensorrt.")
-    if cfg.mapping.tp_size > 1:
-        raise UserError(f"--cuda-graphs: not yet with tensor parallelism (this engine has tp_size "
-                        f"{cfg.mapping.tp_size}: collectives inside a capture were never tried); drop --cuda-graphs.")
     if backend == "tensorrt":  # (the plans' experts are in their dense form: no data-dependent shapes)
+        if cfg.mapping.tp_size > 1:
+            raise UserError(f"--cuda-graphs: the tensorrt executor does not capture its plans under tensor parallelism "
+                            f"yet (this engine has tp_size {cfg.mapping.tp_size}: the plans' DistCollective layers "
+                            "inside a capture were never tried); drop --cuda-graphs or use --backend torch.")
         return
     if engine_specs(cfg)[0].has_experts:
         raise UserError("--cuda-graphs: not for a target with experts (its routing has data-dependent shapes); "
