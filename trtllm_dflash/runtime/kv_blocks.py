@@ -305,7 +305,7 @@ class PagedKVCache:
         self.layer_tables = layer_tables or [tables] * shape.layers
         # per tables, for writes and for reads: (slots, positions or length, tables.version, rows): every layer of a
         # pass asks alike
-        self._rows: dict[int, tuple] = {}
+        self._rows: dict[tuple[int, bool], tuple] = {}
         self.k, self.v = [], []
         for t, h, d, v in zip(self.layer_tables, shape.kv_heads, shape.head_dim, shape.v_dims):
             rows = (t.num_blocks + 1) * t.block_tokens  # + the trash block
