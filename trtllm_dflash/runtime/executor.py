@@ -258,8 +258,8 @@ class TorchExecutor(KeepsPrefixStates):
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (True turns
         them on there: every rank pads alike; NCCL collectives inside a capture never run). True on a CPU runs the same
-        static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them, called
-        once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
+        static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them,
+        called once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request. `prefix_cache`: with a paged cache, prompt blocks shared
         across requests with the same prefix, and a hybrid target's recurrent states kept at checkpoints for them:
@@ -333,7 +333,7 @@ class TorchExecutor(KeepsPrefixStates):
         self.draft_cache = PagedKVCache(self.kv_blocks, shapes[-1], dtype, self.device) if self.drafter else None
 
     def _fresh_rows(self, run_pass: Callable) -> Callable:
-        """`run_pass` for the static passes: a paged cache's rows are computed inside each (PagedKVCache.forget_rows)."""
+        """`run_pass` for the static passes: a paged cache's rows computed inside each (PagedKVCache.forget_rows)."""
         def run(*args):
             for cache in (self.target_cache, self.draft_cache):
                 if isinstance(cache, PagedKVCache):
