@@ -580,6 +580,28 @@ def test_windowed_layers_keep_only_their_window(windowed, mode):
     assert (full.prefix_blocks_hit - hits[0], rings.prefix_blocks_hit - hits[1]) == (2 * 3, 2 * 3)
 
 
+@pytest.mark.parametrize("windowed", ["gemma4"], indirect=True)  # (gpt-oss has experts: no CUDA graphs)
+def test_static_passes_over_rings_give_the_static_tokens(windowed):
+    """The static passes (what CUDA graphs replay) over a paged cache whose sliding layers keep rings: a ring's given
+    back blocks read as the trash block, masked by the window; requests preempted: the static cache's tokens, greedy
+    and sampled."""
+    import dataclasses
+
+    from trtllm_dflash.parallel.group import SINGLE
+    from trtllm_dflash.runtime.executor import TorchExecutor
+
+    engine_dir, static = windowed
+    ex = TorchExecutor.from_engine(engine_dir, static.config, 0, SINGLE, "cpu", None, cuda_graphs=True,
+                                   kv_cache_memory=_windowed_budget(static, 24))
+    reqs = [Request(r.id, r.prompt_token_ids, 100, temperature=r.temperature, top_k=r.top_k, seed=r.seed)
+            for r in requests(6)]
+    decoder = dataclasses.replace(static, executor=ex).decoder("dflash")
+    got = [r.output_token_ids for r in sorted(decoder.generate(reqs), key=lambda r: r.request.id)]
+    assert got == outputs(static, "dflash", reqs) and decoder.preemptions > 0
+    kinds = {k.kind for k in ex.graphs.passes}
+    assert ex.window_blocks.table.shape[0] == ex.num_slots + 1 and kinds == {"target", "draft"}
+
+
 def test_a_budget_too_small_for_the_rings_is_one_sentence(windowed, tmp_path, capsys):
     engine_dir, static = windowed
     budget = _windowed_budget(static, 10)  # one request of 256 + 8 positions needs 17 full blocks
