@@ -29,8 +29,7 @@ from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, TreeDrafting, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
 from trtllm_dflash.runtime.lockstep import LockstepDriver, Rank0Chooses, follow
-from trtllm_dflash.runtime.costs import (cached_costs, load_or_measure, measure, measure_and_cache, read_acceptance,
-                                         write_acceptance)
+from trtllm_dflash.runtime.costs import cached_costs, measure, measure_and_cache, read_acceptance, write_acceptance
 from trtllm_dflash.runtime.options import BlockSize, RunOptions
 from trtllm_dflash.runtime.textstream import TextStream
 from trtllm_dflash.speculative.core import request_seed
@@ -181,14 +180,12 @@ def load_auto_block(root: Path, executor: Executor, backend: str, tree_budget: i
     every rank times the same passes with it; every rank gets rank 0's costs and prior, and only rank 0 records what
     the run accepts (the choices are rank 0's too: Rank0Chooses)."""
     positions = executor.block_size - 1
-    if world.size == 1:
-        costs, _ = load_or_measure(root, executor, backend, report=report)
-    else:
-        costs = world.from_rank0(lambda: cached_costs(root, executor, backend, report=report)[0])
-        if costs is None:
-            measured = measure_and_cache(root, executor, backend, report) if world.rank == 0 else measure(executor)
-            costs = world.from_rank0(lambda: measured)
-    prior = world.from_rank0(lambda: read_acceptance(root, positions))  # the last run's rates, if any
+    # (the cached costs, if any, and the last run's rates, if any)
+    costs, prior = world.from_rank0(lambda: (cached_costs(root, executor, backend, report=report)[0],
+                                             read_acceptance(root, positions)))
+    if costs is None:
+        measured = measure_and_cache(root, executor, backend, report) if world.rank == 0 else measure(executor)
+        costs = world.from_rank0(lambda: measured)
     record = (lambda rates: write_acceptance(root, rates)) if world.rank == 0 else None
     return AutoBlockSize(costs, executor.block_size, AcceptanceEstimate(positions, prior=prior), record=record,
                          tree_budget=tree_budget)
