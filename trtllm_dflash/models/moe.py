@@ -19,13 +19,21 @@ Either way each rank adds its partial sums and the ranks' outputs are all-reduce
 Under "tp" the down_proj bias is added by rank 0 only, as the dense row-parallel biases are.
 
 Quantized experts (models/quantized.py) quantize x before routing and h of every expert, each with one scale.
+
+Eagerly (the torch executor) both families run their routed experts as two grouped GEMMs (`routed_grouped`): the
+(token, expert) pairs sorted by expert, each expert's rows multiplied by its weights in one call
+(`torch.nn.functional.grouped_mm`), the pairs' outputs put back in order and summed per token. No shape depends on the
+routing and nothing is read back to the host, so the pass can be captured in a CUDA graph where torch's grouped GEMM
+kernel runs (`grouped_gemm_problem`). Experts that cannot be grouped (a Qwen3 MoE / DeepSeek-V3 expert with its own
+quantized inputs, or rows not 16-byte aligned) run expert by expert over the tokens routed to it
+(`routed_loop`), as transformers does: its `torch.where` reads the routing on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +52,79 @@ MoEParallel = Literal["tp", "ep"]
 # transformers' GptOssExperts constants (not read from config.json there either)
 ALPHA = 1.702
 LIMIT = 7.0
+
+# torch.nn.functional.grouped_mm where torch has it (2.13 does), else the op it calls
+_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def grouped_gemm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the grouped experts could not be captured in a CUDA graph on `device` in `dtype`, or None. torch's
+    grouped GEMM reads the group offsets on the device only in its CUTLASS kernel, bfloat16 on SM 9.x / 10.x
+    (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.8 to 2.13); elsewhere it copies them to the host and loops
+    over the groups. Read from torch's source: not run on a GPU here."""
+    if device.type != "cuda":
+        return None
+    if dtype != torch.bfloat16:
+        return (f"torch's grouped GEMM for the experts reads its group sizes on the host in {str(dtype)[6:]} (its "
+                "device-side kernel is bfloat16 only): build the engine with dtype bfloat16")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return (f"torch's grouped GEMM for the experts reads its group sizes on the host on SM {major}.{minor} (its "
+                "device-side kernel runs on SM 9.x and 10.x)")
+    return None
+
+
+def experts_graph_problem(model: nn.Module) -> str | None:
+    """Why `model`'s routed experts could not run in a captured CUDA graph on its device, or None (no experts, or
+    every MLP of experts runs as grouped GEMMs that read nothing on the host there)."""
+    moes = [m for m in model.modules() if isinstance(m, (MoEMLP, SparseMoE))]
+    for m in moes:
+        weights = m.stacked() if isinstance(m, SparseMoE) else (m.experts.gate_up_proj, m.experts.down_proj)
+        if weights is None:
+            return ("its quantized experts each quantize their inputs with their own scale, so they run one expert at "
+                    "a time, reading the routing on the host")
+        if not groupable(*weights):
+            return ("its experts' weights are not in a dtype or 16-byte aligned layout that a grouped GEMM takes, so "
+                    "they run one expert at a time")
+    if not moes:
+        return None
+    weight = next(p for p in moes[0].parameters() if p.is_floating_point())
+    return grouped_gemm_problem(weight.device, weight.dtype)
+
+
+def groupable(*tensors: torch.Tensor) -> bool:
+    """Whether grouped_mm takes these operands: float32, bfloat16 or float16, every stride but the unit one and the
+    start 16-byte aligned."""
+    return all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in tensors)
+
+
+def routed_grouped(flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, first: int, gate_up: torch.Tensor,
+                   down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                   down_input: Callable[[torch.Tensor], torch.Tensor] = lambda h: h) -> torch.Tensor:
+    """This rank's routed experts over `flat` [N, hidden] as two grouped GEMMs: sum over the k chosen experts e of
+    weights[n, slot] * (down_input(activation(x @ gate_up[e] + gate_up_bias[e])) @ down[e] + down_bias[e]), for the
+    experts first .. first + E - 1 (the others' pairs add 0). gate_up [E, hidden, G], down [E, I, hidden] (x @ W
+    layouts, views welcome); `weights` [N, k] (flat's dtype or float32, each product cast to flat's dtype as the loop
+    does); `idx` [N, k] global expert ids. Every shape is fixed by N and k; the sums over k are in slot order."""
+    n, k = idx.shape
+    count = gate_up.shape[0]
+    expert = idx.flatten() - first
+    local = (expert >= 0) & (expert < count)
+    expert = torch.where(local, expert, count)  # other ranks' experts sort last, past every group
+    order = torch.argsort(expert, stable=True)
+    expert, local = expert.index_select(0, order), local.index_select(0, order)
+    ends = torch.searchsorted(expert, torch.arange(count, device=expert.device), right=True).to(torch.int32)
+    h = _GROUPED_MM(flat.index_select(0, order // k), gate_up, offs=ends)
+    which = expert.clamp(max=count - 1)  # (the rows past the groups are dropped below)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.index_select(0, which)
+    y = _GROUPED_MM(down_input(activation(h)), down, offs=ends)
+    if down_bias is not None:
+        y = y + down_bias.index_select(0, which)
+    y = torch.where(local[:, None], y * weights.flatten().index_select(0, order)[:, None], 0).to(flat.dtype)
+    return torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1).sum(1)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float, beta: float) -> torch.Tensor:
@@ -181,10 +262,19 @@ class MoEMLP(nn.Module):
         if exporting():
             return self.tp.all_reduce(self._every_expert(flat, weights, idx)).view_as(x)
         ex = self.experts
-        out = torch.zeros_like(flat)
         quantized_flat = ex.gate_up_proj_input(flat)  # (identity unless the experts are quantized)
-        # Expert by expert over the tokens routed to it, in expert order, as transformers does (so the sums
-        # of the k contributions are added in the same order).
+        if groupable(quantized_flat, ex.gate_up_proj, ex.down_proj):
+            out = routed_grouped(quantized_flat, weights, idx, ex.first, ex.gate_up_proj, ex.down_proj,
+                                 gated_activation, ex.gate_up_proj_bias,
+                                 ex.down_proj_bias if ex.adds_down_bias else None, ex.down_proj_input)
+            return self.tp.all_reduce(out).view_as(x)
+        return self.tp.all_reduce(self.routed_loop(quantized_flat, weights, idx)).view_as(x)
+
+    def routed_loop(self, quantized_flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """transformers' form: expert by expert over the tokens routed to it, in expert order (so the k contributions
+        are added in its order). Reads the routing on the host (torch.where)."""
+        ex = self.experts
+        out = torch.zeros_like(quantized_flat)
         for local in range(ex.gate_up_proj.shape[0]):
             token, slot = torch.where(idx == ex.first + local)
             if token.numel() == 0:
@@ -194,7 +284,7 @@ class MoEMLP(nn.Module):
             if ex.adds_down_bias:
                 y = y + ex.down_proj_bias[local]
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return self.tp.all_reduce(out).view_as(x)
+        return out
 
     def _every_expert(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The exported form (no data-dependent shapes): every local expert over every token, the outputs summed
@@ -252,6 +342,7 @@ class SparseMoE(nn.Module):
         else:
             self.shared_experts = None
         self.export_experts_op: ExpertsOp | None = None  # set for an export (compile/onnx_export.py)
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None  # (`stacked`)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] -> routing weights [N, k] (flat's dtype; DeepSeek-V3's: float32), expert ids [N, k]."""
@@ -323,9 +414,37 @@ class SparseMoE(nn.Module):
                 # weights are float32, and a float32 sum would carry into a 16-bit engine's next layer)
                 out = out + (expert.partial(flat) * (weights * (idx == int(e))).sum(-1, keepdim=True)).to(out.dtype)
             return out
+        stacked = self.stacked()
+        if stacked is not None and groupable(flat, *stacked):
+            gate_up, down = stacked
+            act, width = next(iter(self.experts.values())).act, down.shape[1]
+            return routed_grouped(flat, weights, idx, int(next(iter(self.experts))), gate_up, down,
+                                  lambda h: act(h[:, :width]) * h[:, width:])
         # Expert by expert over the tokens routed to it, in expert order, as transformers adds them.
         for e, expert in self.experts.items():
             token, slot = torch.where(idx == int(e))
             if token.numel():
                 out.index_add_(0, token, (expert.partial(flat[token]) * weights[token, slot, None]).to(out.dtype))
         return out
+        return out
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's experts as x @ W views for `routed_grouped`: gate_up [E, hidden, 2I] (gate, then up) and down
+        [E, I, hidden], or None where the experts' linears are quantized (each quantizes its input with its own scale,
+        models/quantized.py: wrapped at load, before any pass). The first call stacks the weights and makes every
+        expert's linears views of the stacks, so the weights stay in memory once; a later call restacks if the module
+        was moved (`.to`) since."""
+        first = next(iter(self.experts.values()))
+        if type(first.gate_proj) is not nn.Linear:
+            return None
+        if self._stack is None or self._stack[0].data_ptr() != first.gate_proj.weight.data_ptr():
+            experts, width = list(self.experts.values()), first.gate_proj.out_features
+            if not all(type(p) is nn.Linear for e in experts for p in (e.gate_proj, e.up_proj, e.down_proj)):
+                return None
+            with torch.inference_mode(False), torch.no_grad():  # (plain tensors: the model may run outside it too)
+                gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+                down = torch.stack([e.down_proj.weight for e in experts])  # [E, hidden, I]
+                for e, gu, d in zip(experts, gate_up, down):
+                    e.gate_proj.weight.data, e.up_proj.weight.data, e.down_proj.weight.data = gu[:width], gu[width:], d
+            self._stack = gate_up, down
+        return self._stack[0].transpose(1, 2), self._stack[1].transpose(1, 2)

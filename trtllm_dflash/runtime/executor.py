@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from trtllm_dflash.engine_dir import DRAFTER_PREFIX, TARGET_PREFIX, EngineConfig, rank_file
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.layers import KVCache
+from trtllm_dflash.models.moe import experts_graph_problem
 from trtllm_dflash.models.quantized import dequantize_state_dict, quantize_inputs
 from trtllm_dflash.models.spec import DecoderSpec, DFlash2Params, DFlashParams, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
@@ -45,6 +46,10 @@ def engine_specs(cfg: EngineConfig) -> tuple[DecoderSpec, DecoderSpec, DFlashPar
     d = cfg.dflash
     dflash2 = None if d.dflash2 is None else DFlash2Params(**d.dflash2.model_dump())
     return target, drafter, DFlashParams(d.block_size, d.mask_token_id, tuple(d.target_layer_ids), dflash2)
+
+
+class CudaGraphsError(ValueError):
+    """CUDA graphs were asked for a target whose passes cannot be captured (the reason, in words)."""
 
 
 @dataclass(frozen=True)
@@ -256,9 +261,10 @@ class TorchExecutor(KeepsPrefixStates):
                  prefix_cache: bool = True, tree_budget: int = 0, prefix_states: int | None = None):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
-        CUDA, the target has no experts (MoE routing has data-dependent shapes) and no tensor parallelism (True turns
-        them on there: every rank pads alike; NCCL collectives inside a capture never run). True on a CPU runs the same
-        static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them,
+        CUDA, the target's passes can be captured there (no Gated DeltaNet layers; experts only as grouped GEMMs that
+        read nothing on the host: models/moe.py experts_graph_problem) and no tensor parallelism (True turns them on
+        there: every rank pads alike; NCCL collectives inside a capture never run); True where they cannot be captured:
+        CudaGraphsError. True on a CPU runs the same static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them,
         called once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
         for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request. `prefix_cache`: with a paged cache, prompt blocks shared
@@ -276,12 +282,12 @@ class TorchExecutor(KeepsPrefixStates):
                              "windows or Gated DeltaNet layers; drop the tree budget for this engine")
         self.tree_budget = tree_budget
         self.device = target.lm_head.weight.device
-        if cuda_graphs and (target.spec.has_experts or target.spec.has_recurrent_state):
-            raise ValueError("CUDA graphs: not for a target with experts (its routing has data-dependent shapes) or "
-                             "Gated DeltaNet layers (their states are not in the static passes yet); run it without "
-                             "them.")
-        graphs = (self.device.type == "cuda" and not target.spec.has_experts and not target.spec.has_recurrent_state
-                  and target.tp.size == 1 if cuda_graphs is None else cuda_graphs)
+        problem = ("its Gated DeltaNet layers' states are not in the static passes yet"
+                   if target.spec.has_recurrent_state else experts_graph_problem(target))
+        if cuda_graphs and problem:
+            raise CudaGraphsError(f"not for this {target.spec.model_type} target: {problem}; run it without them.")
+        graphs = (self.device.type == "cuda" and problem is None and target.tp.size == 1
+                  if cuda_graphs is None else cuda_graphs)
         self._margin = margin
         self.prefix_cache, self._kept_states = prefix_cache, prefix_states or num_slots
         # The Gated DeltaNet layers' states per slot, kept for each position of a pass of up to a verify block

@@ -24,7 +24,7 @@ from trtllm_dflash.inputs import decode_lines, loads, require_file, shown
 from trtllm_dflash.outputs import atomic_file, check_output_files, is_user_os_error, reason, write_text_atomic
 from trtllm_dflash.parallel.world import World, cuda_device_index
 from trtllm_dflash.runtime.decoding import Decoder, Mode, Request, Result
-from trtllm_dflash.runtime.executor import Executor, TorchExecutor, engine_specs
+from trtllm_dflash.runtime.executor import CudaGraphsError, Executor, TorchExecutor, engine_specs
 from trtllm_dflash.runtime.kv_blocks import STATIC_KV, KVBudgetError, available_memory, is_fraction, resolve_budget
 from trtllm_dflash.runtime.verify import AutoBlock, FixedBlock, PlainDecoding, TreeDrafting, VerifyPolicy
 from trtllm_dflash.runtime.jsonl import Defaults, read_requests, result_record, summarize
@@ -131,6 +131,8 @@ class Engine:
                                                      kv_bytes, prefix_cache, tree_budget or 0, prefix_states)
         except KVBudgetError as e:
             raise UserError(f"--kv-cache-memory {kv_cache_memory}: {e}.") from None
+        except CudaGraphsError as e:  # (where the loaded target's passes cannot be captured)
+            raise UserError(f"--cuda-graphs: {e}") from None
         if executor.num_slots < cfg.max_batch_size:  # (the compiled executors' static rows: cache_rows.StaticRows)
             report(f"--kv-cache-memory {kv_cache_memory}: {executor.num_slots} of the engine's {cfg.max_batch_size} "
                    "request rows (max_batch_size) fit; further requests wait for a free row.")
@@ -263,9 +265,6 @@ def _check_cuda_graphs(cfg: EngineConfig, backend: Backend, device: str) -> None
                             f"yet (this engine has tp_size {cfg.mapping.tp_size}: the plans' DistCollective layers "
                             "inside a capture were never tried); drop --cuda-graphs or use --backend torch.")
         return
-    if engine_specs(cfg)[0].has_experts:
-        raise UserError("--cuda-graphs: not for a target with experts (its routing has data-dependent shapes); "
-                        "drop --cuda-graphs.")
     if not str(device).startswith("cuda"):
         raise UserError("--cuda-graphs needs --device cuda (CUDA graphs are a GPU feature; on the CPU the passes run "
                         "eagerly).")
