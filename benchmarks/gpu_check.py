@@ -780,7 +780,8 @@ def stage_executor(ctx: StageContext) -> None:
     ctx.save()
     if ctx.device.startswith("cuda"):  # (a CPU standing in for the GPU runs no graphs)
         r["checks"]["paged cache: its decode passes captured as CUDA graphs"] = r["paged_graphs_captured"]
-    moe_graphs(ctx, requests(0.0))
+    for family in ("qwen3_moe", "qwen3_5"):
+        family_graphs(ctx, requests(0.0), family)
     problems = [label for label, ok in r["checks"].items() if not ok]
     if not r["runs_as_written"]:
         problems.insert(0, f"the executor as written fails on {ctx.device}: {r['as_written_error']}")
@@ -788,10 +789,11 @@ def stage_executor(ctx: StageContext) -> None:
         raise CheckFailed("; ".join(problems))
 
 
-def moe_graphs(ctx: StageContext, greedy: list) -> None:
-    """An MoE target's decode passes, its experts as grouped GEMMs (models/moe.py): a tiny random Qwen3 MoE pair in
-    bfloat16, decoded with the passes captured (on by default where torch's grouped GEMM keeps the routing on the
-    device: SM 9.x / 10.x) and eagerly; the same tokens, and with graphs every pass captured."""
+def family_graphs(ctx: StageContext, greedy: list, family: str) -> None:
+    """A tiny random `family` pair in bfloat16 (qwen3_moe: experts as grouped GEMMs, models/moe.py; qwen3_5: Gated
+    DeltaNet states with a scratch slot), decoded with its passes captured (on by default where they can be: for
+    experts, where torch's grouped GEMM keeps the routing on the device, SM 9.x / 10.x) and eagerly: the same tokens,
+    and with graphs every pass captured. A failure is recorded as a failed check, not raised."""
     from trtllm_dflash.config import BuildConfig
     from trtllm_dflash.engine.builder import build_engine
     from trtllm_dflash.models.moe import experts_graph_problem
@@ -800,30 +802,35 @@ def moe_graphs(ctx: StageContext, greedy: list) -> None:
     from trtllm_dflash.runtime.runner import Engine
     from trtllm_dflash.train.random_pair import write_random_pair
 
-    write_random_pair(ctx.tmp / "moe_pair", "qwen3_moe", block_size=8, seed=0)
-    out = build_engine(BuildConfig(target=ctx.tmp / "moe_pair" / "target", drafter=ctx.tmp / "moe_pair" / "drafter",
-                                   output=ctx.tmp / "moe", dtype="bfloat16", max_batch_size=4, max_seq_len=512),
-                       force=True, progress=False)
-    eager = Engine.load(out, device=ctx.device, cuda_graphs=False)
-    problem = experts_graph_problem(eager.executor.target)
-    if ctx.device.startswith("cuda"):
-        graphed = Engine.load(out, device=ctx.device)  # (graphs on by default where they can be captured)
-    else:  # the CPU standing in for the GPU: the same static passes, eagerly
-        graphed = dataclasses.replace(eager, executor=TorchExecutor.from_engine(out, eager.config, 0, SINGLE, "cpu",
-                                                                                None, cuda_graphs=True))
-    vocab = eager.executor.vocab_size  # (the demo's prompts' ids, kept inside the tiny vocabulary)
-    reqs = [dataclasses.replace(q, prompt_token_ids=[t % vocab for t in q.prompt_token_ids]) for q in greedy]
-    moe = ctx.results["moe"] = {"graphs_problem": problem, "graphs_on": graphed.executor.graphs is not None}
-    for mode in ("ar", "dflash"):
-        a, b = decode(graphed, mode, reqs, ctx.device), decode(eager, mode, reqs, ctx.device)
-        moe[mode] = {"graphs_s": a["seconds"], "eager_s": b["seconds"], "output_tokens": a["output_tokens"]}
-        ctx.results["checks"][f"moe target (grouped experts) {mode}: graphs == eager"] = a["tokens"] == b["tokens"]
-        if a["tokens"] != b["tokens"]:
-            ctx.results["differences"][f"moe {mode}"] = differences(a["tokens"], b["tokens"])[:5]
-    if ctx.device.startswith("cuda") and problem is None:
-        moe["captured"] = all(p.graph is not None for p in graphed.executor.graphs.passes.values())
-        ctx.results["checks"]["moe target: its decode passes captured as CUDA graphs"] = moe["captured"]
-    ctx.log(f"moe target: graphs {'on' if moe['graphs_on'] else 'off'} ({problem or 'capturable'})")
+    r = ctx.results.setdefault("graphs_of", {})[family] = {}
+    try:
+        pair = ctx.tmp / f"{family}_pair"
+        write_random_pair(pair, family, block_size=8, seed=0)
+        out = build_engine(BuildConfig(target=pair / "target", drafter=pair / "drafter", output=ctx.tmp / family,
+                                       dtype="bfloat16", max_batch_size=4, max_seq_len=512), force=True, progress=False)
+        eager = Engine.load(out, device=ctx.device, cuda_graphs=False)
+        r["graphs_problem"] = problem = experts_graph_problem(eager.executor.target)
+        if ctx.device.startswith("cuda"):
+            graphed = Engine.load(out, device=ctx.device)  # (graphs on by default where they can be captured)
+        else:  # the CPU standing in for the GPU: the same static passes, eagerly
+            graphed = dataclasses.replace(eager, executor=TorchExecutor.from_engine(
+                out, eager.config, 0, SINGLE, "cpu", None, cuda_graphs=True))
+        r["graphs_on"] = graphed.executor.graphs is not None
+        vocab = eager.executor.vocab_size  # (the demo's prompts' ids, kept inside the tiny vocabulary)
+        reqs = [dataclasses.replace(q, prompt_token_ids=[t % vocab for t in q.prompt_token_ids]) for q in greedy]
+        for mode in ("ar", "dflash"):
+            a, b = decode(graphed, mode, reqs, ctx.device), decode(eager, mode, reqs, ctx.device)
+            r[mode] = {"graphs_s": a["seconds"], "eager_s": b["seconds"], "output_tokens": a["output_tokens"]}
+            ctx.results["checks"][f"{family} target {mode}: graphs == eager"] = a["tokens"] == b["tokens"]
+            if a["tokens"] != b["tokens"]:
+                ctx.results["differences"][f"{family} {mode}"] = differences(a["tokens"], b["tokens"])[:5]
+        if ctx.device.startswith("cuda") and problem is None:
+            r["captured"] = all(p.graph is not None for p in graphed.executor.graphs.passes.values())
+            ctx.results["checks"][f"{family} target: its decode passes captured as CUDA graphs"] = r["captured"]
+        ctx.log(f"{family} target: graphs {'on' if r['graphs_on'] else 'off'} ({problem or 'capturable'})")
+    except Exception as exc:  # (recorded: the demo's checks above stand either way)
+        r["error"] = one_line(exc)
+        ctx.results["checks"][f"{family} target: decoded with and without graphs"] = False
     ctx.save()
 
 

@@ -25,14 +25,15 @@ HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, tor
 
 
 class HostReads(TorchFunctionMode):
-    """Counts HOST_READS calls and keeps where each was made (for the failure message)."""
+    """Counts HOST_READS calls, and torch.where given the condition alone (a nonzero inside: MoE routing loops), and
+    keeps where each was made (for the failure message)."""
 
     def __init__(self):
         super().__init__()
         self.count, self.where = 0, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
+        if func in HOST_READS or (func is torch.where and len(args) + len(kwargs or {}) == 1):
             self.count += 1
             ours = [f for f in traceback.extract_stack() if "trtllm_dflash" in f.filename]
             at = f"{ours[-1].filename.rsplit('/', 2)[-1]}:{ours[-1].lineno}" if ours else "?"

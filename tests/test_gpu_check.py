@@ -218,9 +218,11 @@ def test_executor_stage_on_the_cpu(tmp_path, one_thread):
     assert "greedy ar on gpu: alone == in a batch" in r["checks"]
     assert "sampled (T=0.8, top-p 0.9) on gpu: dflash == ar" in r["checks"]
     assert r["runs"]["gpu dflash"]["output_tokens"] == 12 and r["mean_acceptance_length"] >= 1
-    # the MoE target's static passes (grouped experts), eagerly here: the eager tokens
-    assert r["moe"]["graphs_on"] and r["moe"]["graphs_problem"] is None and r["moe"]["dflash"]["output_tokens"] == 12
-    assert "moe target (grouped experts) dflash: graphs == eager" in r["checks"]
+    # the static passes of an MoE (grouped experts) and a Qwen3.5 target, eagerly here: the eager tokens
+    for family in ("qwen3_moe", "qwen3_5"):
+        got = r["graphs_of"][family]
+        assert got["graphs_on"] and got["graphs_problem"] is None and got["dflash"]["output_tokens"] == 12, got
+        assert f"{family} target dflash: graphs == eager" in r["checks"]
 
 
 def test_differences_points_at_the_first_differing_token():

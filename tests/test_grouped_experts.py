@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from tests.conftest import build
-from tests.test_decode_step import HOST_READS
+from tests.test_decode_step import HostReads
 from tests.test_static_shapes import _requests
 from trtllm_dflash.checkpoint.formats import load_target
 from trtllm_dflash.models import moe
@@ -22,7 +21,6 @@ from trtllm_dflash.models.moe import MoEMLP, SparseMoE, experts_graph_problem, g
 from trtllm_dflash.models.shard import holds, shard_tensor, split_for
 from trtllm_dflash.models.quantized import quantize_inputs
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
-from trtllm_dflash.runtime.decoding import Decoder
 from trtllm_dflash.runtime.executor import CudaGraphsError, TorchExecutor
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.random_pair import write_random_pair
@@ -125,18 +123,6 @@ def test_stacked_experts_stay_in_memory_once_and_follow_the_module(pairs):
     torch.testing.assert_close(module.partial(flat), ref, atol=2e-2, rtol=2e-2)
 
 
-class HostReadsAndWheres(TorchFunctionMode):
-    """HOST_READS calls, and torch.where with the condition alone (a nonzero inside: a host read on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += func in HOST_READS or (func is torch.where and len(args) + len(kwargs or {}) == 1)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_moe_decode_step_reads_the_host_once(engines, family):
     """Every decoding step of an MoE target reads the device once (its results), as a dense target's does
@@ -150,7 +136,7 @@ def test_a_moe_decode_step_reads_the_host_once(engines, family):
         counts = []
         while decoder.has_work:
             admitting = bool(decoder._pending)
-            with HostReadsAndWheres() as counted:
+            with HostReads() as counted:
                 decoder.step()
             if not admitting:
                 counts.append(counted.count)

@@ -38,7 +38,9 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.shard import check_tp
 from trtllm_dflash.models.spec import DecoderSpec, hf_config_from_dict
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.parallel.group import SINGLE
 from trtllm_dflash.runtime.decoding import Decoder, Request
+from trtllm_dflash.runtime.executor import TorchExecutor
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.train.random_pair import write_random_pair
 
@@ -248,6 +250,51 @@ def test_paged_cache_with_preemption_gives_the_static_tokens(engine, pair, tmp_p
             assert {r.request.id: r.output_token_ids for r in decoder.generate(reqs)} == want, (mode, reuse)
             assert decoder.preemptions > 0, (mode, reuse)
         assert reuse == (paged.executor.prefix_states is not None and paged.executor.prefix_states.kept > 0)
+
+
+@pytest.mark.parametrize("pair", ["qwen3_5_moe"], indirect=True)  # (the MoE target: states and grouped experts)
+def test_static_passes_give_the_eager_tokens(engine, engine_dir, pair, tmp_path):
+    """The padded static passes that the CUDA graphs replay (eagerly here: the capture needs a GPU), the states with a
+    scratch slot for the padding rows as the caches have: the eager executor's tokens, dflash and ar, greedy and
+    sampled, five requests on four slots (batch buckets 1, 2 and 4); over a paged cache with prefix reuse (a shared
+    system prompt), and over one that preempts. Each decode step reads the host once, as a dense target's does."""
+    from tests.test_decode_step import HostReads
+    from tests.test_static_shapes import _requests
+
+    def tokens(executor, mode: str, reqs: list[Request]) -> dict:
+        decoder = replace(engine, executor=executor).decoder(mode)
+        return {r.request.id: r.output_token_ids for r in decoder.generate(reqs)}
+
+    static = TorchExecutor.from_engine(engine_dir, engine.config, 0, SINGLE, "cpu", None, cuda_graphs=True)
+    assert static.target_states.kept_from.shape[0] == static.num_slots + 1
+    shared = system_prompt_requests(engine.executor.vocab_size)
+    paged = TorchExecutor.from_engine(engine_dir, engine.config, 0, SINGLE, "cpu", None, cuda_graphs=True,
+                                      kv_cache_memory=8 << 20)
+    short = build(pair, tmp_path / "short", max_batch_size=4, max_seq_len=64)
+    tight = Engine.load(short)
+    preempting = TorchExecutor.from_engine(short, tight.config, 0, SINGLE, "cpu", None, cuda_graphs=True,
+                                           kv_cache_memory=360 << 10)
+    few = [replace(r, max_new_tokens=40) for r in requests(engine.executor.vocab_size)]
+    for mode in ("dflash", "ar"):
+        for sampled in (False, True):
+            assert tokens(static, mode, _requests(sampled)) == tokens(engine.executor, mode, _requests(sampled))
+        assert tokens(paged, mode, shared) == tokens(engine.executor, mode, shared)
+        decoder = replace(tight, executor=preempting).decoder(mode)
+        assert {r.request.id: r.output_token_ids for r in decoder.generate(few)} == \
+            {r.request.id: r.output_token_ids for r in tight.decoder(mode).generate(few)}
+        assert decoder.preemptions > 0
+    assert {k.batch for k in static.graphs.passes if k.kind == "target"} == {1, 2, 4}
+    assert paged.prefix_states is not None and paged.prefix_states.kept > 0
+    decoder = replace(engine, executor=static).decoder("dflash")
+    for r in _requests(False)[:3]:
+        decoder.submit(r)
+    counts = []
+    while decoder.has_work:
+        admitting = bool(decoder._pending)
+        with HostReads() as counted:
+            decoder.step()
+        counts += [] if admitting else [counted.count]
+    assert len(counts) > 5 and set(counts) == {1}, counts
 
 
 def system_prompt_requests(vocab_size: int, n: int = 6) -> list[Request]:

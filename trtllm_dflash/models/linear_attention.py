@@ -227,7 +227,8 @@ class RecurrentStates:
             self.g[layer][slots, :t], self.beta[layer][slots, :t] = g, beta
             return
         rows = step.valid[:, None] + torch.arange(self.kernel - 1, device=inputs.device)  # the K - 1 before the end
-        self.conv[layer][slots, : self.kernel - 1] = inputs[torch.arange(inputs.shape[0])[:, None], rows]
+        batch = torch.arange(inputs.shape[0], device=rows.device)[:, None]
+        self.conv[layer][slots, : self.kernel - 1] = inputs[batch, rows]
 
 
 class GatedDeltaNet(nn.Module):

@@ -261,8 +261,8 @@ class TorchExecutor(KeepsPrefixStates):
                  prefix_cache: bool = True, tree_budget: int = 0, prefix_states: int | None = None):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
-        CUDA, the target's passes can be captured there (no Gated DeltaNet layers; experts only as grouped GEMMs that
-        read nothing on the host: models/moe.py experts_graph_problem) and no tensor parallelism (True turns them on
+        CUDA, the target's passes can be captured there (experts only as grouped GEMMs that read nothing on the host:
+        models/moe.py experts_graph_problem) and no tensor parallelism (True turns them on
         there: every rank pads alike; NCCL collectives inside a capture never run); True where they cannot be captured:
         CudaGraphsError. True on a CPU runs the same static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them,
         called once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
@@ -282,16 +282,16 @@ class TorchExecutor(KeepsPrefixStates):
                              "windows or Gated DeltaNet layers; drop the tree budget for this engine")
         self.tree_budget = tree_budget
         self.device = target.lm_head.weight.device
-        problem = ("its Gated DeltaNet layers' states are not in the static passes yet"
-                   if target.spec.has_recurrent_state else experts_graph_problem(target))
+        problem = experts_graph_problem(target)
         if cuda_graphs and problem:
             raise CudaGraphsError(f"not for this {target.spec.model_type} target: {problem}; run it without them.")
         graphs = (self.device.type == "cuda" and problem is None and target.tp.size == 1
                   if cuda_graphs is None else cuda_graphs)
         self._margin = margin
         self.prefix_cache, self._kept_states = prefix_cache, prefix_states or num_slots
-        # The Gated DeltaNet layers' states per slot, kept for each position of a pass of up to a verify block
-        self.target_states = target.new_states(num_slots, margin)
+        # The Gated DeltaNet layers' states per slot, kept for each position of a pass of up to a verify block (with
+        # graphs, and a scratch slot for the padding rows, as the caches below)
+        self.target_states = target.new_states(num_slots + 1 if graphs else num_slots, margin)
         # ... and, with a paged cache sharing prefixes, kept at prompt positions (`checkpoint`) for later requests: a
         # state after a prefix is one matrix per layer, which its blocks alone cannot resume
         self.prefix_states: PrefixStates | None = None
