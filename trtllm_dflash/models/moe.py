@@ -441,7 +441,8 @@ class SparseMoE(nn.Module):
             experts, width = list(self.experts.values()), first.gate_proj.out_features
             if not all(type(p) is nn.Linear for e in experts for p in (e.gate_proj, e.up_proj, e.down_proj)):
                 return None
-            with torch.inference_mode(False), torch.no_grad():  # (plain tensors: the model may run outside it too)
+            # (the stacks of the kind the weights are: inference tensors for a model made in inference mode only)
+            with torch.inference_mode(first.gate_proj.weight.is_inference()), torch.no_grad():
                 gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
                 down = torch.stack([e.down_proj.weight for e in experts])  # [E, hidden, I]
                 for e, gu, d in zip(experts, gate_up, down):
