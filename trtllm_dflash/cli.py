@@ -511,8 +511,8 @@ def parser() -> argparse.ArgumentParser:
                    help="torch executor on --device cuda: decode passes padded to batch and length buckets and replayed "
                         "as CUDA graphs; tensorrt executor: each distinct decode-step plan call captured once and "
                         "replayed; never run on a GPU by this project yet (default: on at tp_size 1, for torch on "
-                        "--device cuda where the target has no experts; under tensor parallelism, torch only, when "
-                        "asked)")
+                        "--device cuda where its passes can be captured: a target with experts in bfloat16 on SM 9.x / "
+                        "10.x only; under tensor parallelism, torch only, when asked)")
     r.add_argument("--kv-cache-memory", metavar="SIZE", help=KV_CACHE_MEMORY_HELP)
     r.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True, help=PREFIX_CACHE_HELP)
     r.add_argument("--prefix-states", type=_positive_int, metavar="N", help=PREFIX_STATES_HELP)
