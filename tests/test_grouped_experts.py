@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import build
-from tests.test_decode_step import HostReads
+from tests.test_decode_step import _reads_per_step
 from tests.test_static_shapes import _requests
 from trtllm_dflash.checkpoint.formats import load_target
 from trtllm_dflash.models import moe
@@ -129,18 +129,9 @@ def test_a_moe_decode_step_reads_the_host_once(engines, family):
     (tests/test_decode_step.py); with the loop each layer reads the routing of every expert."""
     engine = Engine.load(engines[family])
 
-    def reads(mode: str) -> list[int]:
-        decoder = engine.decoder(mode)
-        for r in _requests(sampled=False)[:3]:
-            decoder.submit(r)
-        counts = []
-        while decoder.has_work:
-            admitting = bool(decoder._pending)
-            with HostReads() as counted:
-                decoder.step()
-            if not admitting:
-                counts.append(counted.count)
-        return counts
+    def reads(mode: str) -> list[int]:  # per decoding step (steps that admit requests read once more a prefill)
+        steps = _reads_per_step(engine.decoder(mode), _requests(sampled=False)[:3])
+        return [n for n, admitting, _ in steps if not admitting]
 
     for mode in ("dflash", "ar"):
         counts = reads(mode)

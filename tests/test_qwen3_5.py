@@ -258,7 +258,7 @@ def test_static_passes_give_the_eager_tokens(engine, engine_dir, pair, tmp_path)
     scratch slot for the padding rows as the caches have: the eager executor's tokens, dflash and ar, greedy and
     sampled, five requests on four slots (batch buckets 1, 2 and 4); over a paged cache with prefix reuse (a shared
     system prompt), and over one that preempts. Each decode step reads the host once, as a dense target's does."""
-    from tests.test_decode_step import HostReads
+    from tests.test_decode_step import _reads_per_step
     from tests.test_static_shapes import _requests
 
     def tokens(executor, mode: str, reqs: list[Request]) -> dict:
@@ -285,15 +285,8 @@ def test_static_passes_give_the_eager_tokens(engine, engine_dir, pair, tmp_path)
         assert decoder.preemptions > 0
     assert {k.batch for k in static.graphs.passes if k.kind == "target"} == {1, 2, 4}
     assert paged.prefix_states is not None and paged.prefix_states.kept > 0
-    decoder = replace(engine, executor=static).decoder("dflash")
-    for r in _requests(False)[:3]:
-        decoder.submit(r)
-    counts = []
-    while decoder.has_work:
-        admitting = bool(decoder._pending)
-        with HostReads() as counted:
-            decoder.step()
-        counts += [] if admitting else [counted.count]
+    steps = _reads_per_step(replace(engine, executor=static).decoder("dflash"), _requests(False)[:3])
+    counts = [n for n, admitting, _ in steps if not admitting]
     assert len(counts) > 5 and set(counts) == {1}, counts
 
 
