@@ -108,7 +108,7 @@ def test_stacked_experts_stay_in_memory_once_and_follow_the_module(pairs):
     they are stacked again and still give the loop's output."""
     module, _ = _layer(pairs["qwen3_moe"], "qwen3_moe", SINGLE, "tp")
     bytes_before = sum(p.numel() for p in module.experts.parameters())
-    gate_up, down = module.stacked()
+    gate_up, down = module.stacked().operands()
     assert gate_up.shape == (8, 64, 2 * 64) and down.shape == (8, 64, 64)
     stack = gate_up.untyped_storage()
     for e in module.experts.values():
@@ -118,8 +118,8 @@ def test_stacked_experts_stay_in_memory_once_and_follow_the_module(pairs):
     flat = torch.randn(6, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     with Loop():
         ref = module.to(torch.bfloat16).partial(flat)
-    assert module.stacked()[0].dtype == torch.bfloat16
-    assert module.experts["0"].gate_proj.weight.untyped_storage().data_ptr() == module.stacked()[0].data_ptr()
+    assert module.stacked().gate_up.dtype == torch.bfloat16
+    assert module.experts["0"].gate_proj.weight.untyped_storage().data_ptr() == module.stacked().gate_up.data_ptr()
     torch.testing.assert_close(module.partial(flat), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -161,36 +161,58 @@ def test_static_passes_of_moe_targets_give_the_eager_tokens(engines, family):
     assert len({k.batch for k in static.graphs.passes}) >= 2
 
 
-def test_where_the_experts_cannot_be_captured_it_is_said(pairs):
+def _quantize_experts(module: SparseMoE, fmt: str, up_differs: bool = False) -> None:
+    """Every expert's linears quantize their inputs (models/quantized.py), each expert with scales of its own, its gate
+    and up at one scale as ModelOpt calibrates them (`up_differs`: expert 3's up at another)."""
+    scales = {}
+    for e in module.experts:
+        base = 0.01 * (1 + int(e) / 4)
+        scales |= {f"experts.{e}.gate_proj": base, f"experts.{e}.up_proj": base * (2 if up_differs and e == "3" else 1),
+                   f"experts.{e}.down_proj": base / 2}
+    quantize_inputs(module, {name: (fmt, torch.tensor(scale)) for name, scale in scales.items()})
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_experts_group_with_a_scale_per_expert(pairs, fmt):
+    """Qwen3 MoE experts with quantized inputs (a scale per expert; gate and up alike): each row quantized with its
+    expert's scale, grouped == the loop, on one rank and on two under ep; nothing keeps them from a capture. Quantized
+    gpt-oss experts (one input scale per projection for every expert) group too."""
+    flat = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
+    for tp, parallel in ((SINGLE, "tp"), (TPGroup(1, 2), "ep")):
+        sparse, _ = _layer(pairs["qwen3_moe"], "qwen3_moe", tp, parallel)
+        _quantize_experts(sparse, fmt)
+        assert experts_graph_problem(sparse) is None and sparse.stacked().fmt == fmt
+        grouped = sparse.partial(flat)
+        with Loop():
+            torch.testing.assert_close(grouped, sparse.partial(flat), atol=1e-5, rtol=1e-4)
+        unquantized, _ = _layer(pairs["qwen3_moe"], "qwen3_moe", tp, parallel)
+        assert not torch.allclose(unquantized.partial(flat), grouped, atol=1e-4)  # (the inputs were quantized)
+    gpt_oss, _ = _layer(pairs["gpt_oss"], "gpt_oss", SINGLE, "tp")
+    quantize_inputs(gpt_oss, {"experts.gate_up_proj": (fmt, torch.tensor(0.01)),
+                              "experts.down_proj": (fmt, torch.tensor(0.02))})
+    assert experts_graph_problem(gpt_oss) is None
+    x = torch.randn(1, 5, gpt_oss.router.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    grouped = gpt_oss(x)
+    with Loop():
+        torch.testing.assert_close(gpt_oss(x), grouped, atol=1e-5, rtol=1e-4)
+
+
+def test_where_the_experts_cannot_be_captured_it_is_said(pairs, engines):
     """On a CPU the grouped experts are never a reason; on CUDA the grouped GEMM's device-side kernel needs bfloat16
-    (the SM check needs a GPU: not run here). Quantized Qwen3 MoE experts (an input scale each) run the loop: that is
-    the reason given, and an executor asked for CUDA graphs over them refuses with it. Quantized gpt-oss experts (one
-    input scale per projection for all experts) stay grouped."""
+    (the SM check needs a GPU: not run here). Quantized experts whose gate and up inputs have different scales cannot
+    share one GEMM: they run the loop, that is the reason given, and an executor asked for CUDA graphs over them
+    refuses with it (`run --cuda-graphs` says it after "--cuda-graphs: " on a GPU)."""
     assert grouped_gemm_problem(torch.device("cpu"), torch.float32) is None
     assert "in float32" in grouped_gemm_problem(torch.device("cuda"), torch.float32)
     sparse, _ = _layer(pairs["qwen3_moe"], "qwen3_moe", SINGLE, "tp")
-    assert experts_graph_problem(sparse) is None
-    quantize_inputs(sparse, {f"experts.{e}.{p}": ("fp8", torch.tensor(0.01))
-                             for e in sparse.experts for p in ("gate_proj", "up_proj", "down_proj")})
-    assert "quantized experts each quantize their inputs" in experts_graph_problem(sparse)
-    flat = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
-    sparse.partial(flat)  # (the loop)
-    gpt_oss, _ = _layer(pairs["gpt_oss"], "gpt_oss", SINGLE, "tp")
-    quantize_inputs(gpt_oss, {"experts.gate_up_proj": ("fp8", torch.tensor(0.01)),
-                              "experts.down_proj": ("fp8", torch.tensor(0.02))})
-    assert experts_graph_problem(gpt_oss) is None
-    flat = torch.randn(5, gpt_oss.router.weight.shape[1], generator=torch.Generator().manual_seed(3))
-    grouped = gpt_oss(flat[None])
-    with Loop():
-        torch.testing.assert_close(gpt_oss(flat[None]), grouped, atol=1e-6, rtol=1e-5)
-
-
-def test_cuda_graphs_over_quantized_qwen3_moe_experts_are_refused(engines):
-    """The executor refuses with the reason (`run --cuda-graphs` says it after "--cuda-graphs: " on a GPU)."""
+    _quantize_experts(sparse, "fp8", up_differs=True)
+    assert sparse.stacked() is None
+    assert "gate and up inputs have different scales" in experts_graph_problem(sparse)
+    sparse.partial(torch.randn(5, 64))  # (the loop)
     engine = Engine.load(engines["qwen3_moe"])
     target = engine.executor.target
-    quantize_inputs(target, {f"{name}.{p}": ("fp8", torch.tensor(0.01)) for name, m in target.named_modules()
-                             if isinstance(m, SparseMoE) for e in m.experts
-                             for p in (f"experts.{e}.gate_proj", f"experts.{e}.up_proj")})
-    with pytest.raises(CudaGraphsError, match="not for this qwen3_moe target: its quantized experts"):
+    for name, m in target.named_modules():
+        if isinstance(m, SparseMoE):
+            _quantize_experts(m, "fp8", up_differs=True)
+    with pytest.raises(CudaGraphsError, match="not for this qwen3_moe target: its quantized experts' gate and up"):
         TorchExecutor(target, engine.executor.drafter, 2, 64, cuda_graphs=True)

@@ -24,9 +24,10 @@ Eagerly (the torch executor) both families run their routed experts as two group
 (token, expert) pairs sorted by expert, each expert's rows multiplied by its weights in one call
 (`torch.nn.functional.grouped_mm`), the pairs' outputs put back in order and summed per token. No shape depends on the
 routing and nothing is read back to the host, so the pass can be captured in a CUDA graph where torch's grouped GEMM
-kernel runs (`grouped_gemm_problem`). Experts that cannot be grouped (a Qwen3 MoE / DeepSeek-V3 expert with its own
-quantized inputs, or rows not 16-byte aligned) run expert by expert over the tokens routed to it
-(`routed_loop`), as transformers does: its `torch.where` reads the routing on the host.
+kernel runs (`grouped_gemm_problem`); quantized experts quantize each row's input with its expert's scale. Experts
+that cannot be grouped (quantized gate and up inputs at different scales, rows not 16-byte aligned, a dtype grouped_mm
+does not take) run expert by expert over the tokens routed to it (`routed_loop`), as transformers does: its
+`torch.where` reads the routing on the host.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from trtllm_dflash.models.layers import MLP, exporting
 from trtllm_dflash.models.shard import routed_experts_of
 from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
+from trtllm_dflash.quantize.fp8 import fake_quant_fp8_activation
+from trtllm_dflash.quantize.nvfp4 import fake_quant_nvfp4_activation
 
 if TYPE_CHECKING:
     from trtllm_dflash.quantize.experts import QuantizedExperts
@@ -79,10 +82,11 @@ def experts_graph_problem(model: nn.Module) -> str | None:
     every MLP of experts runs as grouped GEMMs that read nothing on the host there)."""
     moes = [m for m in model.modules() if isinstance(m, (MoEMLP, SparseMoE))]
     for m in moes:
-        weights = m.stacked() if isinstance(m, SparseMoE) else (m.experts.gate_up_proj, m.experts.down_proj)
-        if weights is None:
-            return ("its quantized experts each quantize their inputs with their own scale, so they run one expert at "
-                    "a time, reading the routing on the host")
+        stacked = m.stacked() if isinstance(m, SparseMoE) else None
+        if isinstance(m, SparseMoE) and stacked is None:
+            return ("its quantized experts' gate and up inputs have different scales, so they run one expert at a "
+                    "time, reading the routing on the host")
+        weights = stacked.operands() if stacked is not None else (m.experts.gate_up_proj, m.experts.down_proj)
         if not groupable(*weights):
             return ("its experts' weights are not in a dtype or 16-byte aligned layout that a grouped GEMM takes, so "
                     "they run one expert at a time")
@@ -99,15 +103,20 @@ def groupable(*tensors: torch.Tensor) -> bool:
                and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in tensors)
 
 
+# A quantized input of grouped experts: (rows [R, K], each row's local expert [R]) -> the rows quantize-dequantized
+RowQuant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def routed_grouped(flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, first: int, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                   down_input: Callable[[torch.Tensor], torch.Tensor] = lambda h: h) -> torch.Tensor:
+                   gate_up_input: RowQuant | None = None, down_input: RowQuant | None = None) -> torch.Tensor:
     """This rank's routed experts over `flat` [N, hidden] as two grouped GEMMs: sum over the k chosen experts e of
-    weights[n, slot] * (down_input(activation(x @ gate_up[e] + gate_up_bias[e])) @ down[e] + down_bias[e]), for the
-    experts first .. first + E - 1 (the others' pairs add 0). gate_up [E, hidden, G], down [E, I, hidden] (x @ W
-    layouts, views welcome); `weights` [N, k] (flat's dtype or float32, each product cast to flat's dtype as the loop
-    does); `idx` [N, k] global expert ids. Every shape is fixed by N and k; the sums over k are in slot order."""
+    weights[n, slot] * (down_input(activation(gate_up_input(x) @ gate_up[e] + gate_up_bias[e])) @ down[e] +
+    down_bias[e]), for the experts first .. first + E - 1 (the others' pairs add 0). gate_up [E, hidden, G], down
+    [E, I, hidden] (x @ W layouts, views welcome); `weights` [N, k] (flat's dtype or float32, each product cast to
+    flat's dtype as the loop does); `idx` [N, k] global expert ids; the inputs' quantizers (None: none) see each row's
+    expert. Every shape is fixed by N and k; the sums over k are in slot order."""
     n, k = idx.shape
     count = gate_up.shape[0]
     expert = idx.flatten() - first
@@ -116,11 +125,13 @@ def routed_grouped(flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
     order = torch.argsort(expert, stable=True)
     expert, local = expert.index_select(0, order), local.index_select(0, order)
     ends = torch.searchsorted(expert, torch.arange(count, device=expert.device), right=True).to(torch.int32)
-    h = _GROUPED_MM(flat.index_select(0, order // k), gate_up, offs=ends)
     which = expert.clamp(max=count - 1)  # (the rows past the groups are dropped below)
+    x = flat.index_select(0, order // k)
+    h = _GROUPED_MM(x if gate_up_input is None else gate_up_input(x, which), gate_up, offs=ends)
     if gate_up_bias is not None:
         h = h + gate_up_bias.index_select(0, which)
-    y = _GROUPED_MM(down_input(activation(h)), down, offs=ends)
+    h = activation(h)
+    y = _GROUPED_MM(h if down_input is None else down_input(h, which), down, offs=ends)
     if down_bias is not None:
         y = y + down_bias.index_select(0, which)
     y = torch.where(local[:, None], y * weights.flatten().index_select(0, order)[:, None], 0).to(flat.dtype)
@@ -266,7 +277,8 @@ class MoEMLP(nn.Module):
         if groupable(quantized_flat, ex.gate_up_proj, ex.down_proj):
             out = routed_grouped(quantized_flat, weights, idx, ex.first, ex.gate_up_proj, ex.down_proj,
                                  gated_activation, ex.gate_up_proj_bias,
-                                 ex.down_proj_bias if ex.adds_down_bias else None, ex.down_proj_input)
+                                 ex.down_proj_bias if ex.adds_down_bias else None,
+                                 down_input=lambda h, _: ex.down_proj_input(h))  # (one scale for every expert)
             return self.tp.all_reduce(out).view_as(x)
         return self.tp.all_reduce(self.routed_loop(quantized_flat, weights, idx)).view_as(x)
 
@@ -342,7 +354,7 @@ class SparseMoE(nn.Module):
         else:
             self.shared_experts = None
         self.export_experts_op: ExpertsOp | None = None  # set for an export (compile/onnx_export.py)
-        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None  # (`stacked`)
+        self._stack: StackedExperts | bool | None = None  # (`stacked`; False: they cannot be)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] -> routing weights [N, k] (flat's dtype; DeepSeek-V3's: float32), expert ids [N, k]."""
@@ -415,11 +427,12 @@ class SparseMoE(nn.Module):
                 out = out + (expert.partial(flat) * (weights * (idx == int(e))).sum(-1, keepdim=True)).to(out.dtype)
             return out
         stacked = self.stacked()
-        if stacked is not None and groupable(flat, *stacked):
-            gate_up, down = stacked
+        if stacked is not None and groupable(flat, *stacked.operands()):
+            (gate_up, down), (gate_up_input, down_input) = stacked.operands(), stacked.input_quantizers()
             act, width = next(iter(self.experts.values())).act, down.shape[1]
             return routed_grouped(flat, weights, idx, int(next(iter(self.experts))), gate_up, down,
-                                  lambda h: act(h[:, :width]) * h[:, width:])
+                                  lambda h: act(h[:, :width]) * h[:, width:], gate_up_input=gate_up_input,
+                                  down_input=down_input)
         # Expert by expert over the tokens routed to it, in expert order, as transformers adds them.
         for e, expert in self.experts.items():
             token, slot = torch.where(idx == int(e))
@@ -428,24 +441,67 @@ class SparseMoE(nn.Module):
         return out
         return out
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This rank's experts as x @ W views for `routed_grouped`: gate_up [E, hidden, 2I] (gate, then up) and down
-        [E, I, hidden], or None where the experts' linears are quantized (each quantizes its input with its own scale,
-        models/quantized.py: wrapped at load, before any pass). The first call stacks the weights and makes every
-        expert's linears views of the stacks, so the weights stay in memory once; a later call restacks if the module
-        was moved (`.to`) since."""
+    def stacked(self) -> StackedExperts | None:
+        """This rank's experts for `routed_grouped` (StackedExperts), or None where they cannot be stacked: their
+        linears of different kinds, or quantized (models/quantized.py QuantizedInput, wrapped at load, before any pass)
+        with gate and up inputs at different scales (ModelOpt calibrates both on the same input). The first call
+        stacks the weights and makes every expert's linears views of the stacks, so the weights stay in memory once;
+        a later call restacks if the module was moved (`.to`) since."""
         first = next(iter(self.experts.values()))
-        if type(first.gate_proj) is not nn.Linear:
+        if self._stack is False or (self._stack is not None and self._stack.fmt == getattr(first.gate_proj, "fmt", None)
+                                    and self._stack.gate_up.data_ptr() == _linear(first.gate_proj).weight.data_ptr()):
+            return self._stack or None
+        experts = list(self.experts.values())
+        wrappers = [p for e in experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        kinds = {(type(p), getattr(p, "fmt", None)) for p in wrappers}
+        fmt = next(iter(kinds))[1]
+        if len(kinds) != 1 or not all(type(_linear(p)) is nn.Linear for p in wrappers) or (
+                fmt is not None and not all(torch.equal(e.gate_proj.input_scale, e.up_proj.input_scale)
+                                            for e in experts)):
+            self._stack = False  # (decided once: the wrappers and their scales are set at load)
             return None
-        if self._stack is None or self._stack[0].data_ptr() != first.gate_proj.weight.data_ptr():
-            experts, width = list(self.experts.values()), first.gate_proj.out_features
-            if not all(type(p) is nn.Linear for e in experts for p in (e.gate_proj, e.up_proj, e.down_proj)):
-                return None
-            # (the stacks of the kind the weights are: inference tensors for a model made in inference mode only)
-            with torch.inference_mode(first.gate_proj.weight.is_inference()), torch.no_grad():
-                gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
-                down = torch.stack([e.down_proj.weight for e in experts])  # [E, hidden, I]
-                for e, gu, d in zip(experts, gate_up, down):
-                    e.gate_proj.weight.data, e.up_proj.weight.data, e.down_proj.weight.data = gu[:width], gu[width:], d
-            self._stack = gate_up, down
-        return self._stack[0].transpose(1, 2), self._stack[1].transpose(1, 2)
+        width = _linear(first.gate_proj).out_features
+        # (the stacks of the kind the weights are: inference tensors for a model made in inference mode only)
+        with torch.inference_mode(_linear(first.gate_proj).weight.is_inference()), torch.no_grad():
+            linears = [[_linear(p) for p in (e.gate_proj, e.up_proj, e.down_proj)] for e in experts]
+            gate_up = torch.stack([torch.cat([gate.weight, up.weight]) for gate, up, _ in linears])  # [E, 2I, hidden]
+            down = torch.stack([d.weight for _, _, d in linears])  # [E, hidden, I]
+            for (gate, up, d), gu, dw in zip(linears, gate_up, down):
+                gate.weight.data, up.weight.data, d.weight.data = gu[:width], gu[width:], dw
+            scales = (None, None) if fmt is None else (
+                torch.stack([e.gate_proj.input_scale.float().reshape(()) for e in experts]),
+                torch.stack([e.down_proj.input_scale.float().reshape(()) for e in experts]))
+        self._stack = StackedExperts(gate_up, down, fmt, *scales)
+        return self._stack
+
+
+def _linear(module: nn.Module) -> nn.Module:
+    """The linear itself, inside a quantized input's wrapper (models/quantized.py QuantizedInput) or not."""
+    return getattr(module, "linear", module)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+    """One rank's experts of a `SparseMoE` stacked for grouped GEMMs: the [E, 2I, hidden] gate-then-up and [E, hidden,
+    I] down weights (the experts' linears are views of them), and, for quantized experts, their format and each
+    expert's input scales [E] (gate and up share one)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    fmt: str | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [E, hidden, 2I] and down [E, I, hidden], as the x @ W views grouped_mm takes."""
+        return self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
+
+    def input_quantizers(self) -> tuple[RowQuant | None, RowQuant | None]:
+        """(gate/up input, down input) quantizers for routed_grouped: each row with its expert's scale."""
+        if self.fmt is None:
+            return None, None
+        quant = fake_quant_nvfp4_activation if self.fmt == "nvfp4" else fake_quant_fp8_activation
+
+        def by_expert(scales: torch.Tensor) -> RowQuant:
+            return lambda rows, expert: quant(rows, scales.index_select(0, expert)).to(rows.dtype)
+        return by_expert(self.gate_up_scale), by_expert(self.down_scale)

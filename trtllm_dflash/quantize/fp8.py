@@ -67,9 +67,20 @@ def fake_quant_fp8_activation(x: torch.Tensor, input_scale: torch.Tensor) -> tor
     when 448 / amax is a power of two and otherwise can differ in the last bit of rare FP8 ties.
 
     Example: input_scale 0.5: x = [1.0, 0.3, 1000] -> x / 0.5 = [2, 0.6, 2000] -> [2, 0.625, 448] -> [1, 0.3125, 224].
+
+    `input_scale` may also be one per row, shaped as x[..., 0] (grouped experts: each row its expert's scale).
     """
     assert x.is_floating_point(), x.dtype
-    assert input_scale.numel() == 1, f"input_scale must be a scalar, got shape {tuple(input_scale.shape)}"
-    scale = input_scale.detach().float().reshape(()).to(x.device)
+    scale = row_scales(x, input_scale)[..., None]
     q = (x.detach().float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
+
+
+def row_scales(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """`input_scale` (a scalar, or one per row of x: shaped as x[..., 0]) as float32 on x's device, shaped as
+    x[..., 0] (a scalar: 0-dim)."""
+    if input_scale.numel() == 1:
+        return input_scale.detach().float().reshape(()).to(x.device)
+    assert input_scale.shape == x.shape[:-1], \
+        f"input_scale must be a scalar or one per row {tuple(x.shape[:-1])}, got shape {tuple(input_scale.shape)}"
+    return input_scale.detach().float().to(x.device)

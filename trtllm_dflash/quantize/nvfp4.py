@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trtllm_dflash.quantize.fp8 import row_scales
+
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -153,8 +155,7 @@ def fake_quant_nvfp4_activation(x: torch.Tensor, input_scale: torch.Tensor) -> t
     |x| / scale = [6, 1.8, 0.6, 0] -> [6, 2, 0.5, 0] -> y = [1, 1/3, -1/12, 0, ...].
     """
     assert x.is_floating_point() and x.shape[-1] % BLOCK_SIZE == 0, (x.dtype, tuple(x.shape))
-    assert input_scale.numel() == 1, f"input_scale must be a scalar, got shape {tuple(input_scale.shape)}"
-    global_scale = input_scale.detach().float().reshape(()).to(x.device)
+    global_scale = row_scales(x, input_scale)[..., None, None]  # (a scalar, or one per row: see fp8's)
     global_scale = torch.where(global_scale > 0, global_scale, 1e-12)
 
     blocks = x.detach().float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)  # [..., in/16, 16]
