@@ -63,8 +63,9 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
 def grouped_gemm_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the grouped experts could not be captured in a CUDA graph on `device` in `dtype`, or None. torch's
     grouped GEMM reads the group offsets on the device only in its CUTLASS kernel, bfloat16 on SM 9.x / 10.x
-    (aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.8 to 2.13); elsewhere it copies them to the host and loops
-    over the groups. Read from torch's source: not run on a GPU here."""
+    (aten/src/ATen/native/cuda/GroupedBlas.cpp); elsewhere it copies them to the host and loops over the groups. Read
+    from torch's source, not run on a GPU here; builds for CUDA >= 13.3 add a cuBLASLt path this check does not know
+    (it may refuse a capture they could take)."""
     if device.type != "cuda":
         return None
     if dtype != torch.bfloat16:
@@ -84,8 +85,8 @@ def experts_graph_problem(model: nn.Module) -> str | None:
     for m in moes:
         stacked = m.stacked() if isinstance(m, SparseMoE) else None
         if isinstance(m, SparseMoE) and stacked is None:
-            return ("its quantized experts' gate and up inputs have different scales, so they run one expert at a "
-                    "time, reading the routing on the host")
+            return ("its experts cannot share grouped GEMMs (quantized gate and up inputs at different scales, or "
+                    "linears of different kinds), so they run one expert at a time, reading the routing on the host")
         weights = stacked.operands() if stacked is not None else (m.experts.gate_up_proj, m.experts.down_proj)
         if not groupable(*weights):
             return ("its experts' weights are not in a dtype or 16-byte aligned layout that a grouped GEMM takes, so "
