@@ -188,7 +188,7 @@ def test_cuda_graphs_flag(engine_dir, gpt_oss_ort_engine, tmp_path, capsys):
         code, records, summary = run(engine_dir, tmp_path, line, "--cuda-graphs", *extra)
         assert (code, records, summary) == (EXIT_USER_ERROR, [], None)
         assert capsys.readouterr().err.strip() == message
-    # a target with experts is refused for the device alone (its experts are grouped GEMMs: tests/test_grouped_experts.py)
+    # a target with experts is refused for the device alone (grouped experts: tests/test_grouped_experts.py)
     code, records, _ = run(gpt_oss_ort_engine, tmp_path, line, "--cuda-graphs", "--backend", "torch")
     assert (code, records) == (EXIT_USER_ERROR, [])
     assert capsys.readouterr().err.strip() == cases[0][1]

@@ -262,11 +262,11 @@ class TorchExecutor(KeepsPrefixStates):
         """`cuda_graphs`: decode passes (the target's decode and verify passes, the drafter's passes) at bucketed
         shapes over static buffers, captured as CUDA graphs (runtime/cuda_graphs.py); default: on where the device is
         CUDA, the target's passes can be captured there (experts only as grouped GEMMs that read nothing on the host:
-        models/moe.py experts_graph_problem) and no tensor parallelism (True turns them on
-        there: every rank pads alike; NCCL collectives inside a capture never run); True where they cannot be captured:
-        CudaGraphsError. True on a CPU runs the same static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a function giving them,
-        called once the models are on the device: a fraction of the memory then free): a paged KV cache of that size
-        for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
+        models/moe.py experts_graph_problem) and no tensor parallelism (True turns them on there: every rank pads
+        alike; NCCL collectives inside a capture never run); True where they cannot be captured: CudaGraphsError. True
+        on a CPU runs the same static passes eagerly (what the tests check; no faster). `kv_cache_memory` (bytes, or a
+        function giving them, called once the models are on the device: a fraction of the memory then free): a paged KV
+        cache of that size for target and drafter (runtime/kv_blocks.py: blocks taken as requests grow) instead of a
         max_seq_len slot per request. `prefix_cache`: with a paged cache, prompt blocks shared
         across requests with the same prefix, and a hybrid target's recurrent states kept at checkpoints for them:
         `prefix_states` of them (None: one per slot). `tree_budget`: the most draft nodes a tree step verifies (its pass

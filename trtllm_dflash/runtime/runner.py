@@ -63,16 +63,16 @@ class Engine:
         plugin library the plans were compiled with, if any. `threads`: CPU threads for this rank's passes (torch's
         and onnxruntime's; default: cpu_threads' choice on the CPU, torch's own elsewhere). `cuda_graphs`: the torch
         executor's decode passes as CUDA graphs (runtime/cuda_graphs.py; None: on where the device is CUDA, the
-        target's passes can be captured there, models/moe.py experts_graph_problem, and tp_size is 1), or the tensorrt executor's decode-step plan calls
-        (runtime/plan_graphs.py; None: on at tp_size 1); True is refused where they cannot run. `kv_cache_memory`: a
-        paged KV cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free memory such as '0.5') for the
-        torch executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else a static max_seq_len slot per
-        request; 'static': the static slots whatever the engine says); for the compiled executors, whose rows are
-        static, the rows' and their prefix pool's memory together (cache_rows.StaticRows); `prefix_cache`: with it,
-        prompt blocks shared across requests by prefix (a paged cache's blocks; the compiled executors' static rows copy
-        them from a pool: runtime/cache_rows.PrefixRows). `prefix_states`: how many of a hybrid target's recurrent
-        states the prefix cache keeps (runtime/prefix_states.py; default: one per request slot), counted in
-        kv_cache_memory.
+        target's passes can be captured there, models/moe.py experts_graph_problem, and tp_size is 1), or the tensorrt
+        executor's decode-step plan calls (runtime/plan_graphs.py; None: on at tp_size 1); True is refused where they
+        cannot run. `kv_cache_memory`: a paged KV cache of this size ('512MiB', '2GiB', bytes, or a fraction of the free
+        memory such as '0.5') for the torch executor (runtime/kv_blocks.py; default: the engine's kv_cache_memory, else
+        a static max_seq_len slot per request; 'static': the static slots whatever the engine says); for the compiled
+        executors, whose rows are static, the rows' and their prefix pool's memory together (cache_rows.StaticRows);
+        `prefix_cache`: with it, prompt blocks shared across requests by prefix (a paged cache's blocks; the compiled
+        executors' static rows copy them from a pool: runtime/cache_rows.PrefixRows). `prefix_states`: how many of a
+        hybrid target's recurrent states the prefix cache keeps (runtime/prefix_states.py; default: one per request
+        slot), counted in kv_cache_memory.
         `tree_budget`: dflash steps verify a DDTree of that many draft nodes (speculative/tree.py; torch executor,
         targets without sliding windows or Gated DeltaNet layers).
 
