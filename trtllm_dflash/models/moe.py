@@ -440,7 +440,6 @@ class SparseMoE(nn.Module):
             if token.numel():
                 out.index_add_(0, token, (expert.partial(flat[token]) * weights[token, slot, None]).to(out.dtype))
         return out
-        return out
 
     def stacked(self) -> StackedExperts | None:
         """This rank's experts for `routed_grouped` (StackedExperts), or None where they cannot be stacked: their
