@@ -383,6 +383,7 @@ def conversations(vocab_size: int, n: int = 5) -> list[Request]:
     return [Request(i, torch.randint(4, vocab_size, (50,), generator=g).tolist(), 8) for i in range(n)]
 
 
+@pytest.mark.parametrize("pair", ["qwen3_5_moe"], indirect=True)  # (the dense target's layers and more)
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_prefix_states_keeps_more_conversations_than_slots(engine, engine_dir, ort_engine_dir, backend):
     """--prefix-states N: five conversations one at a time on 4 request slots, then the first one's next turn. One kept
@@ -506,6 +507,7 @@ def test_the_graphs_chunked_delta_rule_gives_the_token_by_token_rule(tokens, chu
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pair", ["qwen3_5_moe"], indirect=True)  # (the dense target's layers and more)
 def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, engine, ort_engine_dir, tmp_path):
     """backend onnxruntime: target_step carries each Gated DeltaNet layer's conv and state in place (an ONNX Scan over
     the pass's chunks of 16 tokens) and target_replay resumes them at the next pass's start; the onnxruntime
@@ -580,6 +582,7 @@ def test_onnxruntime_engine_runs_the_recurrent_layers_and_rolls_them_back(pair, 
     assert {r.request.id: r.output_token_ids for r in old.decoder("ar").generate(reqs)} == ar
 
 
+@pytest.mark.parametrize("pair", ["qwen3_5_moe"], indirect=True)  # (the dense target's layers and more)
 def test_onnxruntime_prefix_reuse_resumes_the_recurrent_states(engine, ort_engine_dir):
     """The onnxruntime executor's prefix pool (prompt blocks copied into a request's static row) with the Gated
     DeltaNet states kept at checkpoints (runtime/prefix_states.py, as the torch executor's paged cache): one at a time
