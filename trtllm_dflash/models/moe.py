@@ -428,8 +428,9 @@ class SparseMoE(nn.Module):
                 out = out + (expert.partial(flat) * (weights * (idx == int(e))).sum(-1, keepdim=True)).to(out.dtype)
             return out
         stacked = self.stacked()
-        if stacked is not None and groupable(flat, *stacked.operands()):
-            (gate_up, down), (gate_up_input, down_input) = stacked.operands(), stacked.input_quantizers()
+        gate_up, down = stacked.operands() if stacked is not None else (None, None)
+        if stacked is not None and groupable(flat, gate_up, down):
+            gate_up_input, down_input = stacked.input_quantizers()
             act, width = next(iter(self.experts.values())).act, down.shape[1]
             return routed_grouped(flat, weights, idx, int(next(iter(self.experts))), gate_up, down,
                                   lambda h: act(h[:, :width]) * h[:, width:], gate_up_input=gate_up_input,
