@@ -33,6 +33,22 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 BIAS_TOKEN = 100
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier (docs/testing.md): tests that repeat, for one more model family "
+                          "or engine kind, what the default run covers; CI leaves it out to stay under 45 minutes")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the `extended` tier unless --extended is given (reported as deselected, never skipped)."""
+    if config.getoption("--extended"):
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     """Engine.load sets this process's torch threads (runtime/runner.py cpu_threads: 1 for the tiny test models);
@@ -209,6 +225,18 @@ def biased_pairs(tmp_path_factory) -> dict[int, Path]:
             shutil.copy(pairs[8] / "target" / "model.safetensors", root / "target" / "model.safetensors")
         pairs[block] = root
     return pairs
+
+
+@pytest.fixture(scope="session")
+def biased_ort_engine(biased_pairs, tmp_path_factory) -> Path:
+    """The biased block-8 pair built with `backend: onnxruntime` (4 slots, max_seq_len 512: a 300-token prompt is two
+    of a TensorRT plan's passes of 256), shared by tests/test_tensorrt_build.py and tests/test_drafts_across_executors.py
+    (its export takes ~1 min)."""
+    pytest.importorskip("onnxruntime")
+    pair = biased_pairs[8]
+    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=tmp_path_factory.mktemp("biased_ort")
+                      / "engine", dtype="float32", max_batch_size=4, max_seq_len=512, backend="onnxruntime")
+    return build_engine(cfg, progress=False)
 
 
 @pytest.fixture(scope="session")

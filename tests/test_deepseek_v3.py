@@ -322,6 +322,7 @@ def test_tensorrt_executor_binds_the_latent_cache_and_its_plans_build(pair, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # rank graphs' collectives in TensorRT: test_tensor_parallel_graphs'; ep ranks: the mpiexec test
 def test_tensorrt_rank_graphs_of_a_tp_2_ep_engine_build(pair, tmp_path):
     """backend tensorrt, tp 2 with the experts split by ep: each rank's target step parses into one KV-cache update
     (the latent's) and one attention per layer, its all-reduces and all-gather into DistCollective layers, and
@@ -357,8 +358,8 @@ def test_unsupported_build_options_are_one_sentence(pair, tmp_path, capsys, fiel
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, target, quantize_layer", [("fp8", "SM89", "QUANTIZE"),
-                                                         ("nvfp4", "SM120", "DYNAMIC_QUANTIZE")])
+@pytest.mark.parametrize("fmt, target, quantize_layer", [  # (FP8 graphs in TensorRT: test_onnxruntime_backend's too)
+    pytest.param("fp8", "SM89", "QUANTIZE", marks=pytest.mark.extended), ("nvfp4", "SM120", "DYNAMIC_QUANTIZE")])
 def test_quantized_bfloat16_tensorrt_graphs_build(pair, tmp_path, fmt, target, quantize_layer):
     """backend tensorrt with ModelOpt FP8 / NVFP4 at bfloat16: the target step parses into one KV-cache update (of the
     latent) and one attention per layer beside the format's quantize layers, and TensorRT-RTX builds it into a plan for

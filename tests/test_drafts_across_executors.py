@@ -15,14 +15,12 @@ import pytest
 import torch
 
 from tests.tensorrt_standin import standin_executor
-from trtllm_dflash.config import BuildConfig
-from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.runtime.decoding import Decoder, Request
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.schedule import AutoBlockSize
 
 pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.slow  # every test here builds an engine with ONNX graphs (~30 s)
+pytestmark = pytest.mark.slow  # every test here needs an engine with ONNX graphs (conftest: ~1 min to export)
 LONG_PROMPT = 300  # longer than a TensorRT plan's pass (PASS_TOKENS 256): the prefill runs in two passes
 
 
@@ -34,13 +32,10 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def engine(biased_pairs, tmp_path_factory):
+@pytest.fixture
+def engine(biased_ort_engine):
     """A biased pair (drafts often accepted) with ONNX graphs, 4 slots, max_seq_len 512 (passes of 256)."""
-    pair = biased_pairs[8]
-    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=tmp_path_factory.mktemp("x") / "engine",
-                      dtype="float32", max_batch_size=4, max_seq_len=512, backend="onnxruntime")
-    return build_engine(cfg, progress=False)
+    return biased_ort_engine
 
 
 def executor(engine, name: str):

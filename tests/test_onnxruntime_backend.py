@@ -25,7 +25,7 @@ def build(pair, out, **fields):
     return build_engine(cfg, progress=False)
 
 
-@pytest.fixture(params=["qwen3", "llama"])
+@pytest.fixture(params=["qwen3", pytest.param("llama", marks=pytest.mark.extended)])  # (test_onnx_export.py's note)
 def ort_engine(request, ort_engine_dir):
     return ort_engine_dir(request.param)  # tests/conftest.py: shared with tests/test_onnx_export.py
 

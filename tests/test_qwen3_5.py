@@ -608,12 +608,13 @@ def test_onnxruntime_prefix_reuse_resumes_the_recurrent_states(engine, ort_engin
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # FP8 on onnxruntime: test_onnxruntime_backend's; Qwen3.5 on onnxruntime: the test above
 @pytest.mark.parametrize("pair", ["qwen3_5"], indirect=True)
 def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path):
     """quantization fp8 + backend onnxruntime (ModelOpt's FP8 linears as Q/DQ nodes beside the Scans): the onnxruntime
     executor's tokens and acceptance lengths equal the torch executor's on the same engine. The dense target only: an
-    engine build of its own costs 2 minutes of CI, and FP8 experts in the dense form on onnxruntime are
-    test_qwen3_moe's (test_quantized_experts_are_modelopts_and_lossless)."""
+    engine build of its own costs 2 minutes (the extended tier's), and FP8 experts in the dense form on onnxruntime
+    are test_qwen3_moe's (test_quantized_experts_are_modelopts_and_lossless)."""
     from trtllm_dflash.config import BuildConfig
     from trtllm_dflash.engine.builder import build_engine
 
@@ -629,6 +630,7 @@ def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the TensorRT executor's bindings: test_tensorrt_build's; the states' graphs: onnxruntime's above
 @pytest.mark.parametrize("pair", ["qwen3_5_moe"], indirect=True)
 def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tmp_path):
     """backend tensorrt: the TensorRT executor, its execution contexts stood in for by onnxruntime over exactly the
@@ -642,7 +644,7 @@ def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tm
     KV-cache updates: the executor copies them back). Prefix reuse keeps the states at checkpoints
     (assert_one_at_a_time_resumes). The MoE target only: its layers are the dense one's Gated DeltaNet and gated
     attention layers with experts for MLPs (a dense MLP in the plans is every Qwen3 engine's), and a tensorrt engine
-    build of its own costs 2 minutes of CI."""
+    build of its own costs 2.5 minutes (the extended tier's)."""
     import onnx
 
     from tests.tensorrt_standin import standin_executor

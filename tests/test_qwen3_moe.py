@@ -205,6 +205,7 @@ def test_tensorrts_moe_node_and_its_dense_form_equal_both_families_experts(pair,
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the MoE node: test_deepseek_v3's and test_qwen3_5's (Qwen3.5 MoE) onnxruntime tests
 def test_onnxruntime_runs_the_experts_as_one_op(pair, tmp_path):
     """backend onnxruntime: each sparse layer's experts are one com.microsoft.MoE node (the dense layer stays plain
     ops), and the onnxruntime executor gives the torch executor's tokens, dflash and ar, greedy and sampled."""
@@ -275,6 +276,7 @@ CALIBRATION = {"calibration_samples": 4, "calibration_max_tokens": 24}
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # experts through ModelOpt: test_deepseek_v3's, test_gpt_oss_quantized's, test_quantize_layers'
 def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
     """NVFP4: ModelOpt quantizes every expert's linears (each its own scales; the router stays unquantized), the
     engine holds them as ModelOpt exports them, cut exactly for 2 ranks, and decodes losslessly against itself (greedy
@@ -322,6 +324,7 @@ def test_quantized_experts_are_modelopts_and_lossless(pair, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # experts in TensorRT graphs: test_deepseek_v3's and test_gpt_oss' TensorRT-RTX tests
 def test_tensorrt_rtx_parses_the_dense_experts_and_builds_plans(pair, tmp_path):
     """backend tensorrt: the graphs keep the experts' dense form (no com.microsoft.MoE, which TensorRT cannot parse);
     TensorRT-RTX (on the CPU) parses the target step into one native attention per layer, the routers' TopK in the 3

@@ -44,8 +44,6 @@ from trtllm_dflash.compile.tensorrt_build import (
     plan_file,
     process_logger,
 )
-from trtllm_dflash.config import BuildConfig
-from trtllm_dflash.engine.builder import build_engine
 from trtllm_dflash.engine_dir import graph_dir, open_engine, read_engine_config, write_manifest
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.decoding import Decoder, Request
@@ -69,16 +67,11 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def ort_engine(biased_pairs, tmp_path_factory) -> Path:
-    """A tiny engine with ONNX graphs (backend onnxruntime; the export takes ~20 s) of a pair whose drafts are
-    often accepted (conftest.bias_target), so verify steps commit 1 .. block_size tokens."""
-    pair = biased_pairs[8]
-    pytest.importorskip("onnxruntime")
-    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter",
-                      output=tmp_path_factory.mktemp("trt") / "engine", dtype="float32", max_batch_size=4,
-                      max_seq_len=256, backend="onnxruntime")
-    return build_engine(cfg, progress=False)
+@pytest.fixture
+def ort_engine(biased_ort_engine) -> Path:
+    """A tiny engine with ONNX graphs (tests/conftest.py) of a pair whose drafts are often accepted
+    (conftest.bias_target), so verify steps commit 1 .. block_size tokens."""
+    return biased_ort_engine
 
 
 def copy_engine(src: Path, tmp_path: Path, fake_graphs: bool = False) -> Path:

@@ -178,8 +178,10 @@ def measure(executor: Executor, contexts: tuple[int, ...] | None = None) -> Pass
     ids = torch.randint(4, ex.vocab_size, (batches[-1], contexts[-1] + block), generator=g).to(dev)
     slots = torch.arange(batches[-1], device=dev)
     zeros = torch.zeros(batches[-1], dtype=torch.long, device=dev)
-    # Fill every slot's context once: the drafter's cache rows then hold numbers, not leftovers.
-    prefill = ex.target_forward(ids[:, : contexts[-1]], zeros, slots, capture=True)
+    # Fill every slot's context once: the drafter's cache rows then hold numbers, not leftovers. Logits at the last
+    # position only, as a request's prefill reads them (an executor whose passes are shorter, TensorRT's, runs passes).
+    last = torch.full((batches[-1],), contexts[-1] - 1, device=dev)
+    prefill = ex.target_forward(ids[:, : contexts[-1]], zeros, slots, capture=True, last_index=last)
     ex.append_context(prefill.hidden, zeros, slots)
     hidden = prefill.hidden[:, :block]  # [slots, block, F]
     greedy = {b: Sampling.greedy(b, dev) for b in batches}
