@@ -216,23 +216,8 @@ int32_t DFlashAcceptPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbI
 bool DFlashAcceptPlugin::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= kNbInputs + kNbOutputs)
-    {
-        return false;
-    }
-    PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != TensorFormat::kLINEAR)
-    {
-        return false;
-    }
-    switch (pos)
-    {
-    case kTargetLogits:
-        return desc.type == DataType::kFLOAT || desc.type == DataType::kHALF || desc.type == DataType::kBF16;
-    case kTemperature:
-    case kGumbelNoise: return desc.type == DataType::kFLOAT;
-    default: return desc.type == DataType::kINT32; // draft_tokens, context_lengths and every output
-    }
+    return nbInputs == kNbInputs && nbOutputs == kNbOutputs && pos >= 0 && pos < kNbInputs + kNbOutputs
+        && acceptFormatSupported(pos, inOut[pos].desc, kTargetLogits, kTemperature, kGumbelNoise);
 }
 
 int32_t DFlashAcceptPlugin::configurePlugin(

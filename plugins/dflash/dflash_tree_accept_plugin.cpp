@@ -188,23 +188,8 @@ int32_t DFlashTreeAcceptPlugin::getOutputShapes(DimsExprs const* inputs, int32_t
 bool DFlashTreeAcceptPlugin::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= kNbInputs + kNbOutputs)
-    {
-        return false;
-    }
-    PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != TensorFormat::kLINEAR)
-    {
-        return false;
-    }
-    switch (pos)
-    {
-    case kTargetLogits:
-        return desc.type == DataType::kFLOAT || desc.type == DataType::kHALF || desc.type == DataType::kBF16;
-    case kTemperature:
-    case kGumbelNoise: return desc.type == DataType::kFLOAT;
-    default: return desc.type == DataType::kINT32; // tree_parents, tree_tokens and every output
-    }
+    return nbInputs == kNbInputs && nbOutputs == kNbOutputs && pos >= 0 && pos < kNbInputs + kNbOutputs
+        && acceptFormatSupported(pos, inOut[pos].desc, kTargetLogits, kTemperature, kGumbelNoise);
 }
 
 int32_t DFlashTreeAcceptPlugin::configurePlugin(

@@ -1,6 +1,6 @@
 /*
  * What the DFlashAccept and DFlashTreeAccept plugin classes share: shape text and checks, the logits' dtype, the
- * capability interfaces. Header-only, TensorRT interfaces only (no libnvinfer symbols).
+ * tensors' formats, the capability interfaces. Header-only, TensorRT interfaces only (no libnvinfer symbols).
  */
 #pragma once
 
@@ -40,6 +40,27 @@ inline bool logitsTypeOf(nvinfer1::DataType type, DFlashLogitsType& out)
     case nvinfer1::DataType::kBF16: out = DFlashLogitsType::kBFLOAT16; return true;
     default: return false;
     }
+}
+
+// supportsFormatCombination of both plugins, for one tensor of the expected count: linear, the target logits float32 /
+// float16 / bfloat16, the temperature and the noise float32, every other input and every output int32.
+inline bool acceptFormatSupported(int32_t pos, nvinfer1::PluginTensorDesc const& desc, int32_t targetLogits,
+    int32_t temperature, int32_t gumbelNoise)
+{
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    if (pos == targetLogits)
+    {
+        return desc.type == nvinfer1::DataType::kFLOAT || desc.type == nvinfer1::DataType::kHALF
+            || desc.type == nvinfer1::DataType::kBF16;
+    }
+    if (pos == temperature || pos == gumbelNoise)
+    {
+        return desc.type == nvinfer1::DataType::kFLOAT;
+    }
+    return desc.type == nvinfer1::DataType::kINT32;
 }
 
 // getCapabilityInterface of a plugin class that implements the three IPluginV3One interfaces.
