@@ -98,7 +98,7 @@ def main() -> None:
         in_run_s = {name: statistics.median(t) for name, t in in_run.items()}
         in_run_bound = cmp.mean_acceptance_length * in_run_s["ar"] / (in_run_s["verify"] + in_run_s["draft"])
         mean_prompt = sum(len(r.prompt_token_ids) for r in requests) / len(requests)
-        costs = step_costs(engine, context_len=int(mean_prompt + args.max_new_tokens / 2),
+        costs = step_costs(engine.executor, context_len=int(mean_prompt + args.max_new_tokens / 2),
                            context_rows=round(cmp.mean_acceptance_length), repeats=50)
         row = {
             "block_size": block_size, "dtype": engine.config.dtype, "num_prompts": len(requests),

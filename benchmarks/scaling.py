@@ -89,7 +89,7 @@ def measure(engine: Engine, requests: list[Request], modes: tuple[str, ...], rep
 def _point(engine: Engine, requests: list[Request], repeats: int, context_len: int) -> dict:
     modes = measure(engine, requests, ("ar", "dflash"), repeats)
     al = modes["dflash"]["acceptance_length"]
-    costs = step_costs(engine, context_len, context_rows=round(al))
+    costs = step_costs(engine.executor, context_len, context_rows=round(al))
     return {**modes,
             "measured_speedup": round(modes["ar"]["tpot_ms"] / modes["dflash"]["tpot_ms"], 3),
             "step_costs_ms": {"context_len": context_len, "ar": round(costs.ar_s * 1e3, 3),

@@ -526,6 +526,18 @@ def test_cuda_graph_calls_bind_once_and_give_the_same_tokens(ort_engine, mode):
 
 
 @pytest.mark.slow
+def test_bench_step_costs_prefill_a_context_longer_than_a_plan_pass(ort_engine):
+    """bench's speedup bound (runtime/compare.py step_costs) at a mean context of 300 positions, more than a plan's
+    pass of 256: its prefill runs in passes, as a request's does (it asked for every position's logits and was
+    refused until 2026-12-06, as the cost profile's prefill of --block-size auto was)."""
+    from trtllm_dflash.runtime.compare import step_costs
+
+    executor = standin_executor(ort_engine)
+    costs = step_costs(executor, context_len=300, context_rows=2, repeats=2)
+    assert min(costs.draft_s, costs.verify_s, costs.ar_s) > 0
+
+
+@pytest.mark.slow
 def test_block_size_auto_measures_and_decodes_on_the_tensorrt_executor(ort_engine, tmp_path, monkeypatch):
     """--block-size auto on the tensorrt executor (plans whose accept step is plain ops take every verify length), as
     Engine.load sets it up: its pass costs measured through the executor's plans (stand-ins here, CUDA graphs on),

@@ -262,7 +262,7 @@ def _speedup_bound(engine: Engine, context_len: int, points: list[dict], block_s
     """Batch-1 bound AL x t_ar / (t_verify + t_draft) next to the speedup measured at concurrency 1."""
     dflash = [p for p in points if p["mode"] == "dflash" and p["block_size"] == block_size]
     al = dflash[0]["decoding_stats"]["acceptance_length"]  # same tokens at every concurrency
-    costs = step_costs(engine, context_len, context_rows=round(al or 1), block=block_size)
+    costs = step_costs(engine.executor, context_len, context_rows=round(al or 1), block=block_size)
     at_1 = next((p for p in dflash if p["concurrency"] == 1), None)
     return {
         "block_size": block_size,

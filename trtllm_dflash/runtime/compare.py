@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trtllm_dflash.runtime.executor import DraftContext
+from trtllm_dflash.runtime.executor import DraftContext, Executor
 from trtllm_dflash.runtime.decoding import Request, Result
 from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.stats import all_steps, mean_acceptance_length
@@ -78,7 +78,7 @@ class StepCosts:
         return acceptance_length * self.ar_s / (self.verify_s + self.draft_s)
 
 
-def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int = 60,
+def step_costs(executor: Executor, context_len: int, context_rows: int, repeats: int = 60,
                block: int | None = None) -> StepCosts:
     """Median times of the three passes at one context length, batch size 1, each timed where the loop runs it: a
     drafter pass after a target pass and a verify pass after a drafter pass (as in DFlash steps), an AR pass after
@@ -88,12 +88,13 @@ def step_costs(engine: Engine, context_len: int, context_rows: int, repeats: int
     t_ar / (t_verify + t_draft) as it was. The drafter pass adds `context_rows` positions to the drafter's context
     first, as a step adds those the step before committed (the acceptance length, rounded). `block`: the tokens a
     verify pass checks and the drafter's block (default: the executor's block_size)."""
-    ex = engine.executor
+    ex = executor
     block = block or ex.block_size
     slots, starts = torch.tensor([0], device=ex.device), torch.tensor([context_len], device=ex.device)
     ids = torch.randint(4, ex.vocab_size, (1, context_len + block), generator=torch.Generator().manual_seed(0))
     ids, zero = ids.to(ex.device), torch.tensor([0], device=ex.device)
-    hidden = ex.target_forward(ids[:, :context_len], zero, slots, capture=True).hidden  # [1, context_len, F]
+    last = torch.tensor([context_len - 1], device=ex.device)  # (a context longer than a TensorRT pass runs in passes)
+    hidden = ex.target_forward(ids[:, :context_len], zero, slots, capture=True, last_index=last).hidden  # [1, T, F]
     ex.append_context(hidden, zero, slots)
     rows = max(1, min(context_rows, context_len))
     new = DraftContext(hidden[:, context_len - rows:], starts - rows)
