@@ -168,6 +168,7 @@ def test_samplers_read_nothing_back_when_the_batch_says_what_it_knows(sampled, t
     assert torch.equal(sample_tokens(logits, unknown, positions), tokens)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")
 def test_cuda_noise_equals_the_cpus():
     seeds, positions = torch.tensor([3, 1 << 62]), torch.arange(16).expand(2, 16)

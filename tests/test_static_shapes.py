@@ -248,10 +248,11 @@ def test_grouped_query_heads_as_rows_equal_enable_gqa():
                                    atol=1e-6, rtol=1e-5)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (never run: no GPU here)")
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (never run: no GPU here)")
 
 
-@cuda
+@pytest.mark.gpu
+@no_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_masked_gqa_runs_a_fused_backend_on_cuda(dtype):
     """With only the fused backends allowed (memory-efficient, cuDNN), `attend` on CUDA runs (SDPA raises "No
@@ -271,7 +272,8 @@ def test_masked_gqa_runs_a_fused_backend_on_cuda(dtype):
                                rtol=2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
-@cuda
+@pytest.mark.gpu
+@no_cuda
 @pytest.mark.parametrize("paged", [False, True], ids=["static-cache", "paged-cache"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_captured_cuda_graphs_give_the_eager_executors_tokens(engine_dir, sampled, paged):
