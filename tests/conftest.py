@@ -230,8 +230,8 @@ def biased_pairs(tmp_path_factory) -> dict[int, Path]:
 @pytest.fixture(scope="session")
 def biased_ort_engine(biased_pairs, tmp_path_factory) -> Path:
     """The biased block-8 pair built with `backend: onnxruntime` (4 slots, max_seq_len 512: a 300-token prompt is two
-    of a TensorRT plan's passes of 256), shared by tests/test_tensorrt_build.py and tests/test_drafts_across_executors.py
-    (its export takes ~1 min)."""
+    of a TensorRT plan's passes of 256), shared by tests/test_tensorrt_build.py and
+    tests/test_drafts_across_executors.py (its export takes ~1 min)."""
     pytest.importorskip("onnxruntime")
     pair = biased_pairs[8]
     cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=tmp_path_factory.mktemp("biased_ort")

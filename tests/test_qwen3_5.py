@@ -630,7 +630,7 @@ def test_fp8_onnxruntime_engine_gives_the_torch_executors_tokens(pair, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the TensorRT executor's bindings: test_tensorrt_build's; the states' graphs: onnxruntime's above
+@pytest.mark.extended  # the TensorRT executor's bindings: test_tensorrt_build's; the states' graphs: onnxruntime's
 @pytest.mark.parametrize("pair", ["qwen3_5_moe"], indirect=True)
 def test_tensorrt_executor_binds_the_states_and_its_plans_build(pair, engine, tmp_path):
     """backend tensorrt: the TensorRT executor, its execution contexts stood in for by onnxruntime over exactly the

@@ -380,9 +380,11 @@ def test_plain_infer_over_http_and_grpc_equals_run(servers, expected):
 
 @pytest.mark.mpi
 @pytest.mark.triton
-def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_path_factory):
-    """`mpirun -n 2 trtllm-dflash serve ENGINE_TP2 --launch`: rank 0 serves, rank 1 follows; concurrent requests
-    get `run`'s text (from the unsplit engine); SIGTERM shuts every rank down cleanly."""
+def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_path_factory, monkeypatch):
+    """`mpirun -n 2 trtllm-dflash serve ENGINE_TP2 --launch --block-size auto`: rank 0 serves, rank 1 follows, every
+    step verifies the k rank 0 chooses (its pass costs measured at start-up, into a cache directory of the test's own);
+    concurrent requests get `run`'s text (from the unsplit engine, fixed blocks); SIGTERM shuts every rank down
+    cleanly."""
     import tritonclient.http as httpclient
 
     cli = _triton_cli()
@@ -392,7 +394,8 @@ def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_p
     root = tmp_path_factory.mktemp("tp2")
     cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=root / "engine")
     engine = build_engine(cfg.model_copy(update={"tp_size": 2, "backend": "torch"}), progress=False)
-    server = Server(cli, engine, root, "--no-streaming", launcher=(str(mpiexec), "-n", "2"))
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(root / "cache"))  # (Server passes this process's environment)
+    server = Server(cli, engine, root, "--no-streaming", "--block-size", "auto", launcher=(str(mpiexec), "-n", "2"))
     try:
         server.wait_ready()
         texts = {}
@@ -410,6 +413,7 @@ def test_tensor_parallel_engine_served_by_two_mpi_ranks(servers, expected, tmp_p
     finally:
         code = server.stop()
     assert code == 0, server.log.read_text()[-3000:]
+    assert list((root / "cache").rglob("*.json")), "no cost profile was measured"
 
 
 @pytest.mark.triton
