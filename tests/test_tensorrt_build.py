@@ -528,8 +528,8 @@ def test_cuda_graph_calls_bind_once_and_give_the_same_tokens(ort_engine, mode):
 @pytest.mark.slow
 def test_bench_step_costs_prefill_a_context_longer_than_a_plan_pass(ort_engine):
     """bench's speedup bound (runtime/compare.py step_costs) at a mean context of 300 positions, more than a plan's
-    pass of 256: its prefill runs in passes, as a request's does (it asked for every position's logits and was
-    refused until 2026-12-06, as the cost profile's prefill of --block-size auto was)."""
+    pass of 256: its prefill reads the last position's logits, as a request's does, so it runs in passes (asking for
+    every position's, it was refused; so was the cost profile's prefill of --block-size auto, test below)."""
     from trtllm_dflash.runtime.compare import step_costs
 
     executor = standin_executor(ort_engine)
