@@ -312,6 +312,19 @@ cudaError_t launchTree(DFlashTreeAcceptParams const& p, cudaStream_t stream)
     return cudaGetLastError();
 }
 
+// launch(T{}) with T the logits' element type.
+template <typename Launch>
+cudaError_t withLogitsType(DFlashLogitsType type, Launch&& launch)
+{
+    switch (type)
+    {
+    case DFlashLogitsType::kFLOAT32: return launch(float{});
+    case DFlashLogitsType::kFLOAT16: return launch(__half{});
+    case DFlashLogitsType::kBFLOAT16: return launch(__nv_bfloat16{});
+    }
+    return cudaErrorInvalidValue;
+}
+
 } // namespace
 
 cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStream_t stream)
@@ -325,13 +338,7 @@ cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStr
     {
         return cudaSuccess;
     }
-    switch (params.logitsType)
-    {
-    case DFlashLogitsType::kFLOAT32: return launchTree<float>(params, stream);
-    case DFlashLogitsType::kFLOAT16: return launchTree<__half>(params, stream);
-    case DFlashLogitsType::kBFLOAT16: return launchTree<__nv_bfloat16>(params, stream);
-    }
-    return cudaErrorInvalidValue;
+    return withLogitsType(params.logitsType, [&](auto t) { return launchTree<decltype(t)>(params, stream); });
 }
 
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream)
@@ -350,13 +357,7 @@ cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t st
     {
         return cudaSuccess;
     }
-    switch (params.logitsType)
-    {
-    case DFlashLogitsType::kFLOAT32: return launch<float>(params, stream);
-    case DFlashLogitsType::kFLOAT16: return launch<__half>(params, stream);
-    case DFlashLogitsType::kBFLOAT16: return launch<__nv_bfloat16>(params, stream);
-    }
-    return cudaErrorInvalidValue;
+    return withLogitsType(params.logitsType, [&](auto t) { return launch<decltype(t)>(params, stream); });
 }
 
 } // namespace trtllm_dflash
