@@ -5,14 +5,17 @@ of trtllm-dflash side by side (issue 28: "before and after").
         --backends torch,onnxruntime --rounds 3
 
 Each (checkout, backend, mode) runs in a fresh process of its own (the checkout first on sys.path), in rounds whose
-order alternates, batch 1, 1 thread, greedy, the same held-out prompts. A process wraps its executor's passes
+order alternates, batch 1 (`--batch`), 1 thread, greedy, the same held-out prompts. A process wraps its executor's passes
 (target_forward, draft, append_context, accept) with timers and times every Decoder.step; it reports per token:
 wall time, pass time and their difference, the host overhead (the Decoder's Python, staging, sampling and
 commit, plus everything an executor does around its kernels: binding, slicing, copying). The medians over rounds go
 to benchmarks/results/step_overhead.json with the load average at each run.
 
-`--before` is a checkout of an earlier commit (`git worktree add /tmp/before <commit>`); its engine may need to be
-built by that checkout (`--engine-before`) when the engine format changed in between.
+`--before` is a checkout of an earlier commit (`git worktree add /tmp/before <commit>`), or any source tree of
+trtllm-dflash (a `git archive` with one change reverted); its engine may need to be built by that checkout
+(`--engine-before`) when the engine format changed in between. `--batch N` decodes the prompts N at a time (submitted
+together; the step that admits them holds their prefills and is not counted), `--kv-cache-memory SIZE` on a paged KV
+cache of that size (torch executor, as `run --kv-cache-memory`), on both sides.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from pathlib import Path
 from trtllm_dflash.runtime.decoding import Request
 from trtllm_dflash.runtime.runner import Engine
 
-engine_dir, backend, mode, prompts_path, num_prompts, max_new_tokens = sys.argv[1:7]
+engine_dir, backend, mode, prompts_path, num_prompts, max_new_tokens, batch, kv_cache_memory = sys.argv[1:9]
+paged = {"kv_cache_memory": kv_cache_memory} if kv_cache_memory else {}
 try:
-    engine = Engine.load(Path(engine_dir), backend=backend, threads=1)
+    engine = Engine.load(Path(engine_dir), backend=backend, threads=1, **paged)
 except TypeError:  # a checkout before Engine.load took threads
-    engine = Engine.load(Path(engine_dir), backend=backend)
+    engine = Engine.load(Path(engine_dir), backend=backend, **paged)
 ex = engine.executor
 passes = [0.0]
 for name in ("target_forward", "draft", "append_context", "accept"):
@@ -58,9 +62,11 @@ decoder = engine.decoder(mode)
 for _ in decoder.generate(requests[:1]):  # warm-up
     pass
 wall, pass_s, tokens, steps = 0.0, 0.0, 0, 0
-for request in requests:
-    decoder.submit(request)
-    first = True  # the step that admits a request holds its prefill: not a decode step
+batch = int(batch)
+for i in range(0, len(requests), batch):
+    for request in requests[i:i + batch]:
+        decoder.submit(request)
+    first = True  # the step that admits the requests holds their prefills: not a decode step
     while decoder.has_work:
         before, t = passes[0], time.perf_counter()
         updates = decoder.step()
@@ -79,7 +85,8 @@ def one_run(checkout: Path, engine: Path, backend: str, mode: str, args) -> dict
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     load = os.getloadavg()[0]
     out = subprocess.run([sys.executable, "-c", CHILD, str(engine), backend, mode, str(args.prompts),
-                          str(args.num_prompts), str(args.max_new_tokens)], env=env, capture_output=True, text=True,
+                          str(args.num_prompts), str(args.max_new_tokens), str(args.batch), args.kv_cache_memory or ""],
+                         env=env, capture_output=True, text=True,
                          cwd=checkout, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{checkout} {backend} {mode}: {out.stderr.strip().splitlines()[-3:]}")
@@ -102,6 +109,9 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1, help="requests decoded at once")
+    p.add_argument("--kv-cache-memory", metavar="SIZE", help="a paged KV cache of SIZE for the torch executor "
+                   "(default: the static slots)")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "step_overhead.json")
     a = p.parse_args()
     sides = {"before": (a.before.resolve(), (a.engine_before or a.engine).resolve()), "after": (ROOT, a.engine.resolve())}
@@ -122,11 +132,12 @@ def main() -> None:
                for k in ("ms_per_token", "pass_ms_per_token", "host_ms_per_token", "host_ms_per_step")}
         rows.append({"side": side, "backend": backend, "mode": mode, **med, "samples": samples[cell]})
     before_rev = subprocess.run(["git", "-C", str(a.before), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
+                                text=True).stdout.strip() or str(a.before)  # a source tree without git
     after_rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                                text=True).stdout.strip()
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "before": before_rev, "after": after_rev,
               "num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "threads": 1,
+              "batch": a.batch, "kv_cache_memory": a.kv_cache_memory,
               "cpus": len(os.sched_getaffinity(0)), "minutes": round((time.time() - started) / 60, 1), "rows": rows}
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(report, indent=1) + "\n")
