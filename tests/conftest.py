@@ -227,6 +227,16 @@ def biased_pairs(tmp_path_factory) -> dict[int, Path]:
     return pairs
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Eager torch with 2 threads on a busy 2-core machine runs many times slower (ENVIRONMENT.md): a module's tests
+    with `pytestmark = pytest.mark.usefixtures("one_torch_thread")` run on 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def biased_ort_engine(biased_pairs, tmp_path_factory) -> Path:
     """The biased block-8 pair built with `backend: onnxruntime` (4 slots, max_seq_len 512: a 300-token prompt is two

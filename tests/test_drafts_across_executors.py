@@ -20,16 +20,9 @@ from trtllm_dflash.runtime.runner import Engine
 from trtllm_dflash.speculative.schedule import AutoBlockSize
 
 pytest.importorskip("onnxruntime")
-pytestmark = pytest.mark.slow  # every test here needs an engine with ONNX graphs (conftest: ~1 min to export)
+pytestmark = [pytest.mark.slow,  # every test here needs an engine with ONNX graphs (conftest: ~1 min to export)
+              pytest.mark.usefixtures("one_torch_thread")]
 LONG_PROMPT = 300  # longer than a TensorRT plan's pass (PASS_TOKENS 256): the prefill runs in two passes
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

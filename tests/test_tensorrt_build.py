@@ -56,15 +56,7 @@ from tests.tensorrt_standin import standin_executor
 
 RTX_INSTALL = ("TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
                "tensorrt_rtx_cu13_bindings==1.7.1.116")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Eager torch with 2 threads on a busy 2-core machine runs many times slower (ENVIRONMENT.md)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -5,11 +5,13 @@
  *
  * - rows in parallel: one block per row of every request, each writing its t_j into committedTokens (the
  *   request's K+1 output slots, used as scratch), then one thread per request runs dflash_write_request over
- *   them in place. A step costs about one row's reduction; every row is read.
+ *   them in place. A step costs about one row's reduction; every row is read. Draft trees the same way: every
+ *   node's t into a workspace, then one thread per request walks its tree (dflash_tree_path) over them.
  * - per request: one block per request reduces rows j = 0, 1, ... in turn and stops at the first row whose
  *   token does not match the next draft (rows after it cannot change the result), so a request reads
  *   (accepted + 1) rows, not K + 1, but they take turns: on the first GPU run (H100, V 151,936, bf16) a batch
- *   of 1 with all 15 drafts accepted took 435 us this way against 83 us for torch's ops.
+ *   of 1 with all 15 drafts accepted took 435 us this way against 83 us for torch's ops. Trees: one block per
+ *   request walks its path, reducing each node's row as it reaches it.
  */
 #include "dflash_accept_kernel.h"
 #include "dflash_accept_logic.h"
@@ -66,11 +68,14 @@ __device__ inline void warpArgmax(float& bestValue, int32_t& bestIndex)
     }
 }
 
-// t_j of one row, returned to every thread of the block. Must be called by all threads (it synchronizes).
+// t_j of one row, written to *result (shared memory) and returned to every thread of the block. Must be called by
+// all threads (it synchronizes).
 template <typename T>
 __device__ int32_t blockRowArgmax(T const* __restrict__ logits, float const* __restrict__ noise, int32_t vocabSize,
-    float temperature, float* warpValues, int32_t* warpIndices, int32_t* result)
+    float temperature, int32_t* result)
 {
+    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
+    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
     bool const sampled = dflash_is_sampled(temperature);
     float bestValue = 0.0f;
     int32_t bestIndex = kDFlashNoIndex;
@@ -129,8 +134,6 @@ __device__ int32_t blockRowArgmax(T const* __restrict__ logits, float const* __r
 template <typename T>
 __global__ void __launch_bounds__(kThreadsPerBlock) dflashAcceptKernel(DFlashAcceptParams p)
 {
-    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
-    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
     extern __shared__ int32_t target[]; // [blockSize]: t_0..t_K; rows past the first mismatch stay unset
 
     int32_t const b = blockIdx.x;
@@ -142,8 +145,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dflashAcceptKernel(DFlashAcc
     for (int32_t j = 0; j <= numDrafts; ++j)
     {
         int64_t const row = (static_cast<int64_t>(b) * p.blockSize + j) * p.vocabSize;
-        int32_t const targetJ = blockRowArgmax(
-            logits + row, p.gumbelNoise + row, p.vocabSize, temperature, warpValues, warpIndices, &target[j]);
+        int32_t const targetJ
+            = blockRowArgmax(logits + row, p.gumbelNoise + row, p.vocabSize, temperature, &target[j]);
         // Every thread read the same targetJ, so the whole block leaves the loop together.
         if (!dflash_draft_continues(draft, numDrafts, j, targetJ))
         {
@@ -169,22 +172,21 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dflashAcceptKernel(DFlashAcc
     }
 }
 
-// Rows in parallel, first kernel: block r reduces row r of the [B * (K+1), V] logits to t into committedTokens[r].
+// Rows in parallel, first kernel: block r reduces row r of the [B * rowsPerRequest, V] logits to t, into
+// targets[r] (a chain: committedTokens; a tree: the workspace).
 template <typename T>
-__global__ void __launch_bounds__(kThreadsPerBlock) dflashRowKernel(DFlashAcceptParams p)
+__global__ void __launch_bounds__(kThreadsPerBlock) dflashRowKernel(void const* logits, float const* gumbelNoise,
+    float const* temperature, int32_t rowsPerRequest, int32_t vocabSize, int32_t* targets)
 {
-    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
-    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
     __shared__ int32_t target;
 
     int64_t const row = blockIdx.x;
-    int64_t const first = row * p.vocabSize;
-    T const* logits = static_cast<T const*>(p.targetLogits);
-    int32_t const t = blockRowArgmax(logits + first, p.gumbelNoise + first, p.vocabSize,
-        p.temperature[row / p.blockSize], warpValues, warpIndices, &target);
+    int64_t const first = row * vocabSize;
+    int32_t const t = blockRowArgmax(static_cast<T const*>(logits) + first, gumbelNoise + first, vocabSize,
+        temperature[row / rowsPerRequest], &target);
     if (threadIdx.x == 0)
     {
-        p.committedTokens[row] = t;
+        targets[row] = t;
     }
 }
 
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(kFinishThreads) dflashFinishKernel(DFlashAccep
 // launch there and kept: it never changes, and the decode path (a launch per step, or its CUDA graph's capture)
 // need not query the device every time.
 template <typename T>
-cudaError_t rowsFitOneWave(DFlashAcceptParams const& p, bool& fits)
+cudaError_t rowsFitOneWave(int64_t rows, bool& fits)
 {
     constexpr int32_t kKnownDevices = 64;
     static std::atomic<int64_t> residentRows[kKnownDevices]{}; // 0: not known yet
@@ -242,26 +244,27 @@ cudaError_t rowsFitOneWave(DFlashAcceptParams const& p, bool& fits)
             residentRows[device].store(resident, std::memory_order_relaxed);
         }
     }
-    fits = static_cast<int64_t>(p.batchSize) * p.blockSize <= resident;
+    fits = rows <= resident;
     return cudaSuccess;
 }
 
 template <typename T>
 cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
 {
+    int64_t const rows = static_cast<int64_t>(p.batchSize) * p.blockSize;
     bool rowsInParallel = p.schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL;
     if (p.schedule == DFlashAcceptSchedule::kAUTO)
     {
-        cudaError_t const status = rowsFitOneWave<T>(p, rowsInParallel);
+        cudaError_t const status = rowsFitOneWave<T>(rows, rowsInParallel);
         if (status != cudaSuccess)
         {
             return status;
         }
     }
-    int64_t const rows = static_cast<int64_t>(p.batchSize) * p.blockSize;
     if (rowsInParallel && rows <= INT32_MAX)
     {
-        dflashRowKernel<T><<<static_cast<uint32_t>(rows), kThreadsPerBlock, 0, stream>>>(p);
+        dflashRowKernel<T><<<static_cast<uint32_t>(rows), kThreadsPerBlock, 0, stream>>>(
+            p.targetLogits, p.gumbelNoise, p.temperature, p.blockSize, p.vocabSize, p.committedTokens);
         cudaError_t const status = cudaGetLastError();
         if (status != cudaSuccess)
         {
@@ -281,8 +284,6 @@ cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
 template <typename T>
 __global__ void __launch_bounds__(kThreadsPerBlock) dflashTreeAcceptKernel(DFlashTreeAcceptParams p)
 {
-    __shared__ float warpValues[kThreadsPerBlock / kWarpSize];
-    __shared__ int32_t warpIndices[kThreadsPerBlock / kWarpSize];
     __shared__ int32_t target;
 
     int32_t const b = blockIdx.x;
@@ -291,8 +292,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dflashTreeAcceptKernel(DFlas
     T const* logits = static_cast<T const*>(p.targetLogits);
     auto targetAt = [&](int32_t node) {
         int64_t const row = (first + node) * p.vocabSize;
-        return blockRowArgmax(
-            logits + row, p.gumbelNoise + row, p.vocabSize, temperature, warpValues, warpIndices, &target);
+        return blockRowArgmax(logits + row, p.gumbelNoise + row, p.vocabSize, temperature, &target);
     };
     // Every thread runs the walk (the reductions synchronize the block; the path's writes are the same values).
     int32_t bonus = 0;
@@ -305,11 +305,56 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dflashTreeAcceptKernel(DFlas
     }
 }
 
+// Trees, rows in parallel, second kernel: one thread per request walks its tree over the nodes' t in the workspace.
+__global__ void __launch_bounds__(kFinishThreads) dflashTreeFinishKernel(DFlashTreeAcceptParams p)
+{
+    int32_t const b = blockIdx.x * kFinishThreads + threadIdx.x;
+    if (b >= p.batchSize)
+    {
+        return;
+    }
+    int64_t const first = static_cast<int64_t>(b) * p.numNodes;
+    int32_t const* targets = p.targets + first;
+    int32_t bonus = 0;
+    p.pathLength[b] = dflash_tree_path(p.parents + first, p.tokens + first, p.numNodes,
+        [targets](int32_t node) { return targets[node]; }, p.pathNodes + first, &bonus);
+    p.bonus[b] = bonus;
+}
+
 template <typename T>
 cudaError_t launchTree(DFlashTreeAcceptParams const& p, cudaStream_t stream)
 {
+    int64_t const rows = static_cast<int64_t>(p.batchSize) * p.numNodes;
+    bool rowsInParallel = p.schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL;
+    if (p.schedule == DFlashAcceptSchedule::kAUTO && p.targets != nullptr)
+    {
+        cudaError_t const status = rowsFitOneWave<T>(rows, rowsInParallel);
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+    }
+    if (rowsInParallel && rows <= INT32_MAX)
+    {
+        dflashRowKernel<T><<<static_cast<uint32_t>(rows), kThreadsPerBlock, 0, stream>>>(
+            p.targetLogits, p.gumbelNoise, p.temperature, p.numNodes, p.vocabSize, p.targets);
+        cudaError_t const status = cudaGetLastError();
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+        uint32_t const finishBlocks = static_cast<uint32_t>((p.batchSize + kFinishThreads - 1) / kFinishThreads);
+        dflashTreeFinishKernel<<<finishBlocks, kFinishThreads, 0, stream>>>(p);
+        return cudaGetLastError();
+    }
     dflashTreeAcceptKernel<T><<<p.batchSize, kThreadsPerBlock, 0, stream>>>(p);
     return cudaGetLastError();
+}
+
+bool knownSchedule(DFlashAcceptSchedule schedule)
+{
+    return schedule == DFlashAcceptSchedule::kAUTO || schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL
+        || schedule == DFlashAcceptSchedule::kPER_REQUEST;
 }
 
 // launch(T{}) with T the logits' element type.
@@ -330,7 +375,8 @@ cudaError_t withLogitsType(DFlashLogitsType type, Launch&& launch)
 cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStream_t stream)
 {
     if (params.batchSize < 0 || params.numNodes < 1 || params.numNodes > kDFlashMaxBlockSize
-        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize)
+        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize || !knownSchedule(params.schedule)
+        || (params.schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL && params.targets == nullptr))
     {
         return cudaErrorInvalidValue;
     }
@@ -346,10 +392,7 @@ cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t st
     static_assert(kDFlashMaxVocabSize <= INT32_MAX - kThreadsPerBlock, "the vocabulary loop would overflow");
     static_assert(kDFlashMaxBlockSize * sizeof(int32_t) <= 48 * 1024, "t_0..t_K need an opt-in shared size");
     if (params.batchSize < 0 || params.blockSize < 2 || params.blockSize > kDFlashMaxBlockSize
-        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize
-        || (params.schedule != DFlashAcceptSchedule::kAUTO
-            && params.schedule != DFlashAcceptSchedule::kROWS_IN_PARALLEL
-            && params.schedule != DFlashAcceptSchedule::kPER_REQUEST))
+        || params.vocabSize < 1 || params.vocabSize > kDFlashMaxVocabSize || !knownSchedule(params.schedule))
     {
         return cudaErrorInvalidValue;
     }

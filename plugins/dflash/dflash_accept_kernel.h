@@ -4,6 +4,7 @@
  */
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
@@ -15,7 +16,7 @@ namespace trtllm_dflash
 constexpr int32_t kDFlashMaxBlockSize = 4096;
 constexpr int32_t kDFlashMaxVocabSize = INT32_MAX - 512;
 
-// How the B x (K+1) rows of a step are reduced; the outputs are the same under each.
+// How the B x (K+1) rows of a step (a tree's B x N rows) are reduced; the outputs are the same under each.
 enum class DFlashAcceptSchedule : int32_t
 {
     // kROWS_IN_PARALLEL when one CUDA block per row fits on the GPU at once (B x (K+1) at most the SMs times the
@@ -23,10 +24,11 @@ enum class DFlashAcceptSchedule : int32_t
     // `DFlashAcceptParams p{}` gets it.
     kAUTO = 0,
     // One CUDA block per row, all at once, then one thread per request: a step costs about one row's reduction,
-    // but every row is read, accepted or not.
+    // but every row is read, accepted or not. (Trees: every node's row, then each request's walk.)
     kROWS_IN_PARALLEL = 1,
     // One CUDA block per request, its rows in order up to the first rejected draft: reads (a + 1) rows, but a
-    // request's rows take turns (at batch 1 with every draft accepted, 16 reductions one after another).
+    // request's rows take turns (at batch 1 with every draft accepted, 16 reductions one after another). (Trees:
+    // the path's rows, node after node.)
     kPER_REQUEST = 2,
 };
 
@@ -84,14 +86,25 @@ struct DFlashTreeAcceptParams
     int32_t* pathLength; // [B]: nodes on the path, 1..N
     int32_t* bonus;      // [B]: the target's token after the path's last node
 
+    // Workspace, dflashTreeAcceptWorkspaceSize bytes: every node's t under kROWS_IN_PARALLEL (the path overwrites
+    // node slots of pathNodes that it still reads, so they cannot hold them). nullptr: kPER_REQUEST only.
+    int32_t* targets; // [B, N]
+
     int32_t batchSize;
     int32_t numNodes;
     int32_t vocabSize;
     DFlashLogitsType logitsType;
+    DFlashAcceptSchedule schedule; // kAUTO unless a test or a benchmark picks one
 };
 
-// One CUDA block per request; only the rows of the path's nodes are reduced. cudaErrorInvalidValue for numNodes
-// outside 1..kDFlashMaxBlockSize, vocabSize outside 1..kDFlashMaxVocabSize or batchSize < 0.
+inline size_t dflashTreeAcceptWorkspaceSize(int64_t batchSize, int64_t numNodes)
+{
+    return static_cast<size_t>(batchSize * numNodes) * sizeof(int32_t);
+}
+
+// As launchDFlashAccept's schedules: kAUTO takes rows in parallel where `targets` is given and the B x N rows fit on
+// the GPU at once. cudaErrorInvalidValue for numNodes outside 1..kDFlashMaxBlockSize, vocabSize outside
+// 1..kDFlashMaxVocabSize, batchSize < 0, an unknown schedule or kROWS_IN_PARALLEL without `targets`.
 cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStream_t stream);
 
 } // namespace trtllm_dflash

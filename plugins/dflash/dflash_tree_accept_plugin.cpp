@@ -199,10 +199,15 @@ int32_t DFlashTreeAcceptPlugin::configurePlugin(
     return checkShapes([in](int32_t i) { return in[i].desc.dims; }, nbInputs, nbOutputs);
 }
 
-size_t DFlashTreeAcceptPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /* inputs */, int32_t /* nbInputs */,
+size_t DFlashTreeAcceptPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
     DynamicPluginTensorDesc const* /* outputs */, int32_t /* nbOutputs */) const noexcept
 {
-    return 0;
+    // Every node's t for the rows-in-parallel schedule, at the largest batch and tree the profile allows.
+    if (nbInputs != kNbInputs || inputs[kTargetLogits].max.nbDims != 3)
+    {
+        return 0;
+    }
+    return dflashTreeAcceptWorkspaceSize(inputs[kTargetLogits].max.d[0], inputs[kTargetLogits].max.d[1]);
 }
 
 int32_t DFlashTreeAcceptPlugin::onShapeChange(
@@ -212,7 +217,7 @@ int32_t DFlashTreeAcceptPlugin::onShapeChange(
 }
 
 int32_t DFlashTreeAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /* outputDesc */,
-    void const* const* inputs, void* const* outputs, void* /* workspace */, cudaStream_t stream) noexcept
+    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
 {
     // Shapes were checked in onShapeChange, which TensorRT calls before the first enqueue of each shape.
     DFlashTreeAcceptParams params{};
@@ -224,6 +229,7 @@ int32_t DFlashTreeAcceptPlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     params.pathNodes = static_cast<int32_t*>(outputs[kPathNodes]);
     params.pathLength = static_cast<int32_t*>(outputs[kPathLength]);
     params.bonus = static_cast<int32_t*>(outputs[kBonus]);
+    params.targets = static_cast<int32_t*>(workspace); // getWorkspaceSize's bytes (none: the per-request schedule)
     params.batchSize = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[0]);
     params.numNodes = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[1]);
     params.vocabSize = static_cast<int32_t>(inputDesc[kTargetLogits].dims.d[2]);

@@ -7,7 +7,7 @@
  * Every output of launchDFlashAccept must equal dflash_write_request over dflash_row_argmax (the functions
  * tests/test_dflash_plugin.py compares with speculative/core.py), for float32, float16 and bfloat16 logits,
  * with tied, non-finite, greedy and sampled rows and every accepted length, under both schedules (rows in
- * parallel, per request). Prints one line per case and schedule with its kernel time; exits 1 on any mismatch. It is no substitute for running the plugin
+ * parallel, per request), chains and trees. Prints one line per case and schedule with its kernel time; exits 1 on any mismatch. It is no substitute for running the plugin
  * inside a TensorRT engine.
  */
 #include "dflash_accept_kernel.h"
@@ -260,39 +260,66 @@ bool runTreeCase(Case const& c, DFlashLogitsType type, char const* typeName, std
     p.gumbelNoise = static_cast<float const*>(toDevice(noise));
     p.parents = static_cast<int32_t const*>(toDevice(parents));
     p.tokens = static_cast<int32_t const*>(toDevice(tokens));
-    std::vector<int32_t> zerosB(B), zerosBN(parents.size());
-    p.pathNodes = static_cast<int32_t*>(toDevice(zerosBN));
-    p.pathLength = static_cast<int32_t*>(toDevice(zerosB));
-    p.bonus = static_cast<int32_t*>(toDevice(zerosB));
     p.batchSize = B;
     p.numNodes = N;
     p.vocabSize = V;
     p.logitsType = type;
-    CHECK_CUDA(launchDFlashTreeAccept(p, nullptr));
-    CHECK_CUDA(cudaDeviceSynchronize());
     auto fetch = [](int32_t const* device, size_t count) {
         std::vector<int32_t> host(count);
         CHECK_CUDA(cudaMemcpy(host.data(), device, count * sizeof(int32_t), cudaMemcpyDeviceToHost));
         return host;
     };
-    int64_t mismatches = 0, longest = 0;
-    auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
-        for (size_t i = 0; i < got.size(); ++i)
-            mismatches += got[i] != want[i];
-    };
-    compare(fetch(p.pathNodes, path.size()), path);
-    compare(fetch(p.pathLength, B), length);
-    compare(fetch(p.bonus, B), bonus);
+    int64_t longest = 0;
     for (int32_t l : length)
         longest = l > longest ? l : longest;
+    // Each schedule on fresh outputs (filled with -7, so an output a schedule forgets to write shows); the
+    // per-request one without a workspace, as a plugin would run it with none.
+    bool ok = true;
+    std::pair<DFlashAcceptSchedule, char const*> const schedules[]
+        = {{DFlashAcceptSchedule::kROWS_IN_PARALLEL, "rows"}, {DFlashAcceptSchedule::kPER_REQUEST, "per-request"}};
+    for (auto const& [schedule, scheduleName] : schedules)
+    {
+        std::vector<int32_t> fillB(B, -7), fillBN(parents.size(), -7);
+        p.schedule = schedule;
+        p.pathNodes = static_cast<int32_t*>(toDevice(fillBN));
+        p.pathLength = static_cast<int32_t*>(toDevice(fillB));
+        p.bonus = static_cast<int32_t*>(toDevice(fillB));
+        p.targets = schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL ? static_cast<int32_t*>(toDevice(fillBN))
+                                                                        : nullptr;
+        cudaEvent_t begin, end;
+        CHECK_CUDA(cudaEventCreate(&begin));
+        CHECK_CUDA(cudaEventCreate(&end));
+        CHECK_CUDA(launchDFlashTreeAccept(p, nullptr)); // warm-up, and the results compared below
+        CHECK_CUDA(cudaEventRecord(begin));
+        for (int32_t i = 0; i < 20; ++i)
+            CHECK_CUDA(launchDFlashTreeAccept(p, nullptr));
+        CHECK_CUDA(cudaEventRecord(end));
+        CHECK_CUDA(cudaEventSynchronize(end));
+        float ms = 0.0f;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
+        CHECK_CUDA(cudaEventDestroy(begin));
+        CHECK_CUDA(cudaEventDestroy(end));
+
+        int64_t mismatches = 0;
+        auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
+            for (size_t i = 0; i < got.size(); ++i)
+                mismatches += got[i] != want[i];
+        };
+        compare(fetch(p.pathNodes, path.size()), path);
+        compare(fetch(p.pathLength, B), length);
+        compare(fetch(p.bonus, B), bonus);
+        for (int32_t* ptr : {p.pathNodes, p.pathLength, p.bonus, p.targets})
+            CHECK_CUDA(cudaFree(ptr));
+        std::printf("%-10s %-9s B=%-4d nodes=%-3d V=%-7d %-11s mismatches=%lld  longest path %lld  kernel %.1f us\n",
+            c.name, typeName, B, N, V, scheduleName, static_cast<long long>(mismatches),
+            static_cast<long long>(longest), 1000.0f * ms / 20);
+        ok &= mismatches == 0;
+    }
     for (void const* ptr : {p.targetLogits, static_cast<void const*>(p.temperature),
              static_cast<void const*>(p.gumbelNoise), static_cast<void const*>(p.parents),
-             static_cast<void const*>(p.tokens), static_cast<void const*>(p.pathNodes),
-             static_cast<void const*>(p.pathLength), static_cast<void const*>(p.bonus)})
+             static_cast<void const*>(p.tokens)})
         CHECK_CUDA(cudaFree(const_cast<void*>(ptr)));
-    std::printf("%-10s %-9s B=%-4d nodes=%-3d V=%-7d mismatches=%lld  longest path %lld\n", c.name, typeName, B, N,
-        V, static_cast<long long>(mismatches), static_cast<long long>(longest));
-    return mismatches == 0;
+    return ok;
 }
 
 } // namespace

@@ -8,7 +8,8 @@ same tensors to an engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -217,6 +218,21 @@ def attended_keys(rows: HostRows | None, starts: torch.Tensor | None, tokens: in
     `starts` (one host read). The compiled executors give it to their graphs as the length of `key_positions`."""
     exact = rows.attended(tokens) if rows is not None else int(starts.max()) + tokens
     return min(-(-max(exact, 1) // KV_BUCKET) * KV_BUCKET, capacity)
+
+
+@contextmanager
+def on_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterator[None]:
+    """The compiled executors' passes on their own CUDA `stream` (their sessions' or plans' stream) with the torch ops
+    around them, after the caller's pending work; the caller's stream then waits for them, so it reads their outputs
+    only once written. No stream (CPU): nothing."""
+    if stream is None:
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)
+    with torch.cuda.stream(stream):
+        yield
+    caller.wait_stream(stream)
 
 
 def logits_at_last(logits: torch.Tensor, last_index: torch.Tensor, first: int,

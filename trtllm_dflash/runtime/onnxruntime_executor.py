@@ -20,8 +20,7 @@ input that torch was still writing on the caller's stream.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
 from trtllm_dflash.runtime.executor import (DraftContext, HostRows, StepOutput, attended_keys, engine_specs,
-                                            logits_at_last)
+                                            logits_at_last, on_stream)
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
 GRAPHS = ("target_step.onnx", "drafter_context.onnx", "drafter_draft.onnx", "accept.onnx")
@@ -214,7 +213,7 @@ class OnnxRuntimeExecutor(StaticRows):
             return self._in_passes(token_ids, starts, slots, capture, last_index, rows)
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
         self._rings_wrote(starts, slots, rows, T)
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             positions = starts[:, None] + torch.arange(T, device=self.device)
             # one token per row: the in-place graph (no key_positions: each row attends up to its own position)
             keys = None if T == 1 and DECODE_GRAPH in self._sessions else self._key_positions(rows, starts, T)
@@ -314,7 +313,7 @@ class OnnxRuntimeExecutor(StaticRows):
         at each start, `context` first written into the drafter's caches: its `outputs` (name -> per-row shape and
         dtype) in the batch's order. `extra`: inputs given whole to every run."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             if context is None:
                 context = DraftContext.padding(starts, self._hidden_features, self._dtype)
             per_row = {"block_ids": block_input(anchors, self.mask_token_id, width),
@@ -338,7 +337,7 @@ class OnnxRuntimeExecutor(StaticRows):
         cached at starts + t, seeing the keys before its start and the nodes `tree` [B, N, N] allows."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
         N = token_ids.shape[1]
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             positions = starts[:, None] + depths
             keys = self._key_positions(rows, starts, N)
             logits, hidden = [], []
@@ -358,7 +357,7 @@ class OnnxRuntimeExecutor(StaticRows):
     def keep_path(self, slots: torch.Tensor, starts: torch.Tensor, nodes: torch.Tensor) -> None:
         """After a tree's verify pass: the accepted nodes [B, n] (node 0 first; rows padded with 0) move in the
         target's caches from positions starts + node to starts + 0 .. n - 1 (TorchExecutor.keep_path's contract)."""
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             rows = torch.tensor(self._rows.rows_of(slots), device=self.device)[:, None]
             src = starts[:, None] + nodes
             dst = torch.where(nodes > 0, starts[:, None] + torch.arange(nodes.shape[1], device=self.device), src)
@@ -367,7 +366,7 @@ class OnnxRuntimeExecutor(StaticRows):
 
     def append_context(self, hidden, starts, slots, rows=None) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
             for run in self._rows.runs_of(slots if rows is None else rows.slots):
                 binding = self._binding("drafter_context.onnx", run, self._drafter)
@@ -381,7 +380,7 @@ class OnnxRuntimeExecutor(StaticRows):
 
         The top-k / top-p truncation, the Gumbel noise and the sampled rows' scores are made here
         (speculative.core.AcceptPlanInputs), as speculative.core.sample_tokens makes them."""
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             plan = AcceptPlanInputs.make(logits, sampling, block_positions(starts, logits.shape[1]))
             binding = self._sessions["accept.onnx"].io_binding()
             inputs = {"draft_tokens": draft, "target_logits": plan.scores, "temperature": plan.temperature,
@@ -432,15 +431,3 @@ class OnnxRuntimeExecutor(StaticRows):
         executor.attended_keys), so no graph reads a size from its data."""
         return torch.arange(attended_keys(rows, starts, tokens, self._cache_length), device=self.device)
 
-    @contextmanager
-    def _on_own_stream(self) -> Iterator[None]:
-        """On CUDA: run the sessions and the torch ops around them on this executor's stream (the sessions' compute
-        stream), after the caller's pending work; the caller's stream then waits for them."""
-        if self._stream is None:
-            yield
-            return
-        caller = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(caller)
-        with torch.cuda.stream(self._stream):
-            yield
-        caller.wait_stream(self._stream)

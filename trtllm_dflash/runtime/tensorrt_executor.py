@@ -52,8 +52,7 @@ tested on the CPU with contexts that run the same graphs in onnxruntime (tests/t
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -82,7 +81,7 @@ from trtllm_dflash.parallel.world import cuda_device_index, local_rank
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
 from trtllm_dflash.runtime.cuda_graphs import length_bucket
 from trtllm_dflash.runtime.executor import (DraftContext, HostRows, StepOutput, attended_keys, engine_specs,
-                                            logits_at_last)
+                                            logits_at_last, on_stream)
 from trtllm_dflash.runtime.plan_graphs import PlanGraphs, PlanKey, StateCopies
 from trtllm_dflash.speculative.core import AcceptPlanInputs, block_input, block_positions
 
@@ -284,7 +283,7 @@ class TensorRTExecutor(StaticRows):
         last_index are kept from each pass (a pass's logits [B, pass, V] are the most ever held)."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
         self._rings_wrote(starts, slots, rows, token_ids.shape[1])
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             positions = starts[:, None] + torch.arange(token_ids.shape[1], device=self.device)
             last = last_index.to(self.device) if last_index is not None else None
             outs = [self._target_run(run, run.take(token_ids), run.take(positions),
@@ -350,7 +349,7 @@ class TensorRTExecutor(StaticRows):
         """Greedy drafts [B, num_drafts] (argmax of the target's lm_head inside the plan, over the whole block), after
         writing `context` into the drafter's caches."""
         runs = self._rows.runs_of(slots if rows is None else rows.slots)
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             width = width or self.block_size
             block = block_input(anchors, self.mask_token_id, width)
             positions = starts[:, None] + torch.arange(width, device=self.device)
@@ -372,7 +371,7 @@ class TensorRTExecutor(StaticRows):
     def append_context(self, hidden, starts, slots, rows=None) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place, in passes
         of at most pass_tokens positions."""
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             positions = starts[:, None] + torch.arange(hidden.shape[1], device=self.device)
             for run in self._rows.runs_of(slots if rows is None else rows.slots):
                 run_hidden, run_positions = run.take(hidden), run.take(positions)
@@ -388,7 +387,7 @@ class TensorRTExecutor(StaticRows):
         speculative.core.sample_tokens makes them (AcceptPlanInputs: what TensorRT may fuse is then exact)."""
         ints = self._accept_ints
         B, K = draft.shape
-        with self._on_own_stream():
+        with on_stream(self._stream, self.device):
             plan = AcceptPlanInputs.make(logits, sampling, block_positions(starts, K + 1))
             outputs = {"accepted": torch.empty(B, dtype=ints, device=self.device),
                        "committed_tokens": torch.empty(B, K + 1, dtype=ints, device=self.device),
@@ -465,18 +464,6 @@ class TensorRTExecutor(StaticRows):
                 outputs[f"present_{name}"] = buf[rows]
         return copies
 
-    @contextmanager
-    def _on_own_stream(self) -> Iterator[None]:
-        """Run the plans and the torch ops around them on this executor's stream, after the caller's pending
-        work; the caller's stream then waits for them, so it reads outputs only once they are written."""
-        if self._stream is None:
-            yield
-            return
-        caller = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(caller)
-        with torch.cuda.stream(self._stream):
-            yield
-        caller.wait_stream(self._stream)
 
 
 def pointer_capsule(address: int) -> object:
