@@ -296,6 +296,41 @@ def test_kernel_compiles_with_nvcc(tmp_path, arch):
          "-o", tmp_path / "kernel.o"])
 
 
+LAUNCH_SHIM = r"""
+#include "dflash_accept_kernel.h"
+using namespace trtllm_dflash;
+// What launchDFlashTreeAccept returns for these parameters (pointers other than the workspace: none).
+extern "C" int tree_launch(int schedule, int withWorkspace, int batch, int nodes, int vocab)
+{
+    DFlashTreeAcceptParams p{};
+    static int32_t workspace;
+    p.targets = withWorkspace ? &workspace : nullptr;
+    p.schedule = static_cast<DFlashAcceptSchedule>(schedule);
+    p.batchSize = batch;
+    p.numNodes = nodes;
+    p.vocabSize = vocab;
+    return static_cast<int>(launchDFlashTreeAccept(p, nullptr));
+}
+"""
+
+
+@needs_nvcc
+def test_tree_launcher_refuses_before_it_touches_a_gpu(tmp_path):
+    """launchDFlashTreeAccept's checks run on the host, before any CUDA call, so they run here: rows in parallel
+    without a workspace, an unknown schedule and bad shapes are cudaErrorInvalidValue (1); an empty batch launches
+    nothing (0) under every schedule."""
+    (tmp_path / "shim.cu").write_text(LAUNCH_SHIM)
+    run([NVCC, "-std=c++17", "-O2", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-I", PLUGIN_DIR,
+         tmp_path / "shim.cu", PLUGIN_DIR / "dflash_accept_kernel.cu", "-o", tmp_path / "libshim.so"])
+    launch = ctypes.CDLL(str(tmp_path / "libshim.so")).tree_launch
+    auto, rows, per_request = 0, 1, 2
+    assert launch(rows, 0, 4, 17, 1000) == 1  # rows in parallel need the workspace
+    assert launch(7, 1, 4, 17, 1000) == 1  # no such schedule
+    assert launch(auto, 1, 4, 0, 1000) == 1 and launch(auto, 1, -1, 17, 1000) == 1 and launch(auto, 1, 4, 17, 0) == 1
+    for schedule in (auto, rows, per_request):
+        assert launch(schedule, 1, 0, 17, 1000) == 0
+
+
 @needs_nvcc
 def test_gpu_check_program_builds(tmp_path):
     """kernel_check.cu, the kernel-vs-host-logic check for a GPU machine (README.md), compiles and links."""
