@@ -5,8 +5,8 @@ of trtllm-dflash side by side (issue 28: "before and after").
         --backends torch,onnxruntime --rounds 3
 
 Each (checkout, backend, mode) runs in a fresh process of its own (the checkout first on sys.path), in rounds whose
-order alternates, batch 1 (`--batch`), 1 thread, greedy, the same held-out prompts. A process wraps its executor's passes
-(target_forward, draft, append_context, accept) with timers and times every Decoder.step; it reports per token:
+order alternates, batch 1 (`--batch`), 1 thread, greedy, the same held-out prompts. A process wraps its executor's
+passes (target_forward, draft, append_context, accept) with timers and times every Decoder.step; it reports per token:
 wall time, pass time and their difference, the host overhead (the Decoder's Python, staging, sampling and
 commit, plus everything an executor does around its kernels: binding, slicing, copying). The medians over rounds go
 to benchmarks/results/step_overhead.json with the load average at each run.

@@ -7,8 +7,8 @@
  * Every output of launchDFlashAccept must equal dflash_write_request over dflash_row_argmax (the functions
  * tests/test_dflash_plugin.py compares with speculative/core.py), for float32, float16 and bfloat16 logits,
  * with tied, non-finite, greedy and sampled rows and every accepted length, under both schedules (rows in
- * parallel, per request), chains and trees. Prints one line per case and schedule with its kernel time; exits 1 on any mismatch. It is no substitute for running the plugin
- * inside a TensorRT engine.
+ * parallel, per request), chains and trees. Prints one line per case and schedule with its kernel time; exits 1
+ * on any mismatch. It is no substitute for running the plugin inside a TensorRT engine.
  */
 #include "dflash_accept_kernel.h"
 #include "dflash_accept_logic.h"
