@@ -248,12 +248,16 @@ cudaError_t rowsFitOneWave(int64_t rows, bool& fits)
     return cudaSuccess;
 }
 
-template <typename T>
-cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
+// A step under `schedule` (kAUTO: rowsFitOneWave's choice) for a chain's or a tree's params `p`: rows in parallel
+// (the row kernel writes each of the B x rowsPerRequest rows' t into `targets`, then `finishKernel` runs one thread
+// per request) or `perRequestKernel`, one block per request with `perRequestShared` bytes of shared memory.
+template <typename T, typename Params>
+cudaError_t launchSchedule(Params const& p, int32_t rowsPerRequest, int32_t* targets, DFlashAcceptSchedule schedule,
+    void (*finishKernel)(Params), void (*perRequestKernel)(Params), size_t perRequestShared, cudaStream_t stream)
 {
-    int64_t const rows = static_cast<int64_t>(p.batchSize) * p.blockSize;
-    bool rowsInParallel = p.schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL;
-    if (p.schedule == DFlashAcceptSchedule::kAUTO)
+    int64_t const rows = static_cast<int64_t>(p.batchSize) * rowsPerRequest;
+    bool rowsInParallel = schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL;
+    if (schedule == DFlashAcceptSchedule::kAUTO)
     {
         cudaError_t const status = rowsFitOneWave<T>(rows, rowsInParallel);
         if (status != cudaSuccess)
@@ -264,18 +268,17 @@ cudaError_t launch(DFlashAcceptParams const& p, cudaStream_t stream)
     if (rowsInParallel && rows <= INT32_MAX)
     {
         dflashRowKernel<T><<<static_cast<uint32_t>(rows), kThreadsPerBlock, 0, stream>>>(
-            p.targetLogits, p.gumbelNoise, p.temperature, p.blockSize, p.vocabSize, p.committedTokens);
+            p.targetLogits, p.gumbelNoise, p.temperature, rowsPerRequest, p.vocabSize, targets);
         cudaError_t const status = cudaGetLastError();
         if (status != cudaSuccess)
         {
             return status;
         }
         uint32_t const finishBlocks = static_cast<uint32_t>((p.batchSize + kFinishThreads - 1) / kFinishThreads);
-        dflashFinishKernel<<<finishBlocks, kFinishThreads, 0, stream>>>(p);
+        finishKernel<<<finishBlocks, kFinishThreads, 0, stream>>>(p);
         return cudaGetLastError();
     }
-    size_t const sharedBytes = static_cast<size_t>(p.blockSize) * sizeof(int32_t);
-    dflashAcceptKernel<T><<<p.batchSize, kThreadsPerBlock, sharedBytes, stream>>>(p);
+    perRequestKernel<<<p.batchSize, kThreadsPerBlock, perRequestShared, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -321,36 +324,6 @@ __global__ void __launch_bounds__(kFinishThreads) dflashTreeFinishKernel(DFlashT
     p.bonus[b] = bonus;
 }
 
-template <typename T>
-cudaError_t launchTree(DFlashTreeAcceptParams const& p, cudaStream_t stream)
-{
-    int64_t const rows = static_cast<int64_t>(p.batchSize) * p.numNodes;
-    bool rowsInParallel = p.schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL;
-    if (p.schedule == DFlashAcceptSchedule::kAUTO && p.targets != nullptr)
-    {
-        cudaError_t const status = rowsFitOneWave<T>(rows, rowsInParallel);
-        if (status != cudaSuccess)
-        {
-            return status;
-        }
-    }
-    if (rowsInParallel && rows <= INT32_MAX)
-    {
-        dflashRowKernel<T><<<static_cast<uint32_t>(rows), kThreadsPerBlock, 0, stream>>>(
-            p.targetLogits, p.gumbelNoise, p.temperature, p.numNodes, p.vocabSize, p.targets);
-        cudaError_t const status = cudaGetLastError();
-        if (status != cudaSuccess)
-        {
-            return status;
-        }
-        uint32_t const finishBlocks = static_cast<uint32_t>((p.batchSize + kFinishThreads - 1) / kFinishThreads);
-        dflashTreeFinishKernel<<<finishBlocks, kFinishThreads, 0, stream>>>(p);
-        return cudaGetLastError();
-    }
-    dflashTreeAcceptKernel<T><<<p.batchSize, kThreadsPerBlock, 0, stream>>>(p);
-    return cudaGetLastError();
-}
-
 bool knownSchedule(DFlashAcceptSchedule schedule)
 {
     return schedule == DFlashAcceptSchedule::kAUTO || schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL
@@ -384,7 +357,14 @@ cudaError_t launchDFlashTreeAccept(DFlashTreeAcceptParams const& params, cudaStr
     {
         return cudaSuccess;
     }
-    return withLogitsType(params.logitsType, [&](auto t) { return launchTree<decltype(t)>(params, stream); });
+    // Without a workspace only the per-request form can run (kROWS_IN_PARALLEL without one was refused above).
+    DFlashAcceptSchedule const schedule
+        = params.targets != nullptr ? params.schedule : DFlashAcceptSchedule::kPER_REQUEST;
+    return withLogitsType(params.logitsType, [&](auto t) {
+        using T = decltype(t);
+        return launchSchedule<T>(params, params.numNodes, params.targets, schedule, dflashTreeFinishKernel,
+            dflashTreeAcceptKernel<T>, 0, stream);
+    });
 }
 
 cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t stream)
@@ -400,7 +380,11 @@ cudaError_t launchDFlashAccept(DFlashAcceptParams const& params, cudaStream_t st
     {
         return cudaSuccess;
     }
-    return withLogitsType(params.logitsType, [&](auto t) { return launch<decltype(t)>(params, stream); });
+    return withLogitsType(params.logitsType, [&](auto t) {
+        using T = decltype(t);
+        return launchSchedule<T>(params, params.blockSize, params.committedTokens, params.schedule, dflashFinishKernel,
+            dflashAcceptKernel<T>, static_cast<size_t>(params.blockSize) * sizeof(int32_t), stream);
+    });
 }
 
 } // namespace trtllm_dflash

@@ -86,6 +86,26 @@ void* toDevice(std::vector<T> const& host)
     return device;
 }
 
+// launch() once (its outputs are the ones compared), then 20 times between events: microseconds per launch.
+template <typename Launch>
+float timedLaunches(Launch&& launch)
+{
+    CHECK_CUDA(launch());
+    cudaEvent_t begin, end;
+    CHECK_CUDA(cudaEventCreate(&begin));
+    CHECK_CUDA(cudaEventCreate(&end));
+    CHECK_CUDA(cudaEventRecord(begin));
+    for (int32_t i = 0; i < 20; ++i)
+        CHECK_CUDA(launch());
+    CHECK_CUDA(cudaEventRecord(end));
+    CHECK_CUDA(cudaEventSynchronize(end));
+    float ms = 0.0f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
+    CHECK_CUDA(cudaEventDestroy(begin));
+    CHECK_CUDA(cudaEventDestroy(end));
+    return 1000.0f * ms / 20;
+}
+
 template <typename T>
 bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt19937& rng)
 {
@@ -170,20 +190,7 @@ bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt
         p.nextBlock = static_cast<int32_t*>(toDevice(fillBS));
         p.nextPositions = static_cast<int32_t*>(toDevice(fillBS));
         p.newContextLengths = static_cast<int32_t*>(toDevice(fillB));
-
-        cudaEvent_t begin, end;
-        CHECK_CUDA(cudaEventCreate(&begin));
-        CHECK_CUDA(cudaEventCreate(&end));
-        CHECK_CUDA(launchDFlashAccept(p, nullptr)); // warm-up, and the results compared below
-        CHECK_CUDA(cudaEventRecord(begin));
-        for (int32_t i = 0; i < 20; ++i)
-            CHECK_CUDA(launchDFlashAccept(p, nullptr));
-        CHECK_CUDA(cudaEventRecord(end));
-        CHECK_CUDA(cudaEventSynchronize(end));
-        float ms = 0.0f;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
-        CHECK_CUDA(cudaEventDestroy(begin));
-        CHECK_CUDA(cudaEventDestroy(end));
+        float const us = timedLaunches([&p] { return launchDFlashAccept(p, nullptr); });
 
         int64_t mismatches = 0;
         auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
@@ -198,7 +205,7 @@ bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt
         for (int32_t* ptr : {p.accepted, p.committedTokens, p.nextBlock, p.nextPositions, p.newContextLengths})
             CHECK_CUDA(cudaFree(ptr));
         std::printf("%-10s %-9s B=%-4d block=%-3d V=%-7d %-11s mismatches=%lld  kernel %.1f us\n", c.name, typeName, B,
-            S, V, scheduleName, static_cast<long long>(mismatches), 1000.0f * ms / 20);
+            S, V, scheduleName, static_cast<long long>(mismatches), us);
         ok &= mismatches == 0;
     }
     for (void const* ptr : {static_cast<void const*>(p.draftTokens), p.targetLogits,
@@ -286,19 +293,7 @@ bool runTreeCase(Case const& c, DFlashLogitsType type, char const* typeName, std
         p.bonus = static_cast<int32_t*>(toDevice(fillB));
         p.targets = schedule == DFlashAcceptSchedule::kROWS_IN_PARALLEL ? static_cast<int32_t*>(toDevice(fillBN))
                                                                         : nullptr;
-        cudaEvent_t begin, end;
-        CHECK_CUDA(cudaEventCreate(&begin));
-        CHECK_CUDA(cudaEventCreate(&end));
-        CHECK_CUDA(launchDFlashTreeAccept(p, nullptr)); // warm-up, and the results compared below
-        CHECK_CUDA(cudaEventRecord(begin));
-        for (int32_t i = 0; i < 20; ++i)
-            CHECK_CUDA(launchDFlashTreeAccept(p, nullptr));
-        CHECK_CUDA(cudaEventRecord(end));
-        CHECK_CUDA(cudaEventSynchronize(end));
-        float ms = 0.0f;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
-        CHECK_CUDA(cudaEventDestroy(begin));
-        CHECK_CUDA(cudaEventDestroy(end));
+        float const us = timedLaunches([&p] { return launchDFlashTreeAccept(p, nullptr); });
 
         int64_t mismatches = 0;
         auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
@@ -312,7 +307,7 @@ bool runTreeCase(Case const& c, DFlashLogitsType type, char const* typeName, std
             CHECK_CUDA(cudaFree(ptr));
         std::printf("%-10s %-9s B=%-4d nodes=%-3d V=%-7d %-11s mismatches=%lld  longest path %lld  kernel %.1f us\n",
             c.name, typeName, B, N, V, scheduleName, static_cast<long long>(mismatches),
-            static_cast<long long>(longest), 1000.0f * ms / 20);
+            static_cast<long long>(longest), us);
         ok &= mismatches == 0;
     }
     for (void const* ptr : {p.targetLogits, static_cast<void const*>(p.temperature),
