@@ -86,8 +86,7 @@ def one_run(checkout: Path, engine: Path, backend: str, mode: str, args) -> dict
     load = os.getloadavg()[0]
     out = subprocess.run([sys.executable, "-c", CHILD, str(engine), backend, mode, str(args.prompts),
                           str(args.num_prompts), str(args.max_new_tokens), str(args.batch), args.kv_cache_memory or ""],
-                         env=env, capture_output=True, text=True,
-                         cwd=checkout, timeout=1800)
+                         env=env, capture_output=True, text=True, cwd=checkout, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{checkout} {backend} {mode}: {out.stderr.strip().splitlines()[-3:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
