@@ -163,7 +163,7 @@ def test_bench_refuses_more_concurrency_than_slots(bench_engine, tmp_path, capsy
 
 @pytest.mark.parametrize("args, words", [
     (["--num-requests", "5"], "--num-requests 5: "),
-    (["--block-sizes", "9"], "--block-size 9: must be between 2 and the engine's trained block_size 8"),
+    (["--block-sizes", "4,9"], "--block-sizes 9: must be between 2 and the engine's trained block_size 8"),
     (["--max-new-tokens", "600"], "exceeds the engine's max_seq_len 512"),
     (["--concurrency", "4"], "--concurrency 4: more than the 2 requests"),
 ], ids=["too-many-requests", "block-too-large", "too-long", "concurrency-over-requests"])

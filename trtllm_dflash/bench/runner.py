@@ -95,6 +95,10 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
                          kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache,
                          tree_budget=max(trees) if trees else None, prefix_states=opts.prefix_states)
     cfg = engine.config
+    trained = engine.executor.block_size
+    for k in block_sizes:
+        if isinstance(k, int) and not 2 <= k <= trained:
+            raise UserError(f"--block-sizes {k}: must be between 2 and the engine's trained block_size {trained}.")
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests, system)
     conversations = (Conversations(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, system)
                      if opts.multi_turn else None)
