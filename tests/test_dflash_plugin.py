@@ -3,8 +3,9 @@
 
 The plugin's per-request logic (dflash_accept_logic.h) is built with g++ into a small shared library
 (host_reference.cpp) and compared, output for output, with speculative/core.py used the way
-Decoder._dflash_step uses it. The CUDA kernel and the TensorRT wrapper are only compiled here: running
-them needs a GPU (plugins/dflash/README.md lists what stays unverified).
+Decoder._dflash_step uses it. The CUDA kernel and the TensorRT wrapper are only compiled here (of the kernel's
+launcher, the checks it makes before any CUDA call run): running them needs a GPU (plugins/dflash/README.md lists
+what stays unverified).
 """
 
 from __future__ import annotations
