@@ -86,6 +86,21 @@ void* toDevice(std::vector<T> const& host)
     return device;
 }
 
+// The schedules every case runs, each on fresh outputs, with its name in the printed line.
+std::pair<DFlashAcceptSchedule, char const*> const kSchedules[]
+    = {{DFlashAcceptSchedule::kROWS_IN_PARALLEL, "rows"}, {DFlashAcceptSchedule::kPER_REQUEST, "per-request"}};
+
+// How many of the device's want.size() int32 values differ from `want`.
+int64_t mismatches(int32_t const* device, std::vector<int32_t> const& want)
+{
+    std::vector<int32_t> got(want.size());
+    CHECK_CUDA(cudaMemcpy(got.data(), device, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    int64_t count = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+        count += got[i] != want[i];
+    return count;
+}
+
 // launch() once (its outputs are the ones compared), then 20 times between events: microseconds per launch.
 template <typename Launch>
 float timedLaunches(Launch&& launch)
@@ -172,16 +187,9 @@ bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt
     p.maskTokenId = 31999;
     p.logitsType = type;
 
-    auto fetch = [](int32_t const* device, size_t count) {
-        std::vector<int32_t> host(count);
-        CHECK_CUDA(cudaMemcpy(host.data(), device, count * sizeof(int32_t), cudaMemcpyDeviceToHost));
-        return host;
-    };
     // Each schedule on fresh outputs (filled with -7, so an output a schedule forgets to write shows).
     bool ok = true;
-    std::pair<DFlashAcceptSchedule, char const*> const schedules[]
-        = {{DFlashAcceptSchedule::kROWS_IN_PARALLEL, "rows"}, {DFlashAcceptSchedule::kPER_REQUEST, "per-request"}};
-    for (auto const& [schedule, scheduleName] : schedules)
+    for (auto const& [schedule, scheduleName] : kSchedules)
     {
         std::vector<int32_t> fillB(B, -7), fillBS(committed.size(), -7);
         p.schedule = schedule;
@@ -192,21 +200,14 @@ bool runCase(Case const& c, DFlashLogitsType type, char const* typeName, std::mt
         p.newContextLengths = static_cast<int32_t*>(toDevice(fillB));
         float const us = timedLaunches([&p] { return launchDFlashAccept(p, nullptr); });
 
-        int64_t mismatches = 0;
-        auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
-            for (size_t i = 0; i < got.size(); ++i)
-                mismatches += got[i] != want[i];
-        };
-        compare(fetch(p.accepted, B), accepted);
-        compare(fetch(p.committedTokens, committed.size()), committed);
-        compare(fetch(p.nextBlock, committed.size()), nextBlock);
-        compare(fetch(p.nextPositions, committed.size()), nextPositions);
-        compare(fetch(p.newContextLengths, B), newLengths);
+        int64_t const wrong = mismatches(p.accepted, accepted) + mismatches(p.committedTokens, committed)
+            + mismatches(p.nextBlock, nextBlock) + mismatches(p.nextPositions, nextPositions)
+            + mismatches(p.newContextLengths, newLengths);
         for (int32_t* ptr : {p.accepted, p.committedTokens, p.nextBlock, p.nextPositions, p.newContextLengths})
             CHECK_CUDA(cudaFree(ptr));
         std::printf("%-10s %-9s B=%-4d block=%-3d V=%-7d %-11s mismatches=%lld  kernel %.1f us\n", c.name, typeName, B,
-            S, V, scheduleName, static_cast<long long>(mismatches), us);
-        ok &= mismatches == 0;
+            S, V, scheduleName, static_cast<long long>(wrong), us);
+        ok &= wrong == 0;
     }
     for (void const* ptr : {static_cast<void const*>(p.draftTokens), p.targetLogits,
              static_cast<void const*>(p.temperature), static_cast<void const*>(p.gumbelNoise),
@@ -271,20 +272,13 @@ bool runTreeCase(Case const& c, DFlashLogitsType type, char const* typeName, std
     p.numNodes = N;
     p.vocabSize = V;
     p.logitsType = type;
-    auto fetch = [](int32_t const* device, size_t count) {
-        std::vector<int32_t> host(count);
-        CHECK_CUDA(cudaMemcpy(host.data(), device, count * sizeof(int32_t), cudaMemcpyDeviceToHost));
-        return host;
-    };
     int64_t longest = 0;
     for (int32_t l : length)
         longest = l > longest ? l : longest;
     // Each schedule on fresh outputs (filled with -7, so an output a schedule forgets to write shows); the
     // per-request one without a workspace, as a plugin would run it with none.
     bool ok = true;
-    std::pair<DFlashAcceptSchedule, char const*> const schedules[]
-        = {{DFlashAcceptSchedule::kROWS_IN_PARALLEL, "rows"}, {DFlashAcceptSchedule::kPER_REQUEST, "per-request"}};
-    for (auto const& [schedule, scheduleName] : schedules)
+    for (auto const& [schedule, scheduleName] : kSchedules)
     {
         std::vector<int32_t> fillB(B, -7), fillBN(parents.size(), -7);
         p.schedule = schedule;
@@ -295,20 +289,14 @@ bool runTreeCase(Case const& c, DFlashLogitsType type, char const* typeName, std
                                                                         : nullptr;
         float const us = timedLaunches([&p] { return launchDFlashTreeAccept(p, nullptr); });
 
-        int64_t mismatches = 0;
-        auto compare = [&mismatches](std::vector<int32_t> const& got, std::vector<int32_t> const& want) {
-            for (size_t i = 0; i < got.size(); ++i)
-                mismatches += got[i] != want[i];
-        };
-        compare(fetch(p.pathNodes, path.size()), path);
-        compare(fetch(p.pathLength, B), length);
-        compare(fetch(p.bonus, B), bonus);
+        int64_t const wrong
+            = mismatches(p.pathNodes, path) + mismatches(p.pathLength, length) + mismatches(p.bonus, bonus);
         for (int32_t* ptr : {p.pathNodes, p.pathLength, p.bonus, p.targets})
             CHECK_CUDA(cudaFree(ptr));
         std::printf("%-10s %-9s B=%-4d nodes=%-3d V=%-7d %-11s mismatches=%lld  longest path %lld  kernel %.1f us\n",
-            c.name, typeName, B, N, V, scheduleName, static_cast<long long>(mismatches),
-            static_cast<long long>(longest), us);
-        ok &= mismatches == 0;
+            c.name, typeName, B, N, V, scheduleName, static_cast<long long>(wrong), static_cast<long long>(longest),
+            us);
+        ok &= wrong == 0;
     }
     for (void const* ptr : {p.targetLogits, static_cast<void const*>(p.temperature),
              static_cast<void const*>(p.gumbelNoise), static_cast<void const*>(p.parents),
