@@ -109,6 +109,18 @@ def test_bad_lines_are_reported_and_the_rest_still_runs(engine_dir, tmp_path, ca
             assert w in report[0], (w, report[0])
 
 
+def test_an_input_of_only_bad_lines_leaves_earlier_results_alone(engine_dir, tmp_path, capsys):
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    out.write_text('{"id": "earlier", "text": "kept"}\n')
+    code, records, written = run(engine_dir, tmp_path, [line for line, _ in BAD[:3]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USER_ERROR
+    assert [line.split(":")[1] for line in err[:3]] == ["1", "2", "3"] and len(err) == 4
+    assert err[-1] == (f"error: {tmp_path / 'in.jsonl'}: none of its 3 lines is a valid request (reported above); "
+                       f"{out} is left as it was.")
+    assert records == [{"id": "earlier", "text": "kept"}] and written is None and not summary.exists()
+
+
 def test_tampered_engine_is_refused(engine_dir, tmp_path, capsys):
     weights = engine_dir / "rank0.safetensors"
     data = bytearray(weights.read_bytes())

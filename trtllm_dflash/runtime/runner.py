@@ -428,6 +428,9 @@ def _run_rank0(engine: Engine, driver, input_path: Path, output_path: Path, summ
     for err in errors:
         print(f"{input_path}:{err.line}: {err.message}; line skipped.", file=sys.stderr)
     output_path = Path(output_path)
+    if not requests:  # every line bad: a run of nothing must not replace earlier results with an empty file
+        lines = "its one line is not" if len(errors) == 1 else f"none of its {len(errors)} lines is"
+        raise UserError(f"{input_path}: {lines} a valid request (reported above); {output_path} is left as it was.")
     resumed = resumable(output_path, requests, opts.mode) if opts.resume else None
     done = resumed.done if resumed else frozenset()
     todo = [r for r in requests if r.id not in done]
