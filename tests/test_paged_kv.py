@@ -14,7 +14,7 @@ from tests.conftest import CountingPrefill
 from trtllm_dflash.cli import EXIT_USER_ERROR, main
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.decoding import Request
-from trtllm_dflash.runtime.kv_blocks import BlockTables, parse_size, resolve_budget
+from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, BlockTables, parse_size, prefix_hashes, resolve_budget
 from trtllm_dflash.runtime.runner import Engine
 
 
@@ -82,6 +82,19 @@ def test_blocks_are_reserved_per_request_and_reused():
     assert tables.free == 8 and (tables.table[2] == tables.trash).all()
     tables.reserve(1, 48)  # the freed blocks first, lowest first
     assert tables.table[1, :3].tolist() == [0, 1, 2] and tables.peak_used == 5
+
+
+def test_prefix_hashes_cover_every_token_of_their_blocks():
+    """Block j's hash changes with any token of blocks 0 .. j (a block's last token too) and with the salt, and with
+    no token after them; a partial block has none. (A hash that left out each block's last token passed this
+    module's other tests; tests/test_random_schedules.py caught it too.)"""
+    tokens = list(range(2 * BLOCK_TOKENS + 8))
+    base = prefix_hashes(tokens, "target")
+    assert len(base) == 2 and base[0] != base[1]
+    for i in range(len(tokens)):
+        changed, first = prefix_hashes(tokens[:i] + [999] + tokens[i + 1:], "target"), i // BLOCK_TOKENS
+        assert changed[:first] == base[:first] and all(a != b for a, b in zip(changed[first:], base[first:])), i
+    assert prefix_hashes(tokens, "target+drafter")[0] != base[0]
 
 
 def test_sizes_and_fractions():
@@ -273,7 +286,7 @@ def test_requests_behind_a_held_one_are_let_by(qwen3_engine_dir, engines):
     not hold back the next request (its prompt is in wave 1 too), and those let by leave each held request a slot: the
     last one waits for a free slot, not the held ones. Under a tight budget a request is let by only if it leaves the
     held ones their blocks (it waits instead, and the held one is admitted in wave 2). The static cache's tokens."""
-    from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, blocks_for
+    from trtllm_dflash.runtime.kv_blocks import blocks_for
 
     g = torch.Generator().manual_seed(5)
     system = torch.randint(3, 500, (100,), generator=g).tolist()
@@ -309,8 +322,6 @@ def test_requests_behind_a_held_one_are_let_by(qwen3_engine_dir, engines):
 
 def published_drafter_rows(engine: Engine, request: Request, layer: int) -> torch.Tensor:
     """The drafter's K and V of a drafter layer in the published blocks of `request`'s prompt, in order."""
-    from trtllm_dflash.runtime.kv_blocks import prefix_hashes
-
     tables, cache = engine.executor.kv_blocks, engine.executor.draft_cache
     blocks = [tables._by_hash[h] for h in prefix_hashes(request.prompt_token_ids[:-1], "target+drafter")]
     rows = torch.cat([torch.arange(b * tables.block_tokens, (b + 1) * tables.block_tokens) for b in blocks])
