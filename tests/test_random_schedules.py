@@ -2,8 +2,8 @@
 stop strings, prompts that share prefixes, one-token prompts and answers, requests as long as the engine allows)
 arriving in random waves between steps, some cancelled at random; each configuration (static and paged caches,
 preemption under a tight KV budget, fixed blocks, `--block-size auto`, draft trees, a DFlash2 drafter, onnxruntime's
-static rows and their prefix pool) must give every request the tokens and finish reason plain decoding gives it alone on the static
-cache, and a cancelled request a prefix of them.
+static rows and their prefix pool) must give every request the tokens and finish reason plain decoding gives it
+alone on the static cache, and a cancelled request a prefix of them.
 
 The targeted tests (test_paged_kv, test_lossless, test_tree, test_onnxruntime_backend, ...) check each feature on
 scripted cases; this one checks them mixed in orders nobody wrote down. Seeds are fixed, so a failure reproduces:
