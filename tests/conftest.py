@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.config import BuildConfig, load_build_config
@@ -190,6 +193,23 @@ def assert_mpiexec_run_equals_one_process(one: Path, split: Path, tmp_path: Path
     assert tokens(out) == tokens(ref) and len(tokens(ref)) == len(lines)
 
 
+def built_once(tmp_path_factory, name: str, make: Callable[[Path], Path]) -> Path:
+    """`make(directory)`'s result (a path inside `directory`), made once per test run: alone, in a new temporary
+    directory; under pytest-xdist (`-n 2`, the README's test command), once for all workers, by the first worker to
+    ask, under a file lock that the others wait on. For the engines several modules need (a minute or two of export
+    each), which would otherwise be built once in every worker."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / name  # (the run's directory, above every worker's own)
+    done = root / ".built"
+    with FileLock(f"{root}.lock"):
+        if not done.is_file():
+            shutil.rmtree(root, ignore_errors=True)  # (a worker that failed half-way)
+            root.mkdir()
+            done.write_text(str(make(root).relative_to(root)))
+    return root / done.read_text()
+
+
 def build(pair_dir: Path, out: Path, dtype: str = "float32", max_batch_size: int = 8,
           max_seq_len: int = 512) -> Path:
     cfg = BuildConfig(target=pair_dir / "target", drafter=pair_dir / "drafter", output=out, dtype=dtype,
@@ -244,9 +264,13 @@ def biased_ort_engine(biased_pairs, tmp_path_factory) -> Path:
     tests/test_drafts_across_executors.py (its export takes ~1 min)."""
     pytest.importorskip("onnxruntime")
     pair = biased_pairs[8]
-    cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=tmp_path_factory.mktemp("biased_ort")
-                      / "engine", dtype="float32", max_batch_size=4, max_seq_len=512, backend="onnxruntime")
-    return build_engine(cfg, progress=False)
+
+    def make(root: Path) -> Path:
+        cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", output=root / "engine", dtype="float32",
+                          max_batch_size=4, max_seq_len=512, backend="onnxruntime")
+        return build_engine(cfg, progress=False)
+
+    return built_once(tmp_path_factory, "biased_ort", make)
 
 
 @pytest.fixture(scope="session")
@@ -308,10 +332,13 @@ def ort_engine_dir(request, tmp_path_factory):
         pytest.importorskip("onnxruntime")
         if family not in built:
             pair = request.getfixturevalue(f"{family}_pair")
-            cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32", max_batch_size=4,
-                              max_seq_len=256, backend="onnxruntime",
-                              output=tmp_path_factory.mktemp(f"ort_{family}") / "engine")
-            built[family] = build_engine(cfg, progress=False)
+
+            def make(root: Path) -> Path:
+                cfg = BuildConfig(target=pair / "target", drafter=pair / "drafter", dtype="float32", max_batch_size=4,
+                                  max_seq_len=256, backend="onnxruntime", output=root / "engine")
+                return build_engine(cfg, progress=False)
+
+            built[family] = built_once(tmp_path_factory, f"ort_{family}", make)
         return built[family]
 
     return get
@@ -327,5 +354,9 @@ def demo_ort_engine(tmp_path_factory) -> Path:
     """build_configs/demo.yaml with `backend: onnxruntime` (float32 graphs, 4 slots): the demo's compiled form, shared
     by tests/test_demo.py (its graphs, TensorRT-RTX plans) and tests/test_serve_onnxruntime.py (served by Triton)."""
     pytest.importorskip("onnxruntime")
-    cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=tmp_path_factory.mktemp("demo_ort") / "engine")
-    return build_engine(cfg.model_copy(update={"backend": "onnxruntime", "max_batch_size": 4}), progress=False)
+
+    def make(root: Path) -> Path:
+        cfg = load_build_config(ROOT / "build_configs" / "demo.yaml", output=root / "engine")
+        return build_engine(cfg.model_copy(update={"backend": "onnxruntime", "max_batch_size": 4}), progress=False)
+
+    return built_once(tmp_path_factory, "demo_ort", make)
