@@ -164,14 +164,19 @@ def test_bench_refuses_more_concurrency_than_slots(bench_engine, tmp_path, capsy
 @pytest.mark.parametrize("args, words", [
     (["--num-requests", "5"], "--num-requests 5: "),
     (["--block-sizes", "4,9"], "--block-sizes 9: must be between 2 and the engine's trained block_size 8"),
+    (["--block-sizes", "auto,9"], "--block-sizes 9: must be between 2 and the engine's trained block_size 8"),
     (["--max-new-tokens", "600"], "exceeds the engine's max_seq_len 512"),
     (["--concurrency", "4"], "--concurrency 4: more than the 2 requests"),
-], ids=["too-many-requests", "block-too-large", "too-long", "concurrency-over-requests"])
-def test_bench_option_errors(bench_engine, tmp_path, capsys, args, words):
+], ids=["too-many-requests", "block-too-large", "block-too-large-beside-auto", "too-long", "concurrency-over-requests"])
+def test_bench_option_errors(bench_engine, tmp_path, capsys, monkeypatch, args, words):
+    """One sentence, exit 2; a block size the engine cannot run is refused before `auto` measures the pass costs
+    (nothing cached)."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f():"}, {"id": "b", "prompt": "x = 1"}])
     code = main(["bench", str(bench_engine), "--dataset", str(dataset), *args])
     err = capsys.readouterr().err
     assert code == EXIT_USER_ERROR and words in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cache").exists()  # (auto's pass costs were never measured)
 
 
 def test_loader_formats(tmp_path):

@@ -27,6 +27,7 @@ from trtllm_dflash.bench.datasets import (Conversations, Dataset, load_dataset, 
 from trtllm_dflash.bench.machine import machine_info
 from trtllm_dflash.bench.metrics import TimedRun, summarize_runs
 from trtllm_dflash.bench.options import BenchOptions
+from trtllm_dflash.engine_dir import read_engine_config
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.runtime.compare import step_costs
 from trtllm_dflash.runtime.costs import PassCosts
@@ -78,6 +79,19 @@ def _same_tokens(a: TimedRun, b: TimedRun) -> bool:
     return len(a.results) == len(b.results) and all(tokens.get(r.request.id) == r.output_token_ids for r in b.results)
 
 
+def _check_block_sizes(engine_dir: Path, block_sizes: tuple[int | str | None, ...]) -> None:
+    """Refuse a fixed block size the engine cannot run before Engine.load, which verifies every file's checksum
+    and, with "auto" in the list, measures the pass costs (minutes). An unreadable config is left to Engine.load,
+    which says what is wrong with the directory."""
+    try:
+        trained = read_engine_config(Path(engine_dir)).dflash.block_size
+    except (UserError, OSError):
+        return
+    for k in block_sizes:
+        if isinstance(k, int) and not 2 <= k <= trained:
+            raise UserError(f"--block-sizes {k}: must be between 2 and the engine's trained block_size {trained}.")
+
+
 def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
           progress: Callable[[str], None] = lambda line: None) -> dict:
     """Run the whole benchmark and return the report (see benchmarks/README.md for its fields)."""
@@ -90,15 +104,12 @@ def bench(engine_dir: Path, dataset_path: Path, opts: BenchOptions,
     # (each a decoder of its own); with "auto" among them, the engine is loaded with it (its pass costs measured).
     block_sizes = tuple(dict.fromkeys(opts.block_sizes or (None,))) if "dflash" in opts.modes else (None,)
     trees = [int(b[4:]) for b in block_sizes if isinstance(b, str) and b.startswith("tree")]  # treeN: DDTree
+    _check_block_sizes(engine_dir, block_sizes)
     engine = Engine.load(engine_dir, block_size="auto" if "auto" in block_sizes else None, command="bench",
                          backend=opts.backend, report=progress, threads=opts.threads,
                          kv_cache_memory=opts.kv_cache_memory, prefix_cache=opts.prefix_cache,
                          tree_budget=max(trees) if trees else None, prefix_states=opts.prefix_states)
     cfg = engine.config
-    trained = engine.executor.block_size
-    for k in block_sizes:
-        if isinstance(k, int) and not 2 <= k <= trained:
-            raise UserError(f"--block-sizes {k}: must be between 2 and the engine's trained block_size {trained}.")
     requests = to_requests(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, opts.num_requests, system)
     conversations = (Conversations(dataset, engine.tokenizer, opts.max_new_tokens, cfg.max_seq_len, system)
                      if opts.multi_turn else None)
