@@ -7,6 +7,7 @@ its own per-slot caches, bound in place with IOBinding as an executor would bind
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -275,12 +276,22 @@ def test_onnxruntime_equals_the_torch_executor(exported):
 
 @pytest.mark.slow
 def test_export_is_deterministic(export_family, tmp_path):
-    """Exporting the modules again gives the build's files byte for byte."""
-    engine, out, _ = export_family("qwen3")
-    again = export_engine_graphs(engine.executor.target, engine.executor.drafter, tmp_path, trees=True, in_place=True)
-    assert {f.name for f in again} == {f.name for f in out.iterdir()}  # target_decode.onnx too
-    for f in again:
-        assert f.read_bytes() == (out / f.name).read_bytes(), f.name
+    """Exporting the engine's graphs again, in three processes that claim them one by one (engine/builder.py
+    export_graphs; merge_graph_parts writes their parts as one process would), gives the build's files byte for byte:
+    no process's object addresses in the graphs, one weights file in the graphs' order."""
+    from trtllm_dflash.engine.builder import export_graphs
+    from trtllm_dflash.engine_dir import read_engine_config
+
+    _, out, _ = export_family("qwen3")
+    root = out.parents[1]
+    copy = tmp_path / "engine"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("onnx"))
+    export_graphs(copy, read_engine_config(copy), processes=3)
+    again = graph_dir(copy, 0)
+    assert sorted(f.name for f in again.iterdir()) == sorted(f.name for f in out.iterdir())  # target_decode.onnx too
+    for f in out.iterdir():
+        assert f.read_bytes() == (again / f.name).read_bytes(), f.name
+    assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in root.iterdir())  # (no parts left)
 
 
 def test_refuses_what_it_cannot_export(qwen3_engine_dir, tmp_path):

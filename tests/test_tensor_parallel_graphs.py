@@ -207,11 +207,13 @@ def test_tensorrt_rtx_builds_every_rank(rtx, tp_engines, tp):
                 assert layer_types(parsed.network)["DYNAMIC_QUANTIZE"] > 0
 
 
-def test_a_failed_rank_export_names_the_rank(tp_engines, tmp_path):
-    """Ranks export in processes of their own (builder.export_graphs): a failure in one says which rank and why."""
+@pytest.mark.parametrize("processes", [2, 4])  # a process per rank; two per rank, claiming its graphs
+def test_a_failed_rank_export_names_the_rank(tp_engines, tmp_path, processes):
+    """Ranks export in processes of their own (builder.export_graphs): a failure in one says which rank and why, and
+    leaves no graphs and no parts of them."""
     from trtllm_dflash.engine.builder import export_graphs
 
     shutil.copy(tp_engines[2] / "config.json", tmp_path / "config.json")  # no rank files: the export cannot load them
     with pytest.raises(RuntimeError, match=r"exporting rank \d's graphs failed \(exit 1\): .*rank\d\.safetensors"):
-        export_graphs(tmp_path, read_engine_config(tmp_path), workers=2)
-    assert not (tmp_path / "onnx").exists()
+        export_graphs(tmp_path, read_engine_config(tmp_path), processes=processes)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]

@@ -169,8 +169,11 @@ checker, but onnxruntime's CPU EP has no bfloat16 MatMul / Mul kernels (they are
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,7 +214,9 @@ TARGET_DECODE = "target_decode"
 TARGET_TOKEN = "target_token"
 TARGET_REPLAY = "target_replay"
 ACCEPT, ACCEPT_PLUGIN = "accept", "accept_plugin"
+PART_ORDER = "order.json"  # in a part of a rank's graphs (export_engine_graphs' `claim`): the rank's graph order
 _EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the .onnx
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # a Python object's address in a node's namespace
 _ALIGN = 4096  # external tensors start on page boundaries, so a runtime can map them
 
 
@@ -657,6 +662,8 @@ def _to_onnx(graph: _Graph) -> ir.Model:
     for node in model.graph:  # keep the module path of each node, drop the tracer's stack traces (file paths)
         for key in [k for k in node.metadata_props if k != "namespace"]:
             del node.metadata_props[key]
+        if "namespace" in node.metadata_props:  # ("<function sym_min at 0x7f..>": the same graph in every process)
+            node.metadata_props["namespace"] = _ADDRESS.sub("", node.metadata_props["namespace"])
     model.graph.name = graph.name
     return model
 
@@ -684,9 +691,28 @@ def _save_sharing_weights(models: dict[str, ir.Model], out_dir: Path) -> list[Pa
     return [*paths, out_dir / WEIGHTS_FILE]
 
 
+def _claim_order(graph: _Graph) -> tuple[bool, bool]:
+    """Processes sharing a rank's graphs claim the target's first (they trace its many layers; the one-token
+    target_decode, about half of target_step's time, last among them), then the drafter's: on the demo pair,
+    target_step 61 s, target_tree 59, target_decode 31, drafter_draft 19, drafter_candidates 17, drafter_context 6."""
+    return not graph.name.startswith("target"), graph.name == TARGET_DECODE
+
+
+def claim_file(claims: Path) -> Callable[[str], bool]:
+    """A claim on a graph between processes: the first to create `claims/<name>` exports it."""
+    def claim(name: str) -> bool:
+        try:
+            os.close(os.open(claims / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+    return claim
+
+
 def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out_dir: Path,
                          experts_op: ExpertsOp | None = None, trees: bool = False, in_place: bool = False,
-                         rings: bool = False, token_step: bool = False, rewrite_rings: bool = False) -> list[Path]:
+                         rings: bool = False, token_step: bool = False, rewrite_rings: bool = False,
+                         claim: Callable[[str], bool] | None = None) -> list[Path]:
     """Export target_step (and, with a drafter, drafter_context and drafter_draft; with `trees` too,
     drafter_candidates and target_tree) into `out_dir`.
 
@@ -701,7 +727,9 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     as `window_ring_pass`, written in TensorScatter's circular mode, or with `rewrite_rings` (graphs for TensorRT, whose
     KV-cache update writes linearly only) the whole ring through one linear update (metadata `window_ring_write`:
     "rewrite"). `token_step` (graphs for TensorRT): a Qwen3.5 target's target_token too (one token per row without a
-    loop).
+    loop). `claim` (several processes exporting one rank's graphs, each into an `out_dir` of its own: engine/builder.py
+    export_graphs): only the graphs that `claim(name)` grants, asked just before each is exported, in _claim_order;
+    `out_dir` then also holds PART_ORDER, for merge_graph_parts.
     """
     _check_exportable(target, "target")
     if drafter is not None:
@@ -713,8 +741,10 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
         for m in one_op:
             m.export_experts_op = experts_op
         ring_pass = ring_pass_tokens(target, drafter) if rings else None
-        models = {g.name: _to_onnx(g) for g in _graphs(target, drafter, trees, in_place and attends_in_place(target),
-                                                         ring_pass is not None, token_step, rewrite_rings)}
+        graphs = _graphs(target, drafter, trees, in_place and attends_in_place(target), ring_pass is not None,
+                         token_step, rewrite_rings)
+        exported = {g.name: _to_onnx(g) for g in sorted(graphs, key=_claim_order) if claim is None or claim(g.name)}
+        models = {g.name: exported[g.name] for g in graphs if g.name in exported}  # (in _graphs' order)
     finally:
         for m in one_op:
             m.export_experts_op = None
@@ -723,15 +753,37 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
         if one_op:
             model.metadata_props[EXPERTS_OP_KEY] = (f"{MOE_DOMAIN}.{MOE_OP}" if experts_op == "onnxruntime"
                                                     else f"{TRT_MOE_DOMAIN}.{TRT_MOE_OP}")
-    if ring_pass is not None:
-        models[TARGET_STEP].metadata_props[RING_PASS_KEY] = str(ring_pass)
+    step = models.get(TARGET_STEP)
+    if ring_pass is not None and step is not None:
+        step.metadata_props[RING_PASS_KEY] = str(ring_pass)
         if rewrite_rings:
-            models[TARGET_STEP].metadata_props[RING_WRITE_KEY] = "rewrite"
-    if target.spec.has_recurrent_state:  # (GraphRecurrentStates.begin)
-        models[TARGET_STEP].metadata_props[ONE_TOKEN_ADVANCES_KEY] = "1"
+            step.metadata_props[RING_WRITE_KEY] = "rewrite"
+    if target.spec.has_recurrent_state and step is not None:  # (GraphRecurrentStates.begin)
+        step.metadata_props[ONE_TOKEN_ADVANCES_KEY] = "1"
     written = _save_sharing_weights(models, out_dir)
-    if drafter is not None:  # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
+    # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
+    if drafter is not None and (claim is None or claim(ACCEPT)):
         p = drafter.params
         written += [export_accept_graph(out_dir / f"{ACCEPT}.onnx", p.mask_token_id),
                     plugin_accept_graph(out_dir / f"{ACCEPT_PLUGIN}.onnx", p.mask_token_id, p.block_size)]
+    if claim is not None:
+        (out_dir / PART_ORDER).write_text(json.dumps([g.name for g in graphs]))
+    return written
+
+
+def merge_graph_parts(parts: Sequence[Path], out_dir: Path) -> list[Path]:
+    """One rank's graphs, exported in `parts` by several processes (export_engine_graphs' `claim`), written into
+    `out_dir` as one process writes them: the graphs in their order, one WEIGHTS_FILE holding each distinct
+    initializer once, then the acceptance steps. Returns the written files."""
+    order = json.loads((parts[0] / PART_ORDER).read_text())
+    where = {path.stem: path for part in parts for path in part.glob("*.onnx")}
+    missing = [name for name in order if name not in where]
+    if missing:
+        raise RuntimeError(f"no export process wrote graph {missing[0]}")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    written = _save_sharing_weights({name: ir.load(where[name]) for name in order}, out_dir)
+    for name in (ACCEPT, ACCEPT_PLUGIN):
+        if name in where:
+            written.append(Path(out_dir) / f"{name}.onnx")
+            os.replace(where[name], written[-1])
     return written

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,35 +132,77 @@ def check_dflash2(cfg: BuildConfig, drafter: DrafterCheckpoint, source: str) -> 
         raise UserError(f"{what}, which quantize_drafter does not support yet; use quantize_drafter: false.")
 
 
-def export_graphs(root: Path, cfg: EngineConfig, workers: int | None = None) -> None:
-    """Every rank's graphs (ROOT holds config.json and the rank files). One rank is exported here; several run in
-    up to `workers` (default: the CPU cores) processes of their own (engine/export_rank.py), since an export is
-    mostly single-threaded Python: a tp 8 engine on an 8-core machine exports in about the time of one rank."""
+# Processes that share one rank's graphs: each loads the rank's weights, and the graphs are few (target_step,
+# target_tree and target_decode take most of the time: onnx_export._claim_order), so more would mostly add memory.
+MAX_PROCESSES_PER_RANK = 3
+
+
+def export_processes(root: Path, cfg: EngineConfig) -> int:
+    """How many export processes a build may run at once: one per CPU core (an export is mostly single-threaded
+    Python), no more than the available memory holds at about four times the largest rank file each (its weights
+    in the export dtype, the traced program's and the ONNX model's copies) plus 1 GiB (torch and the exporter)."""
+    cores = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # (not Linux: the cores decide)
+        return cores
+    largest = max((root / rank_file(rank)).stat().st_size for rank in range(cfg.mapping.tp_size))
+    return max(1, min(cores, available // (4 * largest + 2**30)))
+
+
+def export_graphs(root: Path, cfg: EngineConfig, processes: int | None = None) -> None:
+    """Every rank's graphs (ROOT holds config.json and the rank files), in up to `processes` processes (default:
+    export_processes): an export is mostly single-threaded Python, so a tp 8 engine on an 8-core machine exports in
+    about the time of one rank, and a tp 1 engine's graphs are shared by up to MAX_PROCESSES_PER_RANK processes
+    (engine/export_rank.py; each claims the next graph nobody has, and merge_graph_parts writes them as one process
+    would: the same files, byte for byte). With one process, the graphs are exported here."""
     ranks = range(cfg.mapping.tp_size)
-    workers = min(len(ranks), workers or os.cpu_count() or 1)
-    if workers == 1:
+    processes = processes or export_processes(root, cfg)
+    per_rank = max(1, min(MAX_PROCESSES_PER_RANK, processes // len(ranks)))
+    at_once = max(1, min(len(ranks), processes // per_rank))
+    if per_rank * at_once == 1:
         for rank in ranks:
             export_rank_graphs(root, cfg, rank)
         return
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, (os.cpu_count() or 1) // (per_rank * at_once))
 
-    def export(rank: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "trtllm_dflash.engine.export_rank", str(root), str(rank),
-                               str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def export(rank: int) -> None:
+        parts = [root / ".export" / f"rank{rank}" / str(i) for i in range(per_rank)] if per_rank > 1 else [None]
+        if per_rank > 1:
+            (root / ".export" / f"rank{rank}" / "claims").mkdir(parents=True)
+        jobs = [subprocess.Popen([sys.executable, "-m", "trtllm_dflash.engine.export_rank", str(root), str(rank),
+                                  str(threads), *([str(part)] if part else [])],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for part in parts]
+        try:
+            for job in jobs:
+                lines = job.communicate()[1].strip().splitlines()
+                if job.returncode == -signal.SIGINT or lines[-1:] == ["KeyboardInterrupt"]:
+                    raise KeyboardInterrupt  # Ctrl-C reached the whole process group: report it as ours
+                if job.returncode != 0:
+                    raise RuntimeError(f"exporting rank {rank}'s graphs failed (exit {job.returncode}): "
+                                       f"{lines[-1] if lines else 'no message'}")
+        finally:  # (a failed process's siblings would go on exporting a build that has failed)
+            for job in jobs:
+                if job.poll() is None:
+                    job.kill()
+                    job.wait()
+        if per_rank > 1:
+            from trtllm_dflash.compile.onnx_export import merge_graph_parts
 
-    with ThreadPoolExecutor(workers) as pool:
-        for rank, done in zip(ranks, pool.map(export, ranks)):
-            lines = done.stderr.strip().splitlines()
-            if done.returncode == -signal.SIGINT or lines[-1:] == ["KeyboardInterrupt"]:
-                raise KeyboardInterrupt  # Ctrl-C reached the whole process group: report it as ours, not a failure
-            if done.returncode != 0:
-                raise RuntimeError(f"exporting rank {rank}'s graphs failed (exit {done.returncode}): "
-                                   f"{lines[-1] if lines else 'no message'}")
+            merge_graph_parts(parts, graph_dir(root, rank))
+
+    try:
+        with ThreadPoolExecutor(at_once) as pool:
+            list(pool.map(export, ranks))
+    finally:
+        shutil.rmtree(root / ".export", ignore_errors=True)
 
 
-def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
-    """Export rank `rank`'s graphs from the very torch modules the torch executor builds from ROOT's weights."""
-    from trtllm_dflash.compile.onnx_export import export_engine_graphs, keep_stored_weights
+def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int, part: Path | None = None) -> list[Path]:
+    """Export rank `rank`'s graphs from the very torch modules the torch executor builds from ROOT's weights; with
+    `part`, only the graphs this process claims (in its parent's `claims` folder), into `part` (export_graphs)."""
+    from trtllm_dflash.compile.onnx_export import claim_file, export_engine_graphs, keep_stored_weights
     from trtllm_dflash.runtime.executor import TorchExecutor
 
     tp = TPGroup(rank, cfg.mapping.tp_size)  # collectives become DistCollective nodes under export
@@ -176,9 +219,10 @@ def export_rank_graphs(root: Path, cfg: EngineConfig, rank: int) -> list[Path]:
         # TensorRT's: its TRT_MoE node (IMoELayer on Blackwell; compile rewrites it into the dense form elsewhere),
         # rings written whole (its KV-cache update writes linearly only), a Qwen3.5 target's target_token
         ort = cfg.backend == "onnxruntime"
-        return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank),
+        return export_engine_graphs(modules.target, modules.drafter, graph_dir(root, rank) if part is None else part,
                                     experts_op="onnxruntime" if ort else "tensorrt",
-                                    trees=ort, in_place=ort, rings=True, token_step=not ort, rewrite_rings=not ort)
+                                    trees=ort, in_place=ort, rings=True, token_step=not ort, rewrite_rings=not ort,
+                                    claim=None if part is None else claim_file(part.parent / "claims"))
 
 
 @contextmanager
