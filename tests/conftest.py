@@ -35,6 +35,11 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 BIAS_TOKEN = 100
 
+# Under pytest-xdist the test processes fill the cores already: a build exports its graphs in its own process
+# (engine/builder.py export_processes; more processes per build cost CI 1.4x on the exporting tests, 2026-12-07).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("TRTLLM_DFLASH_EXPORT_PROCESSES", "1")
+
 
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",

@@ -128,6 +128,14 @@ def test_config_file_problems(pair, capsys):
     build_fails(pair, capsys, "bad.yaml", "key 'tp_size' appears twice (line 4)", config=bad)
 
 
+@pytest.mark.parametrize("value", ["0", "two", "-1", ""])
+def test_bad_export_process_limit(pair, capsys, monkeypatch, value):
+    """$TRTLLM_DFLASH_EXPORT_PROCESSES is checked before any work: one sentence, nothing written."""
+    monkeypatch.setenv("TRTLLM_DFLASH_EXPORT_PROCESSES", value)
+    build_fails(pair, capsys, f"TRTLLM_DFLASH_EXPORT_PROCESSES={value!r}: must be a whole number of processes",
+                config=write_config(pair, backend="onnxruntime"))
+
+
 def test_output_path_that_is_a_file(pair, capsys):
     (pair / "engine").write_text("not a directory")
     build_fails(pair, capsys, "engine", "not a directory", extra=("--force",))

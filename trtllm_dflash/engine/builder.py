@@ -135,13 +135,23 @@ def check_dflash2(cfg: BuildConfig, drafter: DrafterCheckpoint, source: str) -> 
 # Processes that share one rank's graphs: each loads the rank's weights, and the graphs are few (target_step,
 # target_tree and target_decode take most of the time: onnx_export._claim_order), so more would mostly add memory.
 MAX_PROCESSES_PER_RANK = 3
+EXPORT_PROCESSES_ENV = "TRTLLM_DFLASH_EXPORT_PROCESSES"  # at most this many (e.g. 1 where other work fills the cores)
+
+
+def export_process_limit() -> int | None:
+    """$TRTLLM_DFLASH_EXPORT_PROCESSES (None where unset); build_engine checks it before any work."""
+    limit = os.environ.get(EXPORT_PROCESSES_ENV)
+    if limit is not None and (not limit.strip().isdigit() or int(limit) < 1):
+        raise UserError(f"{EXPORT_PROCESSES_ENV}={limit!r}: must be a whole number of processes, 1 or more.")
+    return None if limit is None else int(limit)
 
 
 def export_processes(root: Path, cfg: EngineConfig) -> int:
     """How many export processes a build may run at once: one per CPU core (an export is mostly single-threaded
     Python), no more than the available memory holds at about four times the largest rank file each (its weights
-    in the export dtype, the traced program's and the ONNX model's copies) plus 1 GiB (torch and the exporter)."""
-    cores = os.cpu_count() or 1
+    in the export dtype, the traced program's and the ONNX model's copies) plus 1 GiB (torch and the exporter), and
+    no more than $TRTLLM_DFLASH_EXPORT_PROCESSES says."""
+    cores = min(os.cpu_count() or 1, export_process_limit() or 2**31)
     try:
         with open("/proc/meminfo") as meminfo:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
@@ -251,6 +261,8 @@ def build_engine(cfg: BuildConfig, force: bool = False, progress: bool = True, c
 
     `progress` shows a bar while weights are written; `report` receives one line per finished stage."""
     source = str(config_file) if config_file is not None else "build config"
+    if cfg.backend != "torch":
+        export_process_limit()
     if cfg.quantize_drafter and cfg.quantization == "none":
         raise UserError(f"{source}: quantize_drafter: true needs quantization nvfp4 or fp8 (it is none).")
     check_backend(cfg, source)
