@@ -542,11 +542,16 @@ def test_block_size_auto_measures_and_decodes_on_the_tensorrt_executor(ort_engin
     executor = standin_executor(ort_engine, cuda_graphs=True)
     costs, path = load_or_measure(ort_engine, executor, "tensorrt")
     assert path.is_file() and costs.tokens[-1] == executor.block_size
-    # What auto chooses from this machine's timings varies with its load; a verify pass priced as one token makes it
-    # speculate, so that the decoding below verifies blocks of several lengths (the measured path is the one above).
-    flat = tuple(tuple(tuple(row[0] for _ in row) for row in at_context) for at_context in costs.target_s)
-    auto = AutoBlockSize(dataclasses.replace(costs, target_s=flat), executor.block_size,
-                         AcceptanceEstimate(executor.block_size - 1, prior_rate=0.9))
+    # What auto chooses from this machine's timings varies with its load; every pass priced as one token's, and the
+    # draft as free, makes it speculate, so that the decoding below verifies blocks of several lengths (the measured
+    # path is the one above; a measured draft pass under load once priced every k > 1 out: CI at eab1ef7).
+    def flat(table):
+        return tuple(tuple(row[0] for _ in row) for row in table)
+
+    priced = dataclasses.replace(costs, target_s=tuple(flat(at) for at in costs.target_s),
+                                 draft_s=tuple(tuple(tuple(0.0 for _ in row) for row in at) for at in costs.draft_s),
+                                 context_s=flat(costs.context_s), accept_s=flat(costs.accept_s))
+    auto = AutoBlockSize(priced, executor.block_size, AcceptanceEstimate(executor.block_size - 1, prior_rate=0.9))
     reqs = requests(executor.vocab_size)
     expected = {r.request.id: r.output_token_ids
                 for r in Engine.load(ort_engine, backend="torch").decoder("ar").generate(reqs)}
