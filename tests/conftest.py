@@ -36,7 +36,8 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 BIAS_TOKEN = 100
 
 # Under pytest-xdist the test processes fill the cores already: a build exports its graphs in its own process
-# (engine/builder.py export_processes; more processes per build cost CI 1.4x on the exporting tests, 2026-12-07).
+# (engine/builder.py export_processes; with two per build the exporting tests took 1.40x their earlier time and
+# the others 1.14x, CI at 169af0f: docs/testing.md).
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("TRTLLM_DFLASH_EXPORT_PROCESSES", "1")
 
