@@ -294,6 +294,24 @@ def test_export_is_deterministic(export_family, tmp_path):
     assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in root.iterdir())  # (no parts left)
 
 
+def test_export_processes_follow_the_cores_and_the_limit(qwen3_engine_dir, monkeypatch):
+    """A build exports in one process per core at most (this engine's rank file is small, so memory does not
+    decide here), and no more than $TRTLLM_DFLASH_EXPORT_PROCESSES, where a larger limit changes nothing."""
+    import os
+
+    from trtllm_dflash.engine.builder import EXPORT_PROCESSES_ENV, export_processes
+    from trtllm_dflash.engine_dir import read_engine_config
+
+    cfg = read_engine_config(qwen3_engine_dir)
+    monkeypatch.delenv(EXPORT_PROCESSES_ENV, raising=False)
+    unlimited = export_processes(qwen3_engine_dir, cfg)
+    assert 1 <= unlimited <= (os.cpu_count() or 1)
+    monkeypatch.setenv(EXPORT_PROCESSES_ENV, "1")
+    assert export_processes(qwen3_engine_dir, cfg) == 1
+    monkeypatch.setenv(EXPORT_PROCESSES_ENV, "1000")
+    assert export_processes(qwen3_engine_dir, cfg) == unlimited
+
+
 def test_refuses_what_it_cannot_export(qwen3_engine_dir, tmp_path):
     """Quantized linears whose stored weight was not given back (keep_stored_weights): the graph would hold the
     dequantized weight and lose the format."""

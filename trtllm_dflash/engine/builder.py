@@ -151,14 +151,17 @@ def export_processes(root: Path, cfg: EngineConfig) -> int:
     Python), no more than the available memory holds at about four times the largest rank file each (its weights
     in the export dtype, the traced program's and the ONNX model's copies) plus 1 GiB (torch and the exporter), and
     no more than $TRTLLM_DFLASH_EXPORT_PROCESSES says."""
-    cores = min(os.cpu_count() or 1, export_process_limit() or 2**31)
+    processes = os.cpu_count() or 1
+    limit = export_process_limit()
+    if limit is not None:
+        processes = min(processes, limit)
     try:
         with open("/proc/meminfo") as meminfo:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):  # (not Linux: the cores decide)
-        return cores
+        return processes
     largest = max((root / rank_file(rank)).stat().st_size for rank in range(cfg.mapping.tp_size))
-    return max(1, min(cores, available // (4 * largest + 2**30)))
+    return max(1, min(processes, available // (4 * largest + 2**30)))
 
 
 def export_graphs(root: Path, cfg: EngineConfig, processes: int | None = None) -> None:
