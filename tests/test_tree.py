@@ -11,6 +11,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
@@ -116,10 +117,15 @@ def test_chain_outcomes_against_the_chain_run_on_its_own():
     assert checked > 50  # the chain's rejection seen by the tree, often
 
 
+# plain attention, latent attention, and sliding windows of 4 positions beside full attention (gpt-oss with attention
+# sinks and experts, Gemma 4 with its own RoPE per layer kind): windows shorter than a tree's deepest paths
+TREE_FAMILIES = ("qwen3", "deepseek_v3", "gpt_oss", "gemma4")
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict[str, Path]:
     out = {}
-    for family in ("qwen3", "deepseek_v3"):
+    for family in TREE_FAMILIES:
         root = tmp_path_factory.mktemp(f"tree_{family}")
         write_random_pair(root, family, block_size=8, seed=3)
         out[family] = root
@@ -132,17 +138,20 @@ def engines(pairs, tmp_path_factory) -> dict[str, Path]:
             for f, p in pairs.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_one_tree_pass_equals_every_path_as_a_chain(pairs, family):
-    """Logits at every node of a 12-node tree after a 9-token prompt == those of a plain pass over the node's own path
-    (its ancestors and itself) from the same prompt: the ancestor mask, the nodes' RoPE positions and cache rows."""
+    """Logits at every node of a 24-node tree after a 9-token prompt == those of a plain pass over the node's own path
+    (its ancestors and itself) from the same prompt: the ancestor mask, the nodes' RoPE positions and cache rows. The
+    tree is 6 deep, so a sliding window of 4 drops ancestors too, three of them cached at rows that a window counted
+    in rows instead of positions would keep."""
     ckpt = load_target(pairs[family] / "target")
     model = TargetModel.from_state_dict(ckpt.spec, {n: ckpt.tensors.get(n).float() for n in ckpt.tensors.names()})
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, ckpt.spec.vocab_size, (1, 9), generator=g)
-    lps = torch.rand(5, 3, generator=g).log().sort(descending=True).values
-    cands = torch.randint(4, ckpt.spec.vocab_size, (5, 3), generator=g)
-    trees = build_trees([int(prompt[0, -1])], [cands.tolist()], [lps.tolist()], 12)
+    lps = torch.rand(7, 3, generator=g).log().sort(descending=True).values
+    cands = torch.randint(4, ckpt.spec.vocab_size, (7, 3), generator=g)
+    trees = build_trees([int(prompt[0, -1])], [cands.tolist()], [lps.tolist()], 24)
+    assert max(trees.depths[0]) == 6
     start = prompt.shape[1] - 1  # the prompt's last token is the anchor
 
     def prefilled():
@@ -201,16 +210,17 @@ class RankedCandidates:
         return self.executor.keep_path(slots, starts, nodes)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_trees_commit_the_targets_own_tokens(engines, family):
     """Budget 24, the right token best or second best: greedy and sampled tree decoding == ar for the same seeds, paths
-    of several nodes accepted, through side branches."""
+    of several nodes accepted, through side branches (and, for gpt-oss and Gemma 4, past their windows of 4)."""
     engine = Engine.load(engines[family], tree_budget=24)
     assert_ranked_trees_commit_ar(engine, engine, max_new_tokens=30)
 
 
-def assert_ranked_trees_commit_ar(engine: Engine, reference_engine: Engine, max_new_tokens: int) -> None:
-    """With RankedCandidates on `engine`'s executor (budget 24, 4 candidates), greedy and sampled requests commit
+def assert_ranked_trees_commit_ar(engine: Engine, reference_engine: Engine, max_new_tokens: int, budget: int = 24
+                                  ) -> None:
+    """With RankedCandidates on `engine`'s executor (4 candidates), greedy and sampled requests commit
     `reference_engine`'s ar tokens, through paths of several nodes and past the first branch."""
     base = [replace(r, max_new_tokens=max_new_tokens) for r in requests(engine.executor.vocab_size)]
     sampled = [Request(r.id, r.prompt_token_ids, r.max_new_tokens, temperature=0.9, top_k=50, seed=3 + r.id)
@@ -219,7 +229,7 @@ def assert_ranked_trees_commit_ar(engine: Engine, reference_engine: Engine, max_
         ar = {r.request.id: r.output_token_ids for r in reference_engine.decoder("ar").generate(reqs)}
         reference = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
         ranked = RankedCandidates(engine.executor, reference)
-        results = list(Decoder(ranked, TreeDrafting(24, candidates=4), engine.config.eos_token_ids).generate(reqs))
+        results = list(Decoder(ranked, TreeDrafting(budget, candidates=4), engine.config.eos_token_ids).generate(reqs))
         assert {r.request.id: r.output_token_ids for r in results} == ar
         lengths = [n for r in results for n in r.acceptance_lengths]
         assert max(lengths) >= 4 and sum(lengths) / len(lengths) > 2, lengths
@@ -238,6 +248,39 @@ def test_onnxruntime_trees_are_the_torch_executors(ort_engine_dir):
             for r in Decoder(e.executor, TreeDrafting(12), e.config.eos_token_ids).generate(base)} for e in (ort, eager)]
     assert own[0] == own[1]
     assert_ranked_trees_commit_ar(ort, eager, max_new_tokens=24)
+
+
+def test_onnxruntime_trees_over_rings_are_the_torch_executors(gpt_oss_ort_engine, tmp_path):
+    """gpt-oss's onnxruntime engine, whose sliding-window layers (window 4) keep rings of window + 16 positions:
+    target_tree.onnx over those rings and keep_path within them give the torch executor's trees, paths and tokens, and
+    ar's tokens through side branches; a budget whose pass would overrun the rings, or a tree graph exported before
+    its windows followed the tree, is one sentence."""
+    from trtllm_dflash.engine_dir import graph_dir
+    from trtllm_dflash.errors import UserError
+    from trtllm_dflash.runtime.onnxruntime_executor import OnnxRuntimeExecutor
+
+    ort, eager = (Engine.load(gpt_oss_ort_engine, backend=b, tree_budget=15) for b in ("onnxruntime", "torch"))
+    assert ort.executor.window_ring == 4 + 16 < ort.executor._cache_length
+    base = [replace(r, max_new_tokens=40) for r in requests(ort.executor.vocab_size)]
+    own = [{r.request.id: (r.output_token_ids, r.acceptance_lengths)
+            for r in Decoder(e.executor, TreeDrafting(15), e.config.eos_token_ids).generate(base)}
+           for e in (ort, eager)]
+    assert own[0] == own[1]
+    assert_ranked_trees_commit_ar(ort, eager, max_new_tokens=40, budget=15)
+    with pytest.raises(UserError, match=r"^--tree-budget 16: this engine's sliding-window layers keep the last 20 "
+                                        r"positions, room for trees of at most 15 nodes beside their window on "
+                                        r"onnxruntime; use --tree-budget 15 or less\.$"):
+        Engine.load(gpt_oss_ort_engine, backend="onnxruntime", tree_budget=16)
+    old = tmp_path / "engine"
+    shutil.copytree(gpt_oss_ort_engine, old)
+    graph = graph_dir(old, 0) / "target_tree.onnx"
+    model = onnx.load(graph, load_external_data=False)
+    del model.metadata_props[[p.key for p in model.metadata_props].index("tree_sliding_windows")]
+    onnx.save(model, graph)
+    with pytest.raises(UserError, match=r"target_tree\.onnx: this gpt_oss engine's tree graph was exported by an "
+                                        r"earlier trtllm-dflash, whose sliding-window layers ignored the tree; build "
+                                        r"it again with `trtllm-dflash build CONFIG --force` to run --tree-budget\.$"):
+        OnnxRuntimeExecutor.from_engine(old, ort.config, 0, None, 1, tree_budget=8)
 
 
 def test_compare_with_a_tree_budget(engines, tmp_path, capsys):
@@ -284,12 +327,31 @@ def test_graphs_without_the_tree_graphs_refuse_trees(ort_engine_dir, tmp_path):
     assert OnnxRuntimeExecutor.from_engine(old, cfg, 0, None, 1).tree_budget == 0  # chains still run
 
 
-def test_a_paged_cache_moves_the_path_too(engines, pairs, tmp_path):
-    """keep_path on a paged cache (blocks on demand, preemption): the static cache's tokens."""
-    engine = Engine.load(engines["qwen3"], tree_budget=24)
-    short = build(pairs["qwen3"], tmp_path / "engine", max_batch_size=4, max_seq_len=64)
-    per_block = 16 * (4 + 2) * 2 * 2 * 16 * 4  # target (4 layers) and drafter (2): K and V of 2 heads x 16, fp32
-    paged = Engine.load(short, tree_budget=24, kv_cache_memory=str(9 * per_block))  # 8 blocks: one request of 89
+def tight_budget(engine: Engine, blocks: int) -> int:
+    """Bytes of a paged cache for `engine` (loaded static, with its tree budget) whose full-attention layers and
+    drafter hold `blocks` blocks, and whose sliding-window layers (if any) hold their rings (window_pool)."""
+    from trtllm_dflash.runtime.executor import cache_shape
+    from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, window_pool
+
+    ex = engine.executor
+    spec, shape = ex.target.spec, cache_shape(ex.target)
+    sliding = [i for i in range(spec.num_layers) if spec.is_sliding(i)]
+    full = shape.of_layers([i for i in range(spec.num_layers) if i not in sliding])
+    rings = window_pool(spec.sliding_window, ex._margin, ex.num_slots, ex.max_seq_len + ex._margin,
+                        shape.of_layers(sliding))[1] if sliding else 0
+    return rings + (blocks + 1) * BLOCK_TOKENS * (full.position_bytes() + cache_shape(ex.drafter).position_bytes())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_a_paged_cache_moves_the_path_too(engines, pairs, tmp_path, family):
+    """keep_path on a paged cache (blocks on demand, preemption; gpt-oss's sliding-window layers in rings of blocks):
+    the static cache's tokens."""
+    engine = Engine.load(engines[family], tree_budget=24)
+    short = build(pairs[family], tmp_path / "engine", max_batch_size=4, max_seq_len=64)
+    budget = tight_budget(Engine.load(short, tree_budget=24), 8)  # 8 blocks: one request of 64 + 25
+    paged = Engine.load(short, tree_budget=24, kv_cache_memory=str(budget))
+    assert paged.executor.kv_blocks.num_blocks == 8
+    assert (paged.executor.window_blocks is not None) == (family == "gpt_oss")
     reqs = [replace(r, max_new_tokens=40) for r in requests(engine.executor.vocab_size)]
     ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
     reference = {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs}
@@ -325,17 +387,20 @@ def test_bad_tree_budgets_are_one_sentence(engines, tmp_path, capsys):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_sliding_window_and_recurrent_targets_refuse_trees(tmp_path, capsys):
+def test_recurrent_targets_refuse_trees(tmp_path, capsys):
     root = tmp_path / "pair"
-    write_random_pair(root, "gpt_oss", block_size=8)
+    write_random_pair(root, "qwen3_5", block_size=8)
     engine = build(root, tmp_path / "engine", max_batch_size=2)
     prompts = tmp_path / "in.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    capsys.readouterr()  # (what writing the pair printed)
     assert main(["run", str(engine), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--tree-budget",
                  "8"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
-    assert "--tree-budget: this engine's gpt_oss target has sliding-window layers, which cannot verify a tree yet " \
-           "(their state follows one sequence of positions); drop --tree-budget." in err
+    assert err.count("\n") == 1, err
+    assert ("--tree-budget: this engine's qwen3_5_text target has Gated DeltaNet layers, which cannot verify a tree "
+            "yet (their state follows one sequence of positions); drop --tree-budget.") in err
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.mpi

@@ -195,7 +195,13 @@ from trtllm_dflash.compile.onnx_ops import (
     GraphOneTokenStates,
     GraphRecurrentStates,
 )
-from trtllm_dflash.engine_dir import EXPERTS_OP_KEY, ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY, RING_WRITE_KEY
+from trtllm_dflash.engine_dir import (
+    EXPERTS_OP_KEY,
+    ONE_TOKEN_ADVANCES_KEY,
+    RING_PASS_KEY,
+    RING_WRITE_KEY,
+    TREE_WINDOWS_KEY,
+)
 from trtllm_dflash.models.drafter import DFlashDrafter
 from trtllm_dflash.models.linear_attention import (READ_KINDS, REPLAY_KINDS, STATE_KINDS, RecurrentStates,
                                                   chunk_scanned)
@@ -399,14 +405,15 @@ class DrafterDraft(nn.Module):
 
 
 class TargetTree(nn.Module):
-    """target_tree.onnx: TorchExecutor.verify_tree's pass (TargetModel.forward with a draft tree's ancestor mask)."""
+    """target_tree.onnx: TorchExecutor.verify_tree's pass (TargetModel.forward with a draft tree's ancestor mask),
+    over target_step's caches (`rings`: its sliding-window layers', as TargetStep's)."""
 
-    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...]):
+    def __init__(self, target: TargetModel, capture_layers: tuple[int, ...], rings: Sequence[int] = ()):
         super().__init__()
-        self.target, self.capture_layers = target, capture_layers
+        self.target, self.capture_layers, self.rings = target, capture_layers, tuple(rings)
 
     def forward(self, token_ids, positions, tree, key_positions, past: list[torch.Tensor]):
-        cache = GraphKVCache(past)
+        cache = GraphKVCache(past, rings=self.rings)
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         out = self.target(token_ids, positions, rows, cache, self.capture_layers, kv_len=key_positions.shape[0],
                           tree=tree)
@@ -593,15 +600,14 @@ def _graphs(target: TargetModel, drafter: DFlashDrafter | None, trees: bool = Fa
     tree = torch.eye(6, dtype=torch.bool).expand(b, 6, 6).clone()
     for node, parent in ((1, 0), (2, 0), (3, 1), (4, 2), (5, 3)):
         tree[:, node] |= tree[:, parent]
-    graphs.append(_Graph(
-        TARGET_TREE, TargetTree(target, capture),
-        (torch.zeros(b, 6, dtype=torch.long), starts[:, None] + depths, tree, torch.arange(17), t_past),
-        ({0: batch, 1: nodes}, {0: batch, 1: nodes}, {0: batch, 1: nodes, 2: nodes}, {0: keys},
-         [cache_axes] * len(t_past)),
+    graphs.append(_Graph(  # (over target_step's caches: `past`, its rings included)
+        TARGET_TREE, TargetTree(target, capture, ringed),
+        (torch.zeros(b, 6, dtype=torch.long), starts[:, None] + depths, tree, torch.arange(17), past),
+        ({0: batch, 1: nodes}, {0: batch, 1: nodes}, {0: batch, 1: nodes, 2: nodes}, {0: keys}, axes),
         ["token_ids", "positions", "tree", "key_positions", *cache_names(attention, "past")],
         ["logits", "hidden", *cache_names(attention, "present")],
         {("token_ids", 0): "batch", ("token_ids", 1): "nodes", ("key_positions", 0): "keys",
-         **names(attention)},
+         **names(attention), **{(c, 2): "ring" for c in cache_names(ringed, "past")}},
     ))
     return graphs
 
@@ -760,6 +766,9 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
             step.metadata_props[RING_WRITE_KEY] = "rewrite"
     if target.spec.has_recurrent_state and step is not None:  # (GraphRecurrentStates.begin)
         step.metadata_props[ONE_TOKEN_ADVANCES_KEY] = "1"
+    tree = models.get(TARGET_TREE)
+    if target.spec.sliding_window and tree is not None:  # (TargetModel.forward: tree_keys)
+        tree.metadata_props[TREE_WINDOWS_KEY] = "1"
     written = _save_sharing_weights(models, out_dir)
     # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)
     if drafter is not None and (claim is None or claim(ACCEPT)):

@@ -50,6 +50,20 @@ from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
 
+def tree_keys(rows: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the cache rows [B or 1, 1, K] a draft tree's pass reads: the position of the token each row holds
+    [B, 1, K], and which rows each node sees [B, T, K]. Node t is cached at row start + t and sits at position start +
+    its depth (`positions` [B, T]; node 0 is the anchor, at row and position start). A row before start holds its
+    own position and every node sees it; a node sees the nodes `tree` [B, T, T] marks (its ancestors and itself)
+    and no row past the tree."""
+    b, t = positions.shape
+    offset = rows - positions[:, :1, None]  # [B, 1, K]
+    node = offset.clamp(0, t - 1)
+    seen = torch.where(offset < 0, rows, positions.gather(1, node[:, 0])[:, None])
+    visible = (offset < 0) | (tree.gather(2, node.expand(b, t, -1)) & (offset < t))
+    return seen, visible
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [B, T_out, vocab] fp32 (T_out = T, or 1 with `last_index`)
@@ -208,7 +222,7 @@ class TargetModel(nn.Module):
         """With `tree`, `positions` are the nodes' RoPE positions (start + depth); node t is cached at start + t and
         sees the keys before start and the nodes the mask allows."""
         cached_at = positions  # where each token's K/V goes: its position, or a tree node's own row
-        if tree is not None:  # (supports_trees: no sliding window, no recurrent state)
+        if tree is not None:  # (supports_trees: no recurrent state)
             cached_at = positions[:, :1] + torch.arange(token_ids.shape[1], device=positions.device)
         kv_len = int(cached_at.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
@@ -219,20 +233,19 @@ class TargetModel(nn.Module):
         if tree is None:
             causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
         else:  # the keys before the anchor, and the nodes the tree's mask allows
-            b, t = token_ids.shape
-            offset = key_pos[None, None, :] - cached_at[:, :1, None]  # [B, 1, kv_len]
-            node = tree.gather(2, offset.clamp(0, t - 1).expand(b, t, kv_len))
-            causal = (offset < 0) | (node & (offset < t))
+            causal = tree_keys(key_pos[None, None, :], positions, tree)[1]
         window = self.spec.sliding_window
-        if window and cache.ring is not None:  # rings (GraphKVCache): entry j holds the latest position p written
-            # with p % ring == j, this pass's last or one before it (never written: negative)
+        if window and cache.ring is not None:  # rings (GraphKVCache): entry j holds the latest row r written
+            # with r % ring == j, this pass's last or one before it (never written: negative)
             last, entry = cached_at[:, -1:], torch.arange(cache.ring, device=x.device)
             length = entry[-1:] + 1  # (the ring's length as a tensor: the exporter cannot take a tensor % a SymInt)
-            seen = (last - (last - entry) % length)[:, None, :]  # [B, 1, ring]
-            sliding = (seen >= 0) & (seen <= positions[:, :, None]) & (seen > positions[:, :, None] - window)
+            rows = (last - (last - entry) % length)[:, None, :]  # [B, 1, ring]
+            seen, visible = (rows, rows <= positions[:, :, None]) if tree is None else tree_keys(rows, positions, tree)
+            sliding = (rows >= 0) & visible & (seen > positions[:, :, None] - window)
         elif window:  # over keys window_key .. kv_len - 1 only: the mask is built for the keys the layers read
-            seen = key_pos[None, None, window_key:]
-            sliding = (seen <= positions[:, :, None]) & (seen > positions[:, :, None] - window)
+            rows = key_pos[None, None, window_key:]
+            seen, visible = (rows, rows <= positions[:, :, None]) if tree is None else tree_keys(rows, positions, tree)
+            sliding = visible & (seen > positions[:, :, None] - window)
         else:
             sliding = causal
         step = None
@@ -264,6 +277,7 @@ class TargetModel(nn.Module):
 
     @property
     def supports_trees(self) -> bool:
-        """Draft trees need every layer to attend by mask over cached keys: not sliding windows (their window is by
-        position) nor Gated DeltaNet layers (a recurrent state follows one sequence)."""
-        return self.spec.sliding_window is None and not self.spec.has_recurrent_state
+        """Draft trees need every layer to attend by mask over cached keys: not Gated DeltaNet layers (a recurrent
+        state follows one sequence). Sliding-window layers do: a tree node's keys are its ancestors' and the context's
+        within the window of the node's own position (tree_keys)."""
+        return not self.spec.has_recurrent_state

@@ -294,8 +294,8 @@ class TorchExecutor(KeepsPrefixStates):
         # A verify pass writes block_size positions from the last committed one (a tree's pass: its nodes and anchor).
         margin = max(drafter.params.block_size if drafter is not None else 1, tree_budget + 1)
         if tree_budget and not target.supports_trees:
-            raise ValueError("draft trees need a target whose layers all attend by mask over cached keys: not sliding "
-                             "windows or Gated DeltaNet layers; drop the tree budget for this engine")
+            raise ValueError("draft trees need a target whose layers all attend by mask over cached keys, not Gated "
+                             "DeltaNet layers; drop the tree budget for this engine")
         self.tree_budget = tree_budget
         self.device = target.lm_head.weight.device
         problem = experts_graph_problem(target)
@@ -456,7 +456,7 @@ class TorchExecutor(KeepsPrefixStates):
         kv_len, run = self._attended(rows, token_ids.shape[1], self.target_cache)
         layers = self.drafter.params.target_layer_ids if capture else ()
         out = self.target(token_ids, starts[:, None] + depths, slots, self.target_cache, layers, kv_len=kv_len,
-                          run=run, tree=tree)
+                          run=run, window_key=self._window_key(rows), tree=tree)
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()

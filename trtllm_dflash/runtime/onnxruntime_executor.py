@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trtllm_dflash.engine_dir import ONE_TOKEN_ADVANCES_KEY, RING_PASS_KEY, EngineConfig, check_graph_inputs, graph_dir
+from trtllm_dflash.engine_dir import (
+    ONE_TOKEN_ADVANCES_KEY,
+    RING_PASS_KEY,
+    TREE_WINDOWS_KEY,
+    EngineConfig,
+    check_graph_inputs,
+    graph_dir,
+)
 from trtllm_dflash.errors import UserError
 from trtllm_dflash.models.linear_attention import READ_KINDS, REPLAY_KINDS, RecurrentStates
 from trtllm_dflash.runtime.cache_rows import LayerCaches, RowRun, StaticRows, batch_order, row_address
@@ -164,6 +171,8 @@ class OnnxRuntimeExecutor(StaticRows):
         # positions per row of those layers; an engine shorter than the ring keeps them whole (no position wraps in a
         # ring of max_len, and entries not yet written come out negative, so the same mask holds)
         self.window_ring = min(window + self._pass_tokens, max_len) if window else None
+        if tree_budget and target.sliding_window:
+            self._check_tree_windows(graphs / "target_tree.onnx", target.model_type)
         lengths = [self.window_ring if window and target.is_sliding(i) else max_len for i in target.attention_layers]
         heads, k_dim, v_dim = target.cache_head()  # (a latent attention target's: one head of its latent, no V)
 
@@ -182,6 +191,19 @@ class OnnxRuntimeExecutor(StaticRows):
         self._keep_rows((self._target, self._drafter), self._states, max_len, prefix_cache, window,  # (StaticRows)
                         kv_cache_memory, prefix_states)
         self._bindings: dict[tuple[str, int, int], object] = {}  # (graph, first row, rows) -> IOBinding (_binding)
+
+    def _check_tree_windows(self, graph: Path, model_type: str) -> None:
+        """A tree pass over sliding-window layers: a graph whose windows follow the tree, and nodes that fit the rings
+        (a ring holds the window + _pass_tokens positions, and a tree pass writes its nodes and its anchor)."""
+        if TREE_WINDOWS_KEY not in self._sessions[graph.name].get_modelmeta().custom_metadata_map:
+            raise UserError(f"{graph}: this {model_type} engine's tree graph was exported by an earlier trtllm-dflash, "
+                            "whose sliding-window layers ignored the tree; build it again with `trtllm-dflash build "
+                            "CONFIG --force` to run --tree-budget.")
+        wraps = self.window_ring is not None and self.window_ring < self._cache_length
+        if wraps and self.tree_budget + 1 > self._pass_tokens:
+            raise UserError(f"--tree-budget {self.tree_budget}: this engine's sliding-window layers keep the last "
+                            f"{self.window_ring} positions, room for trees of at most {self._pass_tokens - 1} nodes "
+                            f"beside their window on onnxruntime; use --tree-budget {self._pass_tokens - 1} or less.")
 
     @classmethod
     def from_engine(cls, root: Path, cfg: EngineConfig, rank: int, block_size: int | None,
@@ -361,8 +383,9 @@ class OnnxRuntimeExecutor(StaticRows):
             rows = torch.tensor(self._rows.rows_of(slots), device=self.device)[:, None]
             src = starts[:, None] + nodes
             dst = torch.where(nodes > 0, starts[:, None] + torch.arange(nodes.shape[1], device=self.device), src)
-            for _, buf in self._target.named():
-                buf[rows, :, dst] = buf[rows, :, src]  # (the right side is gathered first: a copy)
+            for _, buf in self._target.named():  # (a ring holds position p at p % its length; others: at p)
+                length = buf.shape[2]
+                buf[rows, :, dst % length] = buf[rows, :, src % length]  # (the right side is gathered first: a copy)
 
     def append_context(self, hidden, starts, slots, rows=None) -> None:
         """The drafter's context K/V of hidden [B, C, F] at positions starts + arange(C), written in place."""

@@ -212,9 +212,8 @@ def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) ->
     if params.dflash2 is not None:
         raise UserError("--tree-budget: this engine's drafter is DFlash2, whose candidate selector walks one chain of "
                         "drafts (a tree of it is not defined yet); drop --tree-budget.")
-    if target.sliding_window is not None or target.has_recurrent_state:
-        raise UserError(f"--tree-budget: this engine's {target.model_type} target has "
-                        f"{'sliding-window' if target.sliding_window is not None else 'Gated DeltaNet'} layers, which "
+    if target.has_recurrent_state:
+        raise UserError(f"--tree-budget: this engine's {target.model_type} target has Gated DeltaNet layers, which "
                         "cannot verify a tree yet (their state follows one sequence of positions); drop --tree-budget.")
 
 
