@@ -27,7 +27,8 @@ reason. Stages (each in a child process of its own, stopped when it overruns its
             non-finite cases, fp32/fp16/bf16; its time at batch 1, 8 and 32 against the same step in torch ops
   timings   AR step (1 token), verify pass (block) and draft pass at batch 1, 8, 32 and a ~1024-token context
             for a random bf16 pair of Qwen3-8B layer shapes (4 target layers, 1 draft layer), eager and
-            replayed as CUDA graphs, and the speedup bound AL x t_ar / (t_verify + t_draft)
+            replayed as CUDA graphs, and the speedup bound AL x t_ar / (t_verify + t_draft); eagerly, a
+            draft tree's verify pass of 16 / 32 / 64 nodes (run --tree-budget) against the chain's verify pass
   tensorrt  only where `import tensorrt` works: the DFlashAccept plugin inside a TensorRT engine (needs
             TensorRT's headers, TENSORRT_ROOT), and the demo's ONNX graphs compiled into TensorRT plans by
             trtllm_dflash.compile.tensorrt_build (where this checkout has it), which then decode the held-out prompts
@@ -118,6 +119,7 @@ class Options:
     target_layers: int = 4  # timings: decoder layers of the random target
     draft_layers: int = 1  # timings: layers of the random drafter
     block_size: int = 16  # timings, decoder: tokens per verify / draft pass
+    tree_budgets: tuple[int, ...] = (16, 32, 64)  # timings: draft-tree verify passes of this many nodes (+ the anchor)
     shape: str = "qwen3-8b"  # timings, decoder: layer dimensions of the random pair (PAIR_SHAPES)
     decoder_requests: int = 8  # decoder: requests decoded as one batch
     decoder_new_tokens: int = 64  # decoder: output tokens per request
@@ -658,8 +660,10 @@ def summary(report: dict) -> list[str]:
     for b, ms in t.get("eager_ms", {}).items():
         g = t.get("graph_ms", {}).get(b, {})
         bound = t.get("speedup_bound", {}).get("eager", {}).get(b, {}).get("4")
+        trees = t.get("tree_verify_ms", {}).get(b, {})
         lines.append(f"timings batch {b} (ms): eager {row(ms)}" + (f"; CUDA graphs {row(g)}" if g else "")
-                     + (f"; speedup bound at AL 4: {bound}" if bound is not None else ""))
+                     + (f"; speedup bound at AL 4: {bound}" if bound is not None else "")
+                     + ("; tree verify " + ", ".join(f"{n} nodes {v:.2f}" for n, v in trees.items()) if trees else ""))
     return lines
 
 
@@ -1397,6 +1401,25 @@ def capture_graph(fn, device):
     return graph, out
 
 
+def tree_pass(ex, batch: int, context: int, nodes: int):
+    """TorchExecutor.verify_tree over `batch` draft trees of `nodes` nodes and their anchors at `context`: trees built
+    as `run --tree-budget` builds them (speculative/tree.py), from random candidates with random log-probabilities
+    (the cost depends on the node count, not on the tree's shape)."""
+    import torch
+
+    from trtllm_dflash.speculative.tree import ancestor_mask, build_trees
+
+    dev, positions, k = ex.device, ex.block_size - 1, 8  # (run's 8 candidates per draft position)
+    gen = torch.Generator().manual_seed(nodes)
+    lps = torch.rand(batch, positions, k, generator=gen).log().sort(dim=-1, descending=True).values
+    cands = torch.randint(0, ex.vocab_size, (batch, positions, k), generator=gen)
+    trees = build_trees([0] * batch, cands.tolist(), lps.tolist(), nodes)
+    tokens, depths = torch.tensor(trees.tokens, device=dev), torch.tensor(trees.depths, device=dev)
+    mask = ancestor_mask(torch.tensor(trees.parents, device=dev))
+    starts, slots = torch.full((batch,), context, device=dev), torch.arange(batch, device=dev)
+    return lambda: ex.verify_tree(tokens, depths, mask, starts, slots, capture=True)
+
+
 def layer_ms(ex, batch: int, context: int, tokens: int, repeats: int) -> float:
     """One target decoder layer over `tokens` new tokens per row at `context` (for depth extrapolation)."""
     import torch
@@ -1421,7 +1444,7 @@ def stage_timings(ctx: StageContext) -> None:
     started = time.monotonic()
     target, drafter = random_pair(o.shape, o.target_layers, o.draft_layers, o.block_size, dtype, dev)
     ex = TorchExecutor(target, drafter, num_slots=max(o.batch_sizes), max_seq_len=o.context + o.block_size,
-                       block_size=o.block_size)
+                       block_size=o.block_size, tree_budget=max(o.tree_budgets, default=0))
     params = sum(p.numel() for m in (target, drafter) for p in m.parameters())
     r["config"] = {"shape": o.shape, **PAIR_SHAPES[o.shape], "target_layers": o.target_layers,
                    "draft_layers": o.draft_layers, "target_layer_ids": list(drafter.params.target_layer_ids),
@@ -1443,6 +1466,12 @@ def stage_timings(ctx: StageContext) -> None:
         layers[str(batch)] = {"ar": layer_ms(ex, batch, o.context, 1, o.repeats),
                               "verify": layer_ms(ex, batch, o.context, o.block_size, o.repeats)}
         ctx.log(f"eager, batch {batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in eager[str(batch)].items()))
+        if o.tree_budgets:
+            trees = r.setdefault("tree_verify_ms", {})
+            trees[str(batch)] = {str(n): median_ms(tree_pass(ex, batch, o.context, n), dev, o.repeats)
+                                 for n in o.tree_budgets}
+            ctx.log(f"eager tree verify, batch {batch}: " + ", ".join(
+                f"{n} nodes {ms:.3f} ms" for n, ms in trees[str(batch)].items()))
         ctx.save()
     r["speedup_bound"] = {"eager": bound_table(eager)}
     deep = {b: extrapolate_layers(eager[b], layers[b], o.target_layers, QWEN3_8B_LAYERS) for b in eager}
@@ -1729,6 +1758,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=positive(int), default=d.draft_layers,
                    help=f"timings (default: {d.draft_layers})")
     p.add_argument("--block-size", type=positive(int), default=d.block_size, help=f"timings (default: {d.block_size})")
+    p.add_argument("--tree-budgets", type=int_list, default=d.tree_budgets,
+                   help=f"timings: draft trees' nodes (default: {','.join(map(str, d.tree_budgets))})")
     p.add_argument("--shape", choices=sorted(PAIR_SHAPES), default=d.shape,
                    help=f"timings, decoder (default: {d.shape})")
     p.add_argument("--decoder-requests", type=positive(int), default=d.decoder_requests,

@@ -184,13 +184,15 @@ def test_static_length_passes_equal_the_executor(one_thread):
 
 @pytest.mark.slow
 def test_timings_stage_on_the_cpu(tmp_path, one_thread):
-    options = gc.Options(shape="tiny", context=16, batch_sizes=(1, 2), repeats=1, target_layers=2, block_size=4)
+    options = gc.Options(shape="tiny", context=16, batch_sizes=(1, 2), repeats=1, target_layers=2, block_size=4,
+                         tree_budgets=(3, 8))
     ctx = gc.StageContext("timings", options, {}, "cpu", tmp_path, 60, tmp_path / "timings.json")
     gc.stage_timings(ctx)
     r = ctx.results
     assert r["config"]["target_layer_ids"] == [0, 1] and r["config"]["dtype"] == "float32"
     for table in (r["eager_ms"], r["eager_ms_extrapolated_36_layers"]):
         assert {b: sorted(t) for b, t in table.items()} == {b: ["ar", "draft", "verify"] for b in ("1", "2")}
+    assert {b: sorted(t) for b, t in r["tree_verify_ms"].items()} == {b: ["3", "8"] for b in ("1", "2")}
     assert sorted(r["speedup_bound"]) == ["eager", "eager_extrapolated_36_layers"]
     assert list(r["speedup_bound"]["eager"]["1"]) == [str(al) for al in gc.ACCEPTANCE_LENGTHS]
     assert r["cuda_graphs"] == {"skipped": "CUDA graphs need a CUDA device"}
