@@ -405,12 +405,13 @@ def test_recurrent_targets_refuse_trees(tmp_path, capsys):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
-def test_trees_under_mpiexec_equal_one_process(pairs, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_trees_under_mpiexec_equal_one_process(pairs, tmp_path, family):
     """2 ranks build the same trees from the same gathered logits and take the same paths: `run --tree-budget 16`,
-    greedy and sampled, gives one process's tokens."""
+    greedy and sampled, gives one process's tokens (gpt-oss: its windows and sinks split by heads)."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pairs["qwen3"])), "--output", str(one)]) == 0
-    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pairs["qwen3"], tp_size=2)), "--output",
+    assert main(["build", str(write_family_config(tmp_path / "1.yaml", pairs[family])), "--output", str(one)]) == 0
+    assert main(["build", str(write_family_config(tmp_path / "2.yaml", pairs[family], tp_size=2)), "--output",
                  str(two)]) == 0
     lines = [{"id": i, "prompt_token_ids": list(range(5 + i, 12 + 5 * i)), "max_new_tokens": 12 + 2 * i,
               "temperature": 0.8 if i % 2 else 0.0} for i in range(5)]
