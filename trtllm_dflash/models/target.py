@@ -220,7 +220,8 @@ class TargetModel(nn.Module):
         tree: torch.Tensor | None = None,  # [B, T, T] bool: a draft tree's ancestor mask (speculative/tree.py)
     ) -> TargetOutput:
         """With `tree`, `positions` are the nodes' RoPE positions (start + depth); node t is cached at start + t and
-        sees the keys before start and the nodes the mask allows."""
+        sees the keys before start and the nodes the mask allows (in sliding-window layers, those of them within the
+        window of its position: tree_keys)."""
         cached_at = positions  # where each token's K/V goes: its position, or a tree node's own row
         if tree is not None:  # (supports_trees: no recurrent state)
             cached_at = positions[:, :1] + torch.arange(token_ids.shape[1], device=positions.device)
