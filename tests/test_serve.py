@@ -102,6 +102,9 @@ def _tp2_engine(engine_dir: Path, tmp_path: Path) -> Path:
     ("tree with ar", ["--tree-budget drafts a tree every step of --mode dflash (or, with --block-size auto, where it "
                       "pays); it does not take --mode ar"]),
     ("prefix states", ["--prefix-states 4: this engine's qwen3 target has no recurrent states to keep"]),
+    ("tree on tensorrt", ["--tree-budget: the tensorrt executor does not verify draft trees yet"]),
+    ("tree with auto", ["a tree budget of 16 (--tree-budget, bench's treeN) with --block-size auto: auto prices trees "
+                        "of at most block_size - 1 = 15 nodes"]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, capsys, case, words):
     repo, engine, extra = tmp_path / "repo", str(engine_dir), []
@@ -121,7 +124,9 @@ def test_bad_arguments_are_one_sentence_and_write_nothing(engine_dir, tmp_path, 
                  "max new tokens": ["--max-new-tokens", "2048"],
                  "kv cache memory": ["--kv-cache-memory", "lots"],
                  "tree with ar": ["--tree-budget", "8", "--mode", "ar"],
-                 "prefix states": ["--prefix-states", "4", "--kv-cache-memory", "64MiB"]}[case]
+                 "prefix states": ["--prefix-states", "4", "--kv-cache-memory", "64MiB"],
+                 "tree on tensorrt": ["--tree-budget", "8", "--backend", "tensorrt"],
+                 "tree with auto": ["--tree-budget", "16", "--block-size", "auto"]}[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(["serve", engine, "--model-repo", str(repo), *extra]) == EXIT_USER_ERROR
     err = capsys.readouterr().err

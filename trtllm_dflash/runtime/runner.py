@@ -101,7 +101,7 @@ class Engine:
         if cuda_graphs:
             _check_cuda_graphs(cfg, backend, device)
         if tree_budget is not None:
-            _check_tree(cfg, backend, tree_budget, auto)
+            check_tree(cfg, backend, tree_budget, auto)
             cuda_graphs = False
         if kv_cache_memory is None:  # the engine's default (its build config), if any
             kv_cache_memory = cfg.kv_cache_memory
@@ -197,8 +197,9 @@ def load_auto_block(root: Path, executor: Executor, backend: str, tree_budget: i
 MAX_TREE_BUDGET = 1024
 
 
-def _check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) -> None:
-    """--tree-budget: one sentence where a tree cannot run."""
+def check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) -> None:
+    """--tree-budget: one sentence where a tree cannot run (Engine.load, and `serve` before it writes the
+    repository). The rings of an onnxruntime engine's sliding-window layers are checked when its executor loads."""
     if type(budget) is not int or not 1 <= budget <= MAX_TREE_BUDGET:
         raise UserError(f"--tree-budget {budget}: must be an integer from 1 to {MAX_TREE_BUDGET}.")
     if backend == "tensorrt":

@@ -100,6 +100,10 @@ def check_serve_config(cfg: ServeConfig, engine: EngineConfig) -> None:
 
         check_budget_syntax(cfg.kv_cache_memory)
     check_tree_options(cfg.tree_budget, cfg.mode, cfg.block_size)
+    if cfg.tree_budget is not None:
+        from trtllm_dflash.runtime.runner import check_tree
+
+        check_tree(engine, cfg.backend or engine.backend, cfg.tree_budget, cfg.block_size == "auto")
     if cfg.prefix_states is not None:
         from trtllm_dflash.runtime.runner import check_prefix_states
 
