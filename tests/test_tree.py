@@ -119,7 +119,7 @@ def test_chain_outcomes_against_the_chain_run_on_its_own():
 
 # plain attention, latent attention, and sliding windows of 4 positions beside full attention (gpt-oss with attention
 # sinks and experts, Gemma 4 with its own RoPE per layer kind): windows shorter than a tree's deepest paths
-TREE_FAMILIES = ("qwen3", "deepseek_v3", "gpt_oss", "gemma4")
+TREE_FAMILIES = ("qwen3", "deepseek_v3", "gpt_oss", "gemma4", "qwen3_5")
 
 
 @pytest.fixture(scope="module")
@@ -154,20 +154,21 @@ def test_one_tree_pass_equals_every_path_as_a_chain(pairs, family):
     assert max(trees.depths[0]) == 6
     start = prompt.shape[1] - 1  # the prompt's last token is the anchor
 
-    def prefilled():
-        cache = model.new_cache(1, 64)
-        model(prompt[:, :-1], torch.arange(start)[None], torch.tensor([0]), cache)
-        return cache
+    def prefilled():  # (Qwen3.5: its Gated DeltaNet layers' states too, kept for passes of up to the tree's nodes)
+        cache, states = model.new_cache(1, 64), model.new_states(1, trees.nodes)
+        model(prompt[:, :-1], torch.arange(start)[None], torch.tensor([0]), cache, states=states)
+        return dict(cache=cache, states=states)
 
     tokens, depths = torch.tensor(trees.tokens), torch.tensor(trees.depths)
-    out = model(tokens, start + depths, torch.tensor([0]), prefilled(), tree=ancestor_mask(torch.tensor(trees.parents)))
+    tree = ancestor_mask(torch.tensor(trees.parents))
+    out = model(tokens, start + depths, torch.tensor([0]), **prefilled(), tree=tree)
     for node in range(trees.nodes):
         path, n = [], node
         while n >= 0:
             path.append(trees.tokens[0][n])
             n = trees.parents[0][n]
         path = torch.tensor([list(reversed(path))])
-        chain = model(path, start + torch.arange(path.shape[1])[None], torch.tensor([0]), prefilled())
+        chain = model(path, start + torch.arange(path.shape[1])[None], torch.tensor([0]), **prefilled())
         torch.testing.assert_close(out.logits[0, node], chain.logits[0, -1], atol=2e-5, rtol=1e-4)
 
 
@@ -327,28 +328,28 @@ def test_graphs_without_the_tree_graphs_refuse_trees(ort_engine_dir, tmp_path):
     assert OnnxRuntimeExecutor.from_engine(old, cfg, 0, None, 1).tree_budget == 0  # chains still run
 
 
-def tight_budget(engine: Engine, blocks: int) -> int:
-    """Bytes of a paged cache for `engine` (loaded static, with its tree budget) whose full-attention layers and
-    drafter hold `blocks` blocks, and whose sliding-window layers (if any) hold their rings (window_pool)."""
+def tight_budget(root: Path, blocks: int, tree_budget: int) -> int:
+    """Bytes of a paged cache for the engine at `root` whose full-attention layers and drafter hold `blocks` blocks
+    beside what the executor sets aside first (sliding-window rings, Gated DeltaNet states): the blocks a probe of
+    64 MiB gets, less the bytes of those beyond `blocks`."""
     from trtllm_dflash.runtime.executor import cache_shape
-    from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS, window_pool
+    from trtllm_dflash.runtime.kv_blocks import BLOCK_TOKENS
 
-    ex = engine.executor
+    probe = 64 << 20
+    ex = Engine.load(root, tree_budget=tree_budget, kv_cache_memory=str(probe)).executor
     spec, shape = ex.target.spec, cache_shape(ex.target)
-    sliding = [i for i in range(spec.num_layers) if spec.is_sliding(i)]
-    full = shape.of_layers([i for i in range(spec.num_layers) if i not in sliding])
-    rings = window_pool(spec.sliding_window, ex._margin, ex.num_slots, ex.max_seq_len + ex._margin,
-                        shape.of_layers(sliding))[1] if sliding else 0
-    return rings + (blocks + 1) * BLOCK_TOKENS * (full.position_bytes() + cache_shape(ex.drafter).position_bytes())
+    full = shape.of_layers([i for i in range(spec.num_layers) if not spec.is_sliding(i)])
+    per_block = BLOCK_TOKENS * (full.position_bytes() + cache_shape(ex.drafter).position_bytes())
+    return probe - (ex.kv_blocks.num_blocks - blocks) * per_block
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_5"])
 def test_a_paged_cache_moves_the_path_too(engines, pairs, tmp_path, family):
-    """keep_path on a paged cache (blocks on demand, preemption; gpt-oss's sliding-window layers in rings of blocks):
-    the static cache's tokens."""
+    """keep_path on a paged cache (blocks on demand, preemption; gpt-oss's sliding-window layers in rings of blocks;
+    Qwen3.5's states recomputed for a preempted request): the static cache's tokens."""
     engine = Engine.load(engines[family], tree_budget=24)
     short = build(pairs[family], tmp_path / "engine", max_batch_size=4, max_seq_len=64)
-    budget = tight_budget(Engine.load(short, tree_budget=24), 8)  # 8 blocks: one request of 64 + 25
+    budget = tight_budget(short, 8, tree_budget=24)  # 8 blocks: one request of 64 + 25
     paged = Engine.load(short, tree_budget=24, kv_cache_memory=str(budget))
     assert paged.executor.kv_blocks.num_blocks == 8
     assert (paged.executor.window_blocks is not None) == (family == "gpt_oss")
@@ -387,28 +388,31 @@ def test_bad_tree_budgets_are_one_sentence(engines, tmp_path, capsys):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_recurrent_targets_refuse_trees(tmp_path, capsys):
-    root = tmp_path / "pair"
-    write_random_pair(root, "qwen3_5", block_size=8)
-    engine = build(root, tmp_path / "engine", max_batch_size=2)
+def test_recurrent_trees_run_on_the_torch_executor_only(engines, tmp_path, capsys):
+    """A Qwen3.5 engine's trees (Gated DeltaNet layers: each node's state along its own path) run on the torch
+    executor; another backend is one sentence, nothing written."""
     prompts = tmp_path / "in.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
-    capsys.readouterr()  # (what writing the pair printed)
-    assert main(["run", str(engine), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--tree-budget",
-                 "8"]) == EXIT_USER_ERROR
+    out = tmp_path / "o.jsonl"
+    assert main(["run", str(engines["qwen3_5"]), "--input", str(prompts), "--output", str(out), "--tree-budget", "8",
+                 "--backend", "onnxruntime"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert ("--tree-budget: this engine's qwen3_5_text target has Gated DeltaNet layers, which cannot verify a tree "
-            "yet (their state follows one sequence of positions); drop --tree-budget.") in err
-    assert not (tmp_path / "o.jsonl").exists()
+    assert ("--tree-budget: this engine's qwen3_5_text target has Gated DeltaNet layers, whose trees run on the torch "
+            "executor only (each node's state follows its own path); use --backend torch, or drop "
+            "--tree-budget.") in err
+    assert not out.exists()
+    assert main(["run", str(engines["qwen3_5"]), "--input", str(prompts), "--output", str(out), "--tree-budget",
+                 "8"]) == 0
 
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="MPICH's mpiexec is not installed: pip install -e '.[mpi]'")
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_5"])
 def test_trees_under_mpiexec_equal_one_process(pairs, tmp_path, family):
     """2 ranks build the same trees from the same gathered logits and take the same paths: `run --tree-budget 16`,
-    greedy and sampled, gives one process's tokens (gpt-oss: its windows and sinks split by heads)."""
+    greedy and sampled, gives one process's tokens (gpt-oss: its windows and sinks split by heads; Qwen3.5: its
+    Gated DeltaNet heads)."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     assert main(["build", str(write_family_config(tmp_path / "1.yaml", pairs[family])), "--output", str(one)]) == 0
     assert main(["build", str(write_family_config(tmp_path / "2.yaml", pairs[family], tp_size=2)), "--output",

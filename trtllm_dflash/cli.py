@@ -589,8 +589,8 @@ class _SigintSeen:
 
 
 TREE_BUDGET_HELP = ("DDTree: every dflash step verifies a tree of the N most likely draft paths' nodes, built from "
-                    "the drafter's 8 best tokens per position, instead of one chain; torch and onnxruntime backends, "
-                    "targets without Gated DeltaNet layers (default: a chain)")
+                    "the drafter's 8 best tokens per position, instead of one chain; torch and onnxruntime backends "
+                    "(Qwen3.5 targets: torch) (default: a chain)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,11 @@ class RecurrentPass:
     valid: torch.Tensor  # [B] real tokens per row (the rest are a batched prefill's padding)
     tokens: int  # T
     keep_all: bool  # T <= depth: the pass's inputs are kept, to replay the part the next pass keeps
+    # A draft tree's pass (TargetModel.forward with `tree`; set by tree_walk): each node's conv window [B, T, K] as
+    # rows of the layer's inputs (the K - 1 conv inputs before the pass, then the nodes'), and its parent node [B, T]
+    # (-1: the anchor, which follows the state before the pass)
+    windows: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
 
 class RecurrentStates:
@@ -165,6 +170,37 @@ class RecurrentStates:
         for row in rows or ():
             self.kept_inputs[row] = step.keep_all
 
+    def tree_walk(self, step: RecurrentPass, depths: torch.Tensor, tree: torch.Tensor) -> None:
+        """Make `step` a draft tree's pass: depths [B, T] of its nodes (node 0 the anchor, every node after its parent)
+        and their ancestor mask tree [B, T, T]. Node i's conv window is its K - 1 nearest ancestors (then, above the
+        anchor, the conv inputs before the pass) and itself; its recurrent state follows its parent's."""
+        t = depths.shape[1]
+        assert step.keep_all, f"a tree of {t} nodes needs states that keep {t} tokens (depth {self.depth})"
+
+        def ancestor(up: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """The node `up` levels above each node [B, T] (argmax over its one match), and that level [B, T]."""
+            level = depths - up
+            match = tree & (depths[:, None, :] == level[:, :, None])  # [B, T, T]
+            return match.to(torch.int64).argmax(dim=-1), level
+
+        columns = []
+        for up in range(self.kernel - 1, -1, -1):  # the window's columns: the farthest ancestor first, itself last
+            node, level = ancestor(up)
+            columns.append(torch.where(level >= 0, node, level) + self.kernel - 1)
+        step.windows = torch.stack(columns, dim=-1)
+        node, level = ancestor(1)
+        step.parents = torch.where(level >= 0, node, -1)
+
+    def keep_path(self, slots: torch.Tensor, nodes: torch.Tensor) -> None:
+        """After a tree's pass (its nodes' inputs kept in node order): the accepted nodes [B, n] (node 0 first, rows
+        padded with 0) become the pass's first n tokens, which the next pass replays as a chain's."""
+        rows, n = slots[:, None], nodes.shape[1]
+        order = torch.arange(n, device=nodes.device)
+        for layer in range(len(self.state)):
+            for buf in (self.k[layer], self.v[layer], self.g[layer], self.beta[layer]):
+                buf[rows, order] = buf[rows, nodes]
+            self.conv[layer][rows, self.kernel - 1 + order] = self.conv[layer][rows, self.kernel - 1 + nodes]
+
     def may_replay(self, rows: range) -> bool:
         """Whether the last pass of any of `rows` (ended with them) kept its inputs; if none did (prompts, plain steps),
         a replay before their next pass has nothing to do, which the host knows without reading the device."""
@@ -207,6 +243,8 @@ class RecurrentStates:
         in chunks as transformers runs a prefill; a plain step's one token). A verify block runs token by token here:
         in eager torch the graphs' chunks (chunk_scanned) made a demo-width Qwen3.5 pair's decoding slower
         (docs/models.md)."""
+        if step.parents is not None:  # a tree's nodes (their inputs kept, as a verify block's: keep_path orders them)
+            return node_by_node(q, k, v, g, beta, state, step.parents), state
         if step.keep_all:
             return token_by_token(q, k, v, g, beta, state)[0], state
         if step.tokens == 1:
@@ -256,8 +294,13 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         conv_before, state = states.read(layer, step)
         inputs = torch.cat([conv_before, self.in_proj_qkv(x)], dim=1)  # [B, K - 1 + T, C]
-        mixed = F.silu(F.conv1d(inputs.transpose(1, 2).to(self.conv1d.weight.dtype), self.conv1d.weight,
-                                groups=inputs.shape[-1])).transpose(1, 2).to(x.dtype)  # [B, T, C]
+        if step.windows is None:
+            mixed = F.silu(F.conv1d(inputs.transpose(1, 2).to(self.conv1d.weight.dtype), self.conv1d.weight,
+                                    groups=inputs.shape[-1])).transpose(1, 2).to(x.dtype)  # [B, T, C]
+        else:  # a tree: each node's window along its own path (RecurrentStates.tree_walk)
+            windows = inputs[torch.arange(b, device=x.device)[:, None, None], step.windows]  # [B, T, K, C]
+            taps = self.conv1d.weight[:, 0].t()  # [K, C]
+            mixed = F.silu((windows.to(taps.dtype) * taps).sum(dim=2)).to(x.dtype)
         key_width = self.num_k_heads * self.key_dim
         q, k, v = mixed.split([key_width, key_width, self.num_v_heads * self.value_dim], dim=-1)
         q, k = q.unflatten(-1, (self.num_k_heads, self.key_dim)), k.unflatten(-1, (self.num_k_heads, self.key_dim))
@@ -298,6 +341,20 @@ def token_by_token(q, k, v, g, beta, state):
         if q is not None:
             outs.append((state * q[:, i, :, :, None]).sum(dim=-2))
     return (None if q is None else torch.stack(outs, dim=1)), state
+
+
+def node_by_node(q, k, v, g, beta, state, parents):
+    """The gated delta rule over a draft tree's nodes, each from its parent's state (token_by_token along every path
+    at once): q, k [B, T, H, dk]; v [B, T, H, dv]; g, beta [B, T, H]; state [B, H, dk, dv] fp32, the anchor's parent's;
+    parents [B, T] (-1 for the anchor; every node after its parent). Returns out [B, T, H, dv] fp32."""
+    k, v, g, beta = (x.float() for x in (k, v, g, beta))
+    q = q.float() * q.shape[-1] ** -0.5
+    rows = torch.arange(k.shape[0], device=k.device)
+    after = state.new_empty(k.shape[0], k.shape[1], *state.shape[1:])  # [B, T, H, dk, dv]: each node's state after it
+    for i in range(k.shape[1]):
+        before = state if i == 0 else after[rows, parents[:, i]]
+        after[:, i] = delta_step(before, k[:, i], v[:, i], g[:, i], beta[:, i])
+    return (after * q[..., None]).sum(dim=-2)
 
 
 def chunk_scanned(q, k, v, g, beta, state, chunk: int = GRAPH_CHUNK):

@@ -223,7 +223,7 @@ class TargetModel(nn.Module):
         sees the keys before start and the nodes the mask allows (in sliding-window layers, those of them within the
         window of its position: tree_keys)."""
         cached_at = positions  # where each token's K/V goes: its position, or a tree node's own row
-        if tree is not None:  # (supports_trees: no recurrent state)
+        if tree is not None:
             cached_at = positions[:, :1] + torch.arange(token_ids.shape[1], device=positions.device)
         kv_len = int(cached_at.max()) + 1 if kv_len is None else kv_len
         x = self.embed(token_ids)
@@ -255,6 +255,8 @@ class TargetModel(nn.Module):
             T = token_ids.shape[1]
             valid = last_index + 1 if last_index is not None else torch.full_like(slots, T)
             step = states.begin(slots, positions[:, 0], T, valid)
+            if tree is not None:  # each node's conv window and state along its own path
+                states.tree_walk(step, positions - positions[:, :1], tree)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             windowed = self.spec.is_sliding(i)
@@ -275,10 +277,3 @@ class TargetModel(nn.Module):
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]
         return TargetOutput(logits=self.logits(x), hidden=hidden)
-
-    @property
-    def supports_trees(self) -> bool:
-        """Draft trees need every layer to attend by mask over cached keys: not Gated DeltaNet layers (a recurrent
-        state follows one sequence). Sliding-window layers do: a tree node's keys are its ancestors' and the context's
-        within the window of the node's own position (tree_keys)."""
-        return not self.spec.has_recurrent_state

@@ -293,9 +293,6 @@ class TorchExecutor(KeepsPrefixStates):
         self.num_slots, self.vocab_size, self.max_seq_len = num_slots, target.spec.vocab_size, max_seq_len
         # A verify pass writes block_size positions from the last committed one (a tree's pass: its nodes and anchor).
         margin = max(drafter.params.block_size if drafter is not None else 1, tree_budget + 1)
-        if tree_budget and not target.supports_trees:
-            raise ValueError("draft trees need a target whose layers all attend by mask over cached keys, not Gated "
-                             "DeltaNet layers; drop the tree budget for this engine")
         self.tree_budget = tree_budget
         self.device = target.lm_head.weight.device
         problem = experts_graph_problem(target)
@@ -456,7 +453,7 @@ class TorchExecutor(KeepsPrefixStates):
         kv_len, run = self._attended(rows, token_ids.shape[1], self.target_cache)
         layers = self.drafter.params.target_layer_ids if capture else ()
         out = self.target(token_ids, starts[:, None] + depths, slots, self.target_cache, layers, kv_len=kv_len,
-                          run=run, window_key=self._window_key(rows), tree=tree)
+                          run=run, window_key=self._window_key(rows), states=self.target_states, tree=tree)
         return StepOutput(out.logits, out.hidden)
 
     @torch.inference_mode()
@@ -466,8 +463,10 @@ class TorchExecutor(KeepsPrefixStates):
         src = starts[:, None] + nodes
         dst = starts[:, None] + torch.arange(nodes.shape[1], device=nodes.device)
         dst = torch.where(nodes > 0, dst, src)  # (padding: node 0 onto itself)
-        for layer in range(self.target.spec.num_layers):
+        for layer in self.target.spec.attention_layers:
             self.target_cache.move(layer, slots, src, dst)
+        if self.target_states is not None:  # (Gated DeltaNet layers: the nodes' kept inputs, into the path's order)
+            self.target_states.keep_path(slots, nodes)
 
     @torch.inference_mode()
     def append_context(self, hidden, starts, slots, rows=None) -> None:

@@ -213,9 +213,10 @@ def check_tree(cfg: EngineConfig, backend: Backend, budget: int, auto: bool) -> 
     if params.dflash2 is not None:
         raise UserError("--tree-budget: this engine's drafter is DFlash2, whose candidate selector walks one chain of "
                         "drafts (a tree of it is not defined yet); drop --tree-budget.")
-    if target.has_recurrent_state:
-        raise UserError(f"--tree-budget: this engine's {target.model_type} target has Gated DeltaNet layers, which "
-                        "cannot verify a tree yet (their state follows one sequence of positions); drop --tree-budget.")
+    if target.has_recurrent_state and backend != "torch":
+        raise UserError(f"--tree-budget: this engine's {target.model_type} target has Gated DeltaNet layers, whose "
+                        f"trees run on the torch executor only (each node's state follows its own path); use --backend "
+                        f"torch, or drop --tree-budget.")
 
 
 def check_prefix_states(cfg: EngineConfig, backend: Backend, count: int, prefix_cache: bool,
