@@ -237,6 +237,25 @@ def assert_ranked_trees_commit_ar(engine: Engine, reference_engine: Engine, max_
         assert max(ranked.ranks_accepted) > 8  # nodes past the first branch's (depth-first) 7 were accepted
 
 
+def test_qwen3_5_trees_among_chains_and_plain_steps(engines):
+    """A Qwen3.5 engine under --block-size auto --tree-budget 7, the steps chosen at random: tree steps that accept
+    paths of several nodes (ranked candidates), chains and plain steps, each resuming the Gated DeltaNet states where
+    the step before left them (a tree's path replayed as a chain); ar's tokens, greedy and sampled, requests joining
+    mid-run."""
+    from tests.test_block_size_auto import RandomVerifyOrTree, mixed_requests
+
+    engine = Engine.load(engines["qwen3_5"], tree_budget=7)
+    ex = engine.executor
+    reqs = mixed_requests(ex.vocab_size)
+    ar = {r.request.id: r.output_token_ids for r in engine.decoder("ar").generate(reqs)}
+    ranked = RankedCandidates(ex, {tuple(r.prompt_token_ids): r.prompt_token_ids + ar[r.id] for r in reqs})
+    policy = RandomVerifyOrTree(ex.block_size, tree_budget=7)
+    results = Decoder.for_mode(ranked, "dflash", engine.config.eos_token_ids, policy).generate(reqs)
+    assert {r.request.id: r.output_token_ids for r in results} == ar
+    assert None in policy.chosen and 1 in policy.chosen and any(k and k > 1 for k in policy.chosen)
+    assert max(ranked.ranks_accepted) >= 2  # paths of two drafted nodes or more
+
+
 def test_onnxruntime_trees_are_the_torch_executors(ort_engine_dir):
     """The exported graphs (drafter_candidates, target_tree) and the onnxruntime executor's keep_path: with the
     drafter's own candidates, the same trees, paths and tokens as the torch executor; with ranked candidates (right
