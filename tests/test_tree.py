@@ -117,8 +117,9 @@ def test_chain_outcomes_against_the_chain_run_on_its_own():
     assert checked > 50  # the chain's rejection seen by the tree, often
 
 
-# plain attention, latent attention, and sliding windows of 4 positions beside full attention (gpt-oss with attention
-# sinks and experts, Gemma 4 with its own RoPE per layer kind): windows shorter than a tree's deepest paths
+# plain attention, latent attention, sliding windows of 4 positions beside full attention (gpt-oss with attention
+# sinks and experts, Gemma 4 with its own RoPE per layer kind: windows shorter than a tree's deepest paths), and Gated
+# DeltaNet layers beside gated attention (Qwen3.5: a recurrent state and a convolution along each node's path)
 TREE_FAMILIES = ("qwen3", "deepseek_v3", "gpt_oss", "gemma4", "qwen3_5")
 
 
