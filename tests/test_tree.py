@@ -1,7 +1,8 @@
 """DDTree drafting (speculative/tree.py, `--tree-budget`): the best-first tree against brute force, the ancestor mask,
 one tree pass against every path run as a chain, and decoding that commits the target's own tokens (greedy and sampled
-== ar, static and paged caches, a dense and a latent-attention target) with a drafter whose right token sits at varying
-ranks, so that accepted paths run through the tree's side branches; bad inputs in one sentence."""
+== ar, static and paged caches; dense, latent-attention, sliding-window and Gated DeltaNet targets) with a drafter whose
+right token sits at varying ranks, so that accepted paths run through the tree's side branches; bad inputs in one
+sentence."""
 
 from __future__ import annotations
 
