@@ -118,8 +118,8 @@ RING_WRITE_KEY = "window_ring_write"
 # it keeps the pass's inputs, as a verify block's
 ONE_TOKEN_ADVANCES_KEY = "recurrent_one_token_advances"
 # target_tree.onnx of a target with sliding-window layers: those layers see a node's ancestors within the window of the
-# node's position (TargetModel.forward's tree_keys); absent (graphs exported before 2026-12-07): their mask ignored the
-# tree, so such graphs do not verify trees
+# node's position (TargetModel.forward's visible_keys); absent (graphs exported before 2026-12-07): their mask ignored
+# the tree, so such graphs do not verify trees
 TREE_WINDOWS_KEY = "tree_sliding_windows"
 
 

@@ -767,7 +767,7 @@ def export_engine_graphs(target: TargetModel, drafter: DFlashDrafter | None, out
     if target.spec.has_recurrent_state and step is not None:  # (GraphRecurrentStates.begin)
         step.metadata_props[ONE_TOKEN_ADVANCES_KEY] = "1"
     tree = models.get(TARGET_TREE)
-    if target.spec.sliding_window and tree is not None:  # (TargetModel.forward: tree_keys)
+    if target.spec.sliding_window and tree is not None:  # (TargetModel.forward: visible_keys)
         tree.metadata_props[TREE_WINDOWS_KEY] = "1"
     written = _save_sharing_weights(models, out_dir)
     # the acceptance step, in its plain-op and its plugin form (compile/accept_graph.py)

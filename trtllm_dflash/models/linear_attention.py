@@ -188,8 +188,8 @@ class RecurrentStates:
             node, level = ancestor(up)
             columns.append(torch.where(level >= 0, node, level) + self.kernel - 1)
         step.windows = torch.stack(columns, dim=-1)
-        node, level = ancestor(1)
-        step.parents = torch.where(level >= 0, node, -1)
+        # the column before the node's own: its parent, or (for the anchor) the row before it, which is -1 once shifted
+        step.parents = step.windows[..., -2] - (self.kernel - 1)
 
     def keep_path(self, slots: torch.Tensor, nodes: torch.Tensor) -> None:
         """After a tree's pass (its nodes' inputs kept in node order): the accepted nodes [B, n] (node 0 first, rows

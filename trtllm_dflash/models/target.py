@@ -50,12 +50,16 @@ from trtllm_dflash.models.spec import DecoderSpec
 from trtllm_dflash.parallel.group import SINGLE, TPGroup
 
 
-def tree_keys(rows: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the cache rows [B or 1, 1, K] a draft tree's pass reads: the position of the token each row holds
-    [B, 1, K], and which rows each node sees [B, T, K]. Node t is cached at row start + t and sits at position start +
-    its depth (`positions` [B, T]; node 0 is the anchor, at row and position start). A row before start holds its
-    own position and every node sees it; a node sees the nodes `tree` [B, T, T] marks (its ancestors and itself)
-    and no row past the tree."""
+def visible_keys(rows: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the cache rows [B or 1, 1, K] a pass reads: the position of the token each row holds [B or 1, 1, K], and
+    which rows each query sees [B, T, K], causally. Without `tree`, a row holds its own position and a query sees the
+    rows up to its position. With a draft tree's ancestor mask `tree` [B, T, T], node t is cached at row start + t and
+    sits at position start + its depth (`positions` [B, T]; node 0 is the anchor, at row and position start): a row
+    before start holds its own position and every node sees it; a node sees the nodes `tree` marks (its ancestors and
+    itself) and no row past the tree."""
+    if tree is None:
+        return rows, rows <= positions[:, :, None]
     b, t = positions.shape
     offset = rows - positions[:, :1, None]  # [B, 1, K]
     node = offset.clamp(0, t - 1)
@@ -221,7 +225,7 @@ class TargetModel(nn.Module):
     ) -> TargetOutput:
         """With `tree`, `positions` are the nodes' RoPE positions (start + depth); node t is cached at start + t and
         sees the keys before start and the nodes the mask allows (in sliding-window layers, those of them within the
-        window of its position: tree_keys)."""
+        window of its position: visible_keys)."""
         cached_at = positions  # where each token's K/V goes: its position, or a tree node's own row
         if tree is not None:
             cached_at = positions[:, :1] + torch.arange(token_ids.shape[1], device=positions.device)
@@ -231,21 +235,17 @@ class TargetModel(nn.Module):
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
         key_pos = torch.arange(kv_len, device=x.device)
-        if tree is None:
-            causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal by absolute position
-        else:  # the keys before the anchor, and the nodes the tree's mask allows
-            causal = tree_keys(key_pos[None, None, :], positions, tree)[1]
+        causal = visible_keys(key_pos[None, None, :], positions, tree)[1]  # [B, T, kv_len]
         window = self.spec.sliding_window
         if window and cache.ring is not None:  # rings (GraphKVCache): entry j holds the latest row r written
             # with r % ring == j, this pass's last or one before it (never written: negative)
             last, entry = cached_at[:, -1:], torch.arange(cache.ring, device=x.device)
             length = entry[-1:] + 1  # (the ring's length as a tensor: the exporter cannot take a tensor % a SymInt)
             rows = (last - (last - entry) % length)[:, None, :]  # [B, 1, ring]
-            seen, visible = (rows, rows <= positions[:, :, None]) if tree is None else tree_keys(rows, positions, tree)
+            seen, visible = visible_keys(rows, positions, tree)
             sliding = (rows >= 0) & visible & (seen > positions[:, :, None] - window)
         elif window:  # over keys window_key .. kv_len - 1 only: the mask is built for the keys the layers read
-            rows = key_pos[None, None, window_key:]
-            seen, visible = (rows, rows <= positions[:, :, None]) if tree is None else tree_keys(rows, positions, tree)
+            seen, visible = visible_keys(key_pos[None, None, window_key:], positions, tree)
             sliding = visible & (seen > positions[:, :, None] - window)
         else:
             sliding = causal
